@@ -1,0 +1,142 @@
+"""Batched greedy drafting over a ragged KV cache.
+
+Each sequence keeps the tokens whose KV is cached (`cached`) and the verified
+tokens the target has told it about (`verified`). Before drafting, the KV is
+rolled back to the longest common prefix of the two (drafts the target
+accepted keep their KV) and extended with the verified tokens not yet cached:
+the catch-up prefill. After speculation-free steps that catch-up covers
+every token generated meanwhile; its cost is Nightjar's switching cost, and
+`stats` records it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+from starjar.models import LoadedModel
+from starjar.proposer import DraftReply, DraftRequest
+
+
+@dataclass
+class _DraftSeq:
+    slot: int
+    verified: list[int] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)  # tokens whose KV is in the cache, in order
+
+
+@dataclass
+class DraftStats:
+    rounds: int = 0
+    drafted_tokens: int = 0
+    catchup_tokens: int = 0  # tokens prefilled before drafting (>= 1 per drafting sequence)
+    catchup_s: float = 0.0  # time of those catch-up passes
+    step_s: float = 0.0  # time of the one-token draft steps
+    steps: int = 0
+    resyncs: int = 0
+
+
+class DraftEngine:
+    """Implements starjar.proposer.Proposer in process."""
+
+    def __init__(self, model: LoadedModel, max_sequences: int = 256):
+        self.model = model
+        self.cache = model.new_cache()
+        self.max_sequences = max_sequences
+        self._seqs: dict[Hashable, _DraftSeq] = {}
+        self._slot_owner: list[Hashable] = []
+        self.stats = DraftStats()
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftReply]:
+        self.stats.rounds += 1
+        replies: list[DraftReply] = [None] * len(requests)
+        drafting: list[tuple[int, _DraftSeq, int]] = []  # (request index, seq, gamma)
+        for i, req in enumerate(requests):
+            seq = self._record(req)
+            if seq is None:
+                self.stats.resyncs += 1
+                continue
+            replies[i] = []
+            gamma = min(req.gamma, self.model.max_context - len(seq.verified))
+            if gamma > 0 and seq.verified:
+                drafting.append((i, seq, gamma))
+        if drafting:
+            for (i, _, _), drafts in zip(drafting, self._draft([(s, g) for _, s, g in drafting])):
+                replies[i] = drafts
+        return replies
+
+    def release(self, seq_ids: Sequence[Hashable]) -> None:
+        for sid in seq_ids:
+            seq = self._seqs.pop(sid, None)
+            if seq is None:
+                continue
+            moved = self.cache.free(seq.slot)
+            self._slot_owner[seq.slot] = self._slot_owner[-1]
+            self._slot_owner.pop()
+            if moved is not None:
+                self._seqs[self._slot_owner[seq.slot]].slot = seq.slot
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _record(self, req: DraftRequest) -> _DraftSeq | None:
+        """Apply a delta; None when the prefix before req.start is unknown (resync)."""
+        seq = self._seqs.get(req.seq_id)
+        if seq is None:
+            if req.start != 0 or len(self._seqs) >= self.max_sequences:
+                return None
+            seq = _DraftSeq(slot=self.cache.allocate())
+            self._seqs[req.seq_id] = seq
+            self._slot_owner.append(req.seq_id)
+        if req.start > len(seq.verified):
+            return None
+        del seq.verified[req.start:]
+        seq.verified.extend(int(t) for t in req.tokens)
+        if len(seq.verified) > self.model.max_context or any(
+                not 0 <= t < self.model.vocab_size for t in req.tokens):
+            self.release([req.seq_id])
+            return None
+        return seq
+
+    def _draft(self, work: list[tuple[_DraftSeq, int]]) -> list[list[int]]:
+        # Catch-up: roll back to the common prefix (at least one token must be fed to get logits).
+        feeds = []
+        for seq, _ in work:
+            keep = _common_prefix(seq.cached, seq.verified)
+            keep = min(keep, len(seq.verified) - 1)
+            self.cache.truncate(seq.slot, keep)
+            del seq.cached[keep:]
+            feeds.append(seq.verified[keep:])
+        t0 = time.perf_counter()
+        logits = self.model.forward(self.cache, [s.slot for s, _ in work], feeds, [[len(f) - 1] for f in feeds])
+        self.stats.catchup_s += time.perf_counter() - t0
+        self.stats.catchup_tokens += sum(len(f) for f in feeds)
+        drafts = [[int(l[0].argmax())] for l in logits]
+        for (seq, _), f in zip(work, feeds):
+            seq.cached.extend(f)
+        # One-token steps for the sequences that still want more drafts.
+        max_gamma = max(g for _, g in work)
+        for step in range(1, max_gamma):
+            live = [b for b, (_, g) in enumerate(work) if g > step]
+            t0 = time.perf_counter()
+            logits = self.model.forward(self.cache, [work[b][0].slot for b in live],
+                                        [[drafts[b][-1]] for b in live], [[0]] * len(live))
+            self.stats.step_s += time.perf_counter() - t0
+            self.stats.steps += 1
+            for b, l in zip(live, logits):
+                work[b][0].cached.append(drafts[b][-1])
+                drafts[b].append(int(l[0].argmax()))
+        self.stats.drafted_tokens += sum(len(d) for d in drafts)
+        return drafts
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

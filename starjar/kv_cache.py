@@ -1,0 +1,142 @@
+"""Ragged batched KV cache for any Hugging Face causal LM.
+
+Every live sequence owns a slot: one row of a per-layer buffer
+[slots, kv_heads, capacity, head_dim] plus its own length. A forward pass
+runs over a set of slots, each adding its own number of new tokens; the
+cache writes them at each slot's own offset, so sequences of different
+lengths share one pass and nothing is recomputed when others join or leave.
+
+Rollback (rejected drafts) only lowers a slot's length: stale entries past it
+are never attended, because the 4D mask built by `attention_mask` only opens
+positions below each query's own position, and they are overwritten later.
+
+Slots are kept compact (live slots are 0..n-1): releasing a slot moves the
+last one into the hole, so the common full-batch pass reads a view, not a copy.
+
+The model sees this object as its `past_key_values`: it calls `update()` once
+per attention layer with the new keys/values [B, H, Q, D] and attends over
+what it returns. Buffers are allocated lazily on that first call, so the
+cache needs no knowledge of the architecture (Llama, Qwen2, GPT-2, ...).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+
+class RaggedKVCache(Cache):
+    def __init__(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 initial_slots: int = 4, initial_capacity: int = 256):
+        super().__init__(layers=[])
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._slot_cap = initial_slots
+        self._len_cap = initial_capacity
+        self.lengths: list[int] = []  # valid tokens per live slot; len() = live slots
+        # Set by begin() for the pass in flight.
+        self._rows: torch.Tensor | slice | None = None
+        self._write_pos: torch.Tensor | None = None  # [B, Q] absolute positions to write
+        self._kv_len = 0
+
+    # ---- slot management (between passes) -------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.lengths)
+
+    def allocate(self) -> int:
+        """A new empty slot; returns its index."""
+        self.lengths.append(0)
+        if self.num_slots > self._slot_cap:
+            self._grow(slots=max(self.num_slots, 2 * self._slot_cap))
+        return self.num_slots - 1
+
+    def free(self, slot: int) -> int | None:
+        """Drop a slot. Returns the index of the slot moved into its place (the old last), if any."""
+        last = self.num_slots - 1
+        moved = None
+        if slot != last:
+            n = self.lengths[last]
+            for buf in self._keys + self._values:
+                buf[slot, :, :n] = buf[last, :, :n]
+            self.lengths[slot] = n
+            moved = last
+        self.lengths.pop()
+        return moved
+
+    def truncate(self, slot: int, length: int) -> None:
+        """Roll a slot back to its first `length` tokens."""
+        assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
+        self.lengths[slot] = length
+
+    def tokens_used(self) -> int:
+        return sum(self.lengths)
+
+    # ---- one forward pass ---------------------------------------------------------------
+
+    def begin(self, slots: list[int], new_counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prepare a pass where slots[b] adds new_counts[b] tokens (padded to Q = max).
+
+        Returns (position_ids [B, Q], attention_mask [B, 1, Q, K]) for the model call.
+        Padding queries attend like real ones (so no row is empty) and their writes land
+        past the slot's valid length, where nothing real ever looks.
+        """
+        B, Q = len(slots), max(new_counts)
+        starts = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long)
+        pos = starts[:, None] + torch.arange(Q)[None, :]  # [B, Q]
+        self._kv_len = int(pos.max()) + 1
+        if self._kv_len > self._len_cap:
+            self._grow(length=max(self._kv_len, 2 * self._len_cap))
+        contiguous = slots == list(range(slots[0], slots[0] + B))
+        self._rows = slice(slots[0], slots[0] + B) if contiguous else torch.tensor(slots, dtype=torch.long)
+        self._write_pos = pos.to(self.device)
+        key_pos = torch.arange(self._kv_len)
+        allowed = key_pos[None, None, :] <= pos[:, :, None]  # [B, Q, K]
+        mask = torch.zeros(B, 1, Q, self._kv_len, dtype=self.dtype)
+        mask.masked_fill_(~allowed[:, None], torch.finfo(self.dtype).min)
+        for s, n in zip(slots, new_counts):
+            self.lengths[s] += n
+        return pos.to(self.device), mask.to(self.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # key_states: [B, H, Q, D] for the slots given to begin().
+        if layer_idx == len(self._keys):
+            shape = (self._slot_cap, key_states.shape[1], self._len_cap, key_states.shape[3])
+            self._keys.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self._values.append(torch.zeros(shape[:3] + (value_states.shape[3],), dtype=self.dtype,
+                                            device=self.device))
+        kbuf, vbuf = self._keys[layer_idx], self._values[layer_idx]
+        rows, pos = self._rows, self._write_pos
+        if isinstance(rows, slice):
+            k_rows, v_rows = kbuf[rows], vbuf[rows]  # views
+            idx = pos[:, None, :, None]
+            k_rows.scatter_(2, idx.expand_as(key_states), key_states.to(self.dtype))
+            v_rows.scatter_(2, idx.expand(-1, value_states.shape[1], -1, value_states.shape[3]),
+                            value_states.to(self.dtype))
+            return k_rows[:, :, : self._kv_len], v_rows[:, :, : self._kv_len]
+        # Scattered slots: write through advanced indexing, then gather (a copy).
+        b = rows[:, None].expand_as(pos)
+        kbuf[b, :, pos] = key_states.transpose(1, 2).to(self.dtype)
+        vbuf[b, :, pos] = value_states.transpose(1, 2).to(self.dtype)
+        return kbuf[rows, :, : self._kv_len], vbuf[rows, :, : self._kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._kv_len
+
+    # ---- storage --------------------------------------------------------------------------
+
+    def _grow(self, slots: int | None = None, length: int | None = None) -> None:
+        slots = slots or self._slot_cap
+        length = length or self._len_cap
+        for bufs in (self._keys, self._values):
+            for i, old in enumerate(bufs):
+                new = torch.zeros((slots, old.shape[1], length, old.shape[3]), dtype=old.dtype, device=old.device)
+                new[: old.shape[0], :, : old.shape[2]] = old
+                bufs[i] = new
+        self._slot_cap, self._len_cap = slots, length
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._keys + self._values)

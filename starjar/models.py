@@ -1,0 +1,123 @@
+"""Loading causal LMs and tokenizers from local directories, and running them ragged.
+
+Nothing here reaches a hub: every load is `local_files_only`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from starjar.errors import InvalidArgument, ModelMismatch
+from starjar.kv_cache import RaggedKVCache
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise InvalidArgument("dtype", f"one of {sorted(set(DTYPES))}", name) from None
+
+
+def parse_device(name: str) -> torch.device:
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument("device", "cuda requested but no CUDA device is available", name)
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidArgument("device", "must be cpu or cuda[:N]", name)
+    return dev
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the vocabulary (token -> id) and its size: equal iff draft ids mean the same to the target."""
+    vocab = tokenizer.get_vocab()
+    blob = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode()
+    return f"{len(vocab)}:{hashlib.sha256(blob).hexdigest()[:32]}"
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for ragged passes: weights, tokenizer and what the engines need to know."""
+
+    path: str
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int  # rows of the output layer (ids the model can emit)
+    max_context: int  # longest sequence (prompt + output) the model supports
+    eos_token_ids: tuple[int, ...]
+    fingerprint: str
+
+    def new_cache(self) -> RaggedKVCache:
+        return RaggedKVCache(self.device, self.dtype)
+
+    @torch.no_grad()
+    def forward(self, cache: RaggedKVCache, slots: list[int], tokens: list[list[int]],
+                logit_rows: list[list[int]]) -> list[torch.Tensor]:
+        """One ragged pass: slots[b] appends tokens[b]; returns, per b, logits [len(rows), V]
+        at the requested offsets (0-based within tokens[b]).
+
+        Only the requested rows go through the output layer, which on a 49k vocabulary
+        is most of the cost of a short pass.
+        """
+        counts = [len(t) for t in tokens]
+        assert min(counts) > 0
+        q = max(counts)
+        ids = torch.zeros(len(tokens), q, dtype=torch.long)
+        for b, t in enumerate(tokens):
+            ids[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+        position_ids, mask = cache.begin(slots, counts)
+        out = self.model.base_model(input_ids=ids.to(self.device), position_ids=position_ids,
+                                    attention_mask=mask, past_key_values=cache, use_cache=True)
+        hidden = out.last_hidden_state  # [B, Q, hidden]
+        b_idx = [b for b, rows in enumerate(logit_rows) for _ in rows]
+        r_idx = [r for rows in logit_rows for r in rows]
+        logits = self.model.get_output_embeddings()(hidden[b_idx, r_idx]).float()  # [sum rows, V]
+        return list(torch.split(logits, [len(r) for r in logit_rows]))
+
+
+def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.dtype = "float32",
+               what: str = "model") -> LoadedModel:
+    """Load a Hugging Face causal LM and its tokenizer from a local directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise InvalidArgument(what, "must be a local directory with a Hugging Face config.json", str(path))
+    dev, dt = parse_device(device), parse_dtype(dtype)
+    tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dt).to(dev).eval()
+    cfg = model.config
+    max_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
+    eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
+    gen_cfg = getattr(model, "generation_config", None)
+    if gen_cfg is not None and gen_cfg.eos_token_id is not None:
+        eos = gen_cfg.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    log.info("loaded %s from %s (%s, %s, vocab %d, context %d)", what, p, dev, dt, vocab, max_ctx)
+    return LoadedModel(str(p), model, tokenizer, dev, dt, vocab, int(max_ctx), eos_ids,
+                       tokenizer_fingerprint(tokenizer))
+
+
+def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft must speak the target's token ids, or its proposals are noise (and may be out of range)."""
+    if draft.fingerprint != target.fingerprint:
+        raise ModelMismatch("draft", f"tokenizer must equal the target's (target {target.fingerprint}, "
+                            f"draft {draft.fingerprint})")
+    if draft.vocab_size > target.vocab_size:
+        raise ModelMismatch("draft", f"vocabulary must be <= the target's {target.vocab_size}", draft.vocab_size)

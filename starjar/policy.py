@@ -1,0 +1,36 @@
+"""Speculation policies: how many draft tokens (gamma) to ask for at each step.
+
+Plain Python (no torch, no gRPC) so the target worker runs the decision in its
+own step loop. A policy has two hooks: `choose(batch_size)` before a step and
+`observe(...)` after it with what the step cost and produced.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class SpeculationPolicy(Protocol):
+    name: str
+
+    def choose(self, batch_size: int) -> int: ...
+
+    def observe(self, batch_size: int, gamma: int, step_s: float, tokens: int, accepted: int,
+                drafted: int) -> None: ...
+
+
+class FixedGamma:
+    """Always the same gamma (0 = never speculate)."""
+
+    def __init__(self, gamma: int):
+        if gamma < 0:
+            raise ValueError("gamma must be >= 0")
+        self.gamma = gamma
+        self.name = "none" if gamma == 0 else f"fixed_{gamma}"
+
+    def choose(self, batch_size: int) -> int:
+        return self.gamma
+
+    def observe(self, batch_size: int, gamma: int, step_s: float, tokens: int, accepted: int,
+                drafted: int) -> None:
+        pass

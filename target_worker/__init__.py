@@ -1,0 +1,1 @@
+"""The target side: a continuous-batching engine that verifies drafts exactly."""

@@ -1,0 +1,54 @@
+"""One generation request as the target engine tracks it."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from starjar.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" (EOS or a stop id) or "length"
+    generator: torch.Generator | None = None
+    # Timing, in time.perf_counter() seconds.
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    # Engine bookkeeping.
+    slot: int = -1
+    draft_synced: int = 0  # how many of all_ids() the proposer has been told about
+    new_since_emit: int = 0  # output tokens not yet handed to the caller's stream
+
+    def __post_init__(self) -> None:
+        if self.generator is None and not self.params.greedy:
+            self.generator = self.params.make_generator()
+
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
