@@ -1,0 +1,141 @@
+"""`starjar bench core`: the co-located engine on a real pair.
+
+Measures, on Spec-Bench first turns (no chat template), in one run:
+  - HF generate() greedy per prompt: the reference outputs and the HF target-alone speed;
+  - starjar at batch sizes {1, 4, 16} x gamma {0..5}: tokens/s, acceptance rate,
+    mean accepted length, and how many outputs equal the reference token for token;
+  - HF assisted generation at batch 1 (constant and heuristic schedules) as the peer;
+  - the draft's catch-up prefill (Nightjar's switching cost) by catch-up length and batch.
+All speeds are ratios within this run; absolute numbers hold only for this machine.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from controller.colocated import colocated_engine, load_pair
+from draft_server.engine import DraftEngine
+from starjar.proposer import DraftRequest
+from starjar.reference import hf_greedy
+from starjar.sampling import SamplingParams
+from starjar.workloads import spec_bench_prompts
+
+
+def _pair_dirs(args) -> tuple[str, str, str]:
+    if args.target and args.draft:
+        return args.target, args.draft, "given on the command line"
+    from starjar.default_pair import build_default_pair, DRAFT_LAYERS
+
+    pair = build_default_pair()
+    note = (f"placeholder draft: the target's first {DRAFT_LAYERS} layers, untrained "
+            "(the trained default draft is issue 4)")
+    return args.target or pair["target"], args.draft or pair["draft"], note
+
+
+def run(args) -> dict:
+    quick = args.quick
+    n_prompts, max_new = (6, 24) if quick else (40, 64)
+    batch_sizes = [1, 4] if quick else [1, 4, 16]
+    gammas = [0, 1, 2] if quick else [0, 1, 2, 3, 4, 5]
+    target_dir, draft_dir, note = _pair_dirs(args)
+    target, draft = load_pair(target_dir, draft_dir)
+    prompts = [target.tokenizer(p)["input_ids"] for p in spec_bench_prompts(n_prompts)]
+    params = SamplingParams(max_tokens=max_new)
+
+    # Warm-up: first passes pay allocator and thread-pool start-up.
+    colocated_engine(target, draft, 2, 4).generate(prompts[:4], SamplingParams(max_tokens=8))
+
+    ref, hf_s = [], 0.0
+    for p in tqdm(prompts, desc="HF generate (reference)", file=sys.stderr):
+        t0 = time.perf_counter()
+        ref.append(hf_greedy(target, p, max_new))
+        hf_s += time.perf_counter() - t0
+    hf_tokens = sum(len(r) for r in ref)
+
+    runs = []
+    bar = tqdm(total=len(batch_sizes) * len(gammas), desc="starjar runs", file=sys.stderr)
+    for bs in batch_sizes:
+        for g in gammas:
+            engine = colocated_engine(target, draft if g else None, g, bs)
+            t0 = time.perf_counter()
+            reqs = engine.generate(prompts, params)
+            wall = time.perf_counter() - t0
+            tokens = sum(len(r.output_ids) for r in reqs)
+            s = engine.stats
+            runs.append({"batch_size": bs, "gamma": g, "tokens_per_s": round(tokens / wall, 3),
+                         "acceptance_rate": round(s.acceptance_rate, 4),
+                         "mean_accepted_len": round(s.mean_accepted_len, 4) if g else 1.0,
+                         "tokens": tokens, "wall_s": round(wall, 2),
+                         "greedy_equal": sum(r.output_ids == ref[i] for i, r in enumerate(reqs)),
+                         "requests": len(reqs)})
+            bar.set_postfix(bs=bs, g=g, tok_s=runs[-1]["tokens_per_s"], eq=runs[-1]["greedy_equal"])
+            bar.update()
+    bar.close()
+
+    alone1 = next(r["tokens_per_s"] for r in runs if r["batch_size"] == 1 and r["gamma"] == 0)
+    spec1 = [r for r in runs if r["batch_size"] == 1 and r["gamma"] > 0]
+    best1 = max(spec1, key=lambda r: r["tokens_per_s"])
+
+    hf_assisted = []
+    for schedule, n_assist in (("constant", best1["gamma"]), ("heuristic", 20)):
+        gc = draft.model.generation_config
+        gc.num_assistant_tokens, gc.num_assistant_tokens_schedule = n_assist, schedule
+        # constant: a pure fixed-gamma peer; heuristic: as HF ships it (confidence threshold on).
+        gc.assistant_confidence_threshold = 0.0 if schedule == "constant" else 0.4
+        t0, tokens, equal = time.perf_counter(), 0, 0
+        for i, p in enumerate(tqdm(prompts, desc=f"HF assisted ({schedule})", file=sys.stderr)):
+            out = hf_greedy(target, p, max_new, assistant_model=draft.model)
+            tokens += len(out)
+            equal += out == ref[i]
+        wall = time.perf_counter() - t0
+        hf_assisted.append({"schedule": schedule, "num_assistant_tokens": n_assist,
+                            "tokens_per_s": round(tokens / wall, 3), "greedy_equal": equal})
+
+    hf_alone = hf_tokens / hf_s
+    by = {(r["batch_size"], r["gamma"]): r for r in runs}
+    result = {
+        "pair": {"target": Path(target_dir).name, "draft": Path(draft_dir).name, "note": note,
+                 "dtype": "float32", "device": "cpu"},
+        "workload": {"prompts": len(prompts), "source": "spec_bench first turns", "max_new_tokens": max_new},
+        "runs": runs,
+        "hf_assisted": hf_assisted,
+        "target_alone_batch1_tokens_per_s": alone1,
+        "hf_target_alone_tokens_per_s": round(hf_alone, 3),
+        "speedup_batch1": {"starjar_best_gamma": best1["gamma"],
+                           "starjar": round(best1["tokens_per_s"] / alone1, 3),
+                           "hf_assisted_best": round(max(h["tokens_per_s"] for h in hf_assisted) / hf_alone, 3)},
+        "batching_ratio": {f"{bs}_vs_1": round(by[(bs, 0)]["tokens_per_s"] / alone1, 3)
+                           for bs in batch_sizes if bs > 1},
+        "greedy_equal_all": all(r["greedy_equal"] == r["requests"] for r in runs)
+        and all(h["greedy_equal"] == len(prompts) for h in hf_assisted),
+        "switching_cost": switching_cost(draft, prompts, quick),
+    }
+    return result
+
+
+def switching_cost(draft, prompts, quick: bool) -> list[dict]:
+    """Draft catch-up prefill time after L speculation-free tokens, per batch size.
+
+    The extra time over L = 1 (the normal one-token catch-up of every round) is what a
+    sequence pays to resume speculation: Nightjar's C_switch on the draft side.
+    """
+    rows = []
+    lengths = [1, 8, 32] if quick else [1, 8, 32, 64]
+    for bs in ([1, 4] if quick else [1, 4, 16]):
+        batch = [prompts[i % len(prompts)] for i in range(bs)]
+        for L in lengths:
+            times = []
+            for rep in range(3):
+                eng = DraftEngine(draft)
+                eng.propose([DraftRequest(i, 0, p, 1) for i, p in enumerate(batch)])
+                extra = [[(7 + i + j) % 1000 + 100 for j in range(L)] for i in range(bs)]
+                before = eng.stats.catchup_s
+                eng.propose([DraftRequest(i, len(p) + 1, e, 1) for i, (p, e) in enumerate(zip(batch, extra))])
+                times.append(eng.stats.catchup_s - before)
+            rows.append({"batch_size": bs, "catchup_tokens": L, "catchup_ms": round(1000 * sorted(times)[1], 3)})
+    return rows

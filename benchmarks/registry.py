@@ -1,0 +1,33 @@
+"""`starjar bench NAME`: look a benchmark up, run it, write its JSON."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from starjar.errors import InvalidArgument
+
+BENCHMARKS = {"core": "benchmarks.core"}
+
+
+def run_bench(args) -> int:
+    if args.name not in BENCHMARKS:
+        raise InvalidArgument("NAME", f"one of {sorted(BENCHMARKS)}", args.name)
+    module = importlib.import_module(BENCHMARKS[args.name])
+    t0 = time.time()
+    result = module.run(args)
+    result["meta"] = {"benchmark": args.name, "quick": bool(args.quick), "wall_s": round(time.time() - t0, 1),
+                      "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+                      "python": platform.python_version(), "torch": torch.__version__,
+                      "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,123 @@
+"""The `starjar` command line.
+
+  starjar demo                       the README's first command: default pair, a short workload, a summary
+  starjar generate ...               batch generation from a JSONL file (co-located draft)
+  starjar models build [--json]      build the default pair offline and print where it is
+  starjar bench NAME [--quick] --out F.json
+
+Errors in what the user gave print one line naming the field and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from starjar.errors import InvalidArgument, StarjarError
+
+log = logging.getLogger("starjar")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target model directory (default: the default pair's target)")
+    p.add_argument("--draft", help="draft model directory (default: none; target alone)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="starjar", description="speculative decoding as a shared service")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate for every prompt of a JSONL file")
+    _add_model_args(g)
+    g.add_argument("--prompts", required=True, help='input JSONL, one {"prompt": "..."} per line')
+    g.add_argument("--out", required=True, help="output JSONL, one result per input line, same order")
+    g.add_argument("--gamma", type=int, default=4, help="draft tokens per step; 0 = target alone (default 4)")
+    g.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = disabled")
+    g.add_argument("--seed", type=int, default=None, help="base seed; prompt i uses seed + i")
+    g.add_argument("--batch-size", type=int, default=16, help="cap on the running batch (default 16)")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+
+    m = sub.add_parser("models", help="the default model pair")
+    msub = m.add_subparsers(dest="models_cmd", required=True)
+    b = msub.add_parser("build", help="build (or find cached) the default pair offline")
+    b.add_argument("--json", action="store_true", help='print {"target": DIR, "draft": DIR}')
+    b.add_argument("--force", action="store_true", help="rebuild even if cached")
+
+    be = sub.add_parser("bench", help="run a benchmark and write its results as JSON")
+    be.add_argument("name", help="benchmark name: core")
+    be.add_argument("--quick", action="store_true", help="a small version for smoke runs")
+    be.add_argument("--out", required=True, help="results JSON path")
+    be.add_argument("--target", help="target model directory (default: the default pair)")
+    be.add_argument("--draft", help="draft model directory (default: the default pair)")
+
+    d = sub.add_parser("demo", help="default pair, Spec-Bench prompts, target alone vs speculative")
+    d.add_argument("--requests", type=int, default=16)
+    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--gamma", type=int, default=3)
+    d.add_argument("--batch-size", type=int, default=4)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _quiet_libraries()
+    try:
+        if args.cmd == "generate":
+            from controller.generate_cmd import run_generate
+            return run_generate(args)
+        if args.cmd == "models":
+            return _models_build(args)
+        if args.cmd == "bench":
+            from benchmarks.registry import run_bench
+            return run_bench(args)
+        if args.cmd == "demo":
+            from controller.demo import run_demo
+            return run_demo(args)
+    except InvalidArgument as exc:
+        print(f"starjar: error: {exc}", file=sys.stderr)
+        return 2
+    except StarjarError as exc:
+        print(f"starjar: error: {exc}", file=sys.stderr)
+        return 1
+    return 2
+
+
+def _models_build(args) -> int:
+    from starjar.default_pair import build_default_pair
+
+    t0 = time.time()
+    pair = build_default_pair(force=args.force)
+    if args.json:
+        print(json.dumps(pair))
+    else:
+        print(f"target: {pair['target']}\ndraft:  {pair['draft']}\n({time.time() - t0:.1f} s)")
+    return 0
+
+
+def _quiet_libraries() -> None:
+    # transformers prints weight-loading bars on every load; our own bars say what matters.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Co-located mode: the target engine and the draft engine in one process.
+
+This is the baseline the distributed mode is measured against, and what
+`starjar generate` runs when it is given a local draft directory.
+"""
+
+from __future__ import annotations
+
+from draft_server.engine import DraftEngine
+from starjar.models import LoadedModel, check_pair, load_model
+from starjar.policy import FixedGamma, SpeculationPolicy
+from target_worker.engine import EngineConfig, TargetEngine
+
+
+def load_pair(target_dir: str, draft_dir: str | None, device: str = "cpu",
+              dtype: str = "float32") -> tuple[LoadedModel, LoadedModel | None]:
+    target = load_model(target_dir, device, dtype, what="target")
+    draft = load_model(draft_dir, device, dtype, what="draft") if draft_dir else None
+    if draft is not None:
+        check_pair(target, draft)
+    return target, draft
+
+
+def colocated_engine(target: LoadedModel, draft: LoadedModel | None, gamma: int = 0,
+                     max_batch_size: int = 16, policy: SpeculationPolicy | None = None,
+                     kv_budget_tokens: int | None = None) -> TargetEngine:
+    """A target engine whose proposer is an in-process draft engine (none when gamma is 0)."""
+    if policy is None:
+        policy = FixedGamma(gamma if draft is not None else 0)
+    cfg = EngineConfig(max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens,
+                       max_gamma=max(8, gamma))
+    proposer = DraftEngine(draft, max_sequences=max_batch_size * 4) if draft is not None else None
+    return TargetEngine(target, proposer, policy, cfg)
