@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random models made on the fly (session-scoped, nothing downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    """Directories of tiny models: a target per family, a draft sharing the llama tokenizer,
+    and a draft with a different tokenizer."""
+    from starjar.tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    dirs = {}
+    dirs["llama"] = make_tiny_model(root / "llama", "llama", seed=0)
+    dirs["qwen2"] = make_tiny_model(root / "qwen2", "qwen2", seed=1, tokenizer_from=dirs["llama"])
+    dirs["gpt2"] = make_tiny_model(root / "gpt2", "gpt2", seed=2, tokenizer_from=dirs["llama"])
+    # A draft that predicts the llama target imperfectly: same seed, one layer fewer.
+    dirs["draft"] = make_tiny_model(root / "draft", "llama", seed=0, layers=1, tokenizer_from=dirs["llama"])
+    dirs["other_tok"] = make_tiny_model(root / "other_tok", "llama", seed=3, tokenizer_vocab=320)
+    return {k: str(v) for k, v in dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def models(model_dirs):
+    from starjar.models import load_model
+
+    return {k: load_model(v) for k, v in model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def spec_prompts(models):
+    """Token ids of the first turns of the first 40 Spec-Bench questions (capped at 160 tokens)."""
+    from starjar.workloads import spec_bench_prompts
+
+    tok = models["llama"].tokenizer
+    return [tok(p)["input_ids"][:160] for p in spec_bench_prompts(40)]
+
+
+@pytest.fixture(scope="session")
+def reference(models, spec_prompts):
+    """HF generate() greedy outputs per family: the ground truth for equality tests."""
+    from starjar.reference import hf_greedy
+
+    cache = {}
+
+    def get(family: str, max_new: int = 64) -> list[list[int]]:
+        key = (family, max_new)
+        if key not in cache:
+            cache[key] = [hf_greedy(models[family], p, max_new) for p in spec_prompts]
+        return cache[key]
+
+    return get

@@ -1,0 +1,82 @@
+"""Bad input gets a clear error naming the field and the limit, never a traceback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from controller.cli import main
+from controller.colocated import colocated_engine, load_pair
+from starjar.errors import InvalidArgument, ModelMismatch
+from starjar.sampling import SamplingParams
+
+
+@pytest.mark.parametrize("kwargs,field,limit", [
+    (dict(max_tokens=0), "max_tokens", "[1,"),
+    (dict(max_tokens=-3), "max_tokens", "[1,"),
+    (dict(temperature=-0.1), "temperature", ">= 0"),
+    (dict(temperature=float("nan")), "temperature", ">= 0"),
+    (dict(top_p=0.0), "top_p", "(0, 1]"),
+    (dict(top_p=1.5), "top_p", "(0, 1]"),
+    (dict(top_k=-1), "top_k", ">= 0"),
+])
+def test_sampling_params(kwargs, field, limit):
+    with pytest.raises(InvalidArgument) as err:
+        SamplingParams(**kwargs)
+    assert err.value.field == field and limit in err.value.limit
+
+
+def test_prompt_limits(models):
+    engine = colocated_engine(models["llama"], None)
+    ok = SamplingParams()
+    with pytest.raises(InvalidArgument, match="prompt: must contain at least 1 token"):
+        engine.add_request([], ok)
+    with pytest.raises(InvalidArgument) as err:
+        engine.add_request([5] * 600, ok)  # context is 512
+    assert err.value.field == "prompt" and "at most 511 tokens" in err.value.limit
+    with pytest.raises(InvalidArgument) as err:
+        engine.add_request([5, models["llama"].vocab_size], ok)
+    assert err.value.field == "prompt_token_ids" and f"[0, {models['llama'].vocab_size})" in err.value.limit
+    with pytest.raises(InvalidArgument, match="stop_token_ids"):
+        engine.add_request([5], SamplingParams(stop_token_ids=[10**6]))
+    assert not engine.has_work()  # nothing half-admitted
+
+
+def test_draft_with_another_tokenizer(model_dirs):
+    with pytest.raises(ModelMismatch) as err:
+        load_pair(model_dirs["llama"], model_dirs["other_tok"])
+    assert err.value.field == "draft" and "tokenizer must equal the target's" in err.value.limit
+
+
+def _cli(tmp_path, capsys, *extra, lines=('{"prompt": "hi"}',)):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    rc = main(["generate", "--prompts", str(src), "--out", str(tmp_path / "out.jsonl"), *extra])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,lines,needle", [
+    (["--max-tokens", "0"], None, "invalid max_tokens: must be in [1, 65536]"),
+    (["--temperature", "-1"], None, "invalid temperature: must be >= 0"),
+    (["--top-p", "2"], None, "invalid top_p: must be in (0, 1]"),
+    (["--gamma", "-1"], None, "invalid --gamma: must be >= 0"),
+    ([], ('{"prompt": ""}',), "invalid --prompts line 1: prompt: must not be empty"),
+    ([], ('{"prompt": "ok"}', "{not json"), "invalid --prompts line 2: must be valid JSON"),
+    ([], ('{"text": "x"}',), 'invalid --prompts line 1: must be an object with a string "prompt"'),
+    ([], ("{\"prompt\": \"" + "word " * 400 + "\"}",), "invalid --prompts line 1: prompt: at most 511 tokens"),
+])
+def test_cli_errors_name_the_field(tmp_path, capsys, model_dirs, extra, lines, needle):
+    rc, err = _cli(tmp_path, capsys, "--target", model_dirs["llama"], *extra,
+                   lines=lines or ('{"prompt": "hi"}',))
+    assert rc == 2 and needle in err and "Traceback" not in err
+
+
+def test_cli_mismatched_draft(tmp_path, capsys, model_dirs):
+    rc, err = _cli(tmp_path, capsys, "--target", model_dirs["llama"], "--draft", model_dirs["other_tok"])
+    assert rc == 2 and "invalid draft: tokenizer must equal the target's" in err
+
+
+def test_cli_missing_model_dir(tmp_path, capsys):
+    rc, err = _cli(tmp_path, capsys, "--target", str(tmp_path / "nope"))
+    assert rc == 2 and "invalid target: must be a local directory" in err

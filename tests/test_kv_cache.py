@@ -1,0 +1,57 @@
+"""The ragged cache must give the same logits as a plain full forward, for every family."""
+
+import pytest
+import torch
+
+FAMILIES = ["llama", "qwen2", "gpt2"]
+TOL = 1e-4
+
+
+def full_logits(m, ids):
+    with torch.no_grad():
+        return m.model(torch.tensor([ids])).logits[0, -1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ragged_prefill_decode_rollback_and_leave(models, family):
+    m = models[family]
+    seqs = [[5, 17, 42, 99, 3, 8, 250], [11, 12], [7, 7, 7, 300, 301, 302, 303, 304, 2, 9, 10]]
+    cache = m.new_cache()
+    slots = [cache.allocate() for _ in seqs]
+    # Prefill of different lengths in one pass.
+    out = m.forward(cache, slots, seqs, [[len(s) - 1] for s in seqs])
+    for s, lg in zip(seqs, out):
+        assert torch.allclose(lg[0], full_logits(m, s), atol=TOL)
+    # Ragged append: 1, 3 and 2 new tokens.
+    new = [[40], [41, 42, 43], [44, 45]]
+    out = m.forward(cache, slots, new, [list(range(len(n))) for n in new])
+    for s, n, lg in zip(seqs, new, out):
+        for j in range(len(n)):
+            assert torch.allclose(lg[j], full_logits(m, s + n[: j + 1]), atol=TOL)
+        s.extend(n)
+    # Roll the middle sequence back by two (rejected drafts), then continue it alone.
+    cache.truncate(slots[1], len(seqs[1]) - 2)
+    del seqs[1][-2:]
+    out = m.forward(cache, [slots[1]], [[77]], [[0]])
+    seqs[1].append(77)
+    assert torch.allclose(out[0][0], full_logits(m, seqs[1]), atol=TOL)
+    # The first sequence leaves: the last slot moves into its place, nothing is recomputed.
+    moved = cache.free(slots[0])
+    assert moved == 2 and cache.lengths == [len(seqs[2]), len(seqs[1])]
+    out = m.forward(cache, [0, 1], [[60], [61]], [[0], [0]])
+    assert torch.allclose(out[0][0], full_logits(m, seqs[2] + [60]), atol=TOL)
+    assert torch.allclose(out[1][0], full_logits(m, seqs[1] + [61]), atol=TOL)
+
+
+def test_scattered_slots_and_growth(models):
+    """Non-contiguous slot subsets and buffers that grow past their first capacity."""
+    m = models["llama"]
+    cache = m.new_cache()
+    seqs = [[i + 3] * (5 + i) for i in range(6)]  # more slots than the initial 4
+    slots = [cache.allocate() for _ in seqs]
+    m.forward(cache, slots, seqs, [[0]] * len(seqs))
+    long = list(range(3, 303))  # past the initial 256-token capacity
+    out = m.forward(cache, [4, 1], [long, [9]], [[len(long) - 1], [0]])
+    assert torch.allclose(out[0][0], full_logits(m, seqs[4] + long), atol=TOL)
+    assert torch.allclose(out[1][0], full_logits(m, seqs[1] + [9]), atol=TOL)
+    assert cache.tokens_used() == sum(map(len, seqs)) + len(long) + 1
