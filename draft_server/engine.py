@@ -35,6 +35,7 @@ class DraftStats:
     step_s: float = 0.0  # time of the one-token draft steps
     steps: int = 0
     resyncs: int = 0
+    passes: int = 0  # draft forward passes (catch-up + one-token steps)
 
 
 class DraftEngine:
@@ -114,6 +115,7 @@ class DraftEngine:
         t0 = time.perf_counter()
         logits = self.model.forward(self.cache, [s.slot for s, _ in work], feeds, [[len(f) - 1] for f in feeds])
         self.stats.catchup_s += time.perf_counter() - t0
+        self.stats.passes += 1
         self.stats.catchup_tokens += sum(len(f) for f in feeds)
         drafts = [[int(l[0].argmax())] for l in logits]
         for (seq, _), f in zip(work, feeds):
@@ -127,6 +129,7 @@ class DraftEngine:
                                         [[drafts[b][-1]] for b in live], [[0]] * len(live))
             self.stats.step_s += time.perf_counter() - t0
             self.stats.steps += 1
+            self.stats.passes += 1
             for b, l in zip(live, logits):
                 work[b][0].cached.append(drafts[b][-1])
                 drafts[b].append(int(l[0].argmax()))

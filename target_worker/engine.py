@@ -278,7 +278,7 @@ class TargetEngine:
                 raise ValueError(f"proposer answered {len(replies)} of {len(reqs)} sequences")
         except Exception as exc:  # the draft is an optimisation: never let it fail a request
             self.stats.proposer_failures += 1
-            log.warning("proposer failed, decoding this step without drafts: %s", exc)
+            log.debug("proposer failed, decoding this step without drafts: %s", exc)
             for i in want:
                 batch[i].draft_synced = 0
             return drafts

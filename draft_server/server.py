@@ -1,0 +1,116 @@
+"""Running the draft service: gRPC (with health and reflection) + the compute thread.
+
+`DraftServer` is usable in-process (tests, benchmarks, the Ray actor later);
+`serve_forever` is what `starjar serve draft` runs, with uvloop and a
+graceful SIGTERM: rounds already queued are answered, new ones are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from draft_server.compute import ComputeLoop
+from draft_server.config import DraftServerConfig
+from draft_server.engine import DraftEngine
+from draft_server.service import DraftService
+from draft_server.sessions import SessionTable
+from draft_server.stats import ServerStats
+from draft_server.work_queue import make_queue
+from starjar.models import LoadedModel
+from starjar.v1 import draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+class DraftServer:
+    def __init__(self, model: LoadedModel, cfg: DraftServerConfig | None = None, host: str = "127.0.0.1",
+                 port: int = 0):
+        self.cfg = cfg or DraftServerConfig()
+        self.model = model
+        self.host = host
+        self.requested_port = port
+        self.port: int | None = None
+        self.stats = ServerStats()
+        self.queue = make_queue(self.cfg.mode, self.cfg.max_batch_rounds)
+        self.sessions = SessionTable(self.cfg.max_targets)
+        engine = DraftEngine(model, max_sequences=self.cfg.max_targets * self.cfg.max_sequences_per_target)
+        self.compute = ComputeLoop(engine, self.queue, self.stats)
+        vocab_size, tok_hash = model.fingerprint.split(":", 1)
+        self.service = DraftService(self.cfg, self.sessions, self.queue, self.stats, (int(vocab_size), tok_hash),
+                                    draft_name=model.path.rstrip("/").split("/")[-1], vocab_size=model.vocab_size)
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        opts = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
+                ("grpc.max_send_message_length", self.cfg.max_message_bytes),
+                ("grpc.so_reuseport", 0)]
+        self._server = grpc.aio.server(options=opts)
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(self.service, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self._server)
+        self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        self.compute.start()
+        await self._server.start()
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._sweeper = asyncio.create_task(self._sweep())
+        log.info("draft server on %s:%d (mode %s, N_max %d, draft %s)", self.host, self.port, self.cfg.mode,
+                 self.cfg.max_targets, self.service.draft_name)
+        return self.port
+
+    async def _sweep(self) -> None:
+        period = max(0.05, min(5.0, self.cfg.lease_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            self.service.reclaim_expired()
+
+    def set_max_targets(self, n: int) -> None:
+        self.sessions.max_targets = n
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Answer what is queued, refuse new rounds, then close."""
+        if self._server is None:
+            return
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.service.start_draining()
+        await self._server.stop(grace)
+        if self._sweeper:
+            self._sweeper.cancel()
+        self.queue.close()
+        self.compute.join(timeout=grace)
+        self._server = None
+
+
+async def _serve(model: LoadedModel, cfg: DraftServerConfig, host: str, port: int, on_ready=None) -> None:
+    server = DraftServer(model, cfg, host, port)
+    bound = await server.start()
+    if on_ready:
+        on_ready(bound)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: finishing rounds in flight")
+    await server.stop()
+
+
+def serve_forever(model: LoadedModel, cfg: DraftServerConfig, host: str, port: int, on_ready=None) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(_serve(model, cfg, host, port, on_ready))
+    except ImportError:
+        asyncio.run(_serve(model, cfg, host, port, on_ready))

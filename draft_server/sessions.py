@@ -1,0 +1,95 @@
+"""Attached targets and their tags.
+
+A tag is 16 bytes from the OS CSPRNG: the only credential a target has. A tag
+is bound to at most one open Speculate stream; when that stream ends the tag
+is detached and its sequences freed. Tags attached but never streamed are
+reclaimed after the lease. Lookups of unknown tags all fail the same way, so
+a caller learns nothing about which tags exist.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+TAG_BYTES = 16
+
+
+class UnknownTag(LookupError):
+    """NOT_FOUND on the wire; deliberately carries no detail."""
+
+
+class AdmissionRefused(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass
+class Session:
+    tag: bytes
+    worker_id: str
+    attached_s: float = field(default_factory=time.monotonic)
+    last_seen_s: float = field(default_factory=time.monotonic)
+    streaming: bool = False
+    rounds: int = 0
+    seq_last_used: dict[int, float] = field(default_factory=dict)  # seq_id -> monotonic time
+
+
+class SessionTable:
+    """Thread-safe: the gRPC loop and the compute thread both consult it."""
+
+    def __init__(self, max_targets: int):
+        self.max_targets = max_targets
+        self._by_tag: dict[bytes, Session] = {}
+        self._lock = threading.Lock()
+        self.refused_admission = 0
+
+    def attach(self, worker_id: str) -> Session:
+        with self._lock:
+            if len(self._by_tag) >= self.max_targets:
+                self.refused_admission += 1
+                raise AdmissionRefused("admission", f"{len(self._by_tag)} targets attached; N_max is "
+                                       f"{self.max_targets}")
+            tag = secrets.token_bytes(TAG_BYTES)
+            s = Session(tag=tag, worker_id=worker_id)
+            self._by_tag[tag] = s
+            return s
+
+    def get(self, tag: bytes) -> Session:
+        with self._lock:
+            s = self._by_tag.get(tag)
+            if s is None:
+                raise UnknownTag()
+            s.last_seen_s = time.monotonic()
+            return s
+
+    def open_stream(self, tag: bytes) -> Session:
+        with self._lock:
+            s = self._by_tag.get(tag)
+            if s is None or s.streaming:
+                raise UnknownTag()
+            s.streaming = True
+            return s
+
+    def detach(self, tag: bytes) -> Session | None:
+        with self._lock:
+            return self._by_tag.pop(tag, None)
+
+    def expired(self, lease_s: float) -> tuple[list[bytes], list[tuple[bytes, int]]]:
+        """Tags never streamed within the lease, and sequences unused for the lease."""
+        now = time.monotonic()
+        with self._lock:
+            tags = [t for t, s in self._by_tag.items() if not s.streaming and now - s.last_seen_s > lease_s]
+            seqs = [(t, q) for t, s in self._by_tag.items() if t not in tags
+                    for q, used in s.seq_last_used.items() if now - used > lease_s]
+            return tags, seqs
+
+    def sessions(self) -> list[Session]:
+        with self._lock:
+            return list(self._by_tag.values())
+
+    def __len__(self) -> int:
+        return len(self._by_tag)

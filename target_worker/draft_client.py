@@ -1,0 +1,238 @@
+"""The remote proposer: a target worker's client of the draft service.
+
+The engine calls `propose()` synchronously once per speculative step. Every
+failure (refused at admission, not attached yet, a missed deadline, a broken
+stream, a malformed reply) raises `DraftUnavailable`, which the engine turns
+into a speculation-free step; sequences answered with `resync` are resent
+from position 0 next time. Meanwhile a background thread reattaches with
+exponential backoff. Nothing here can fail or change a request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import grpc
+
+from starjar.proposer import DraftReply, DraftRequest
+from starjar.v1 import draft_pb2 as pb
+from starjar.v1 import draft_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+TAG_METADATA = "starjar-tag"
+_CLOSE = object()
+
+
+class DraftUnavailable(RuntimeError):
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass
+class ClientStats:
+    rounds: int = 0
+    fallbacks: Counter = field(default_factory=Counter)  # reason -> steps without drafts
+    attaches: int = 0
+    refusals: Counter = field(default_factory=Counter)  # reason -> refused Attach calls
+    round_s: list[float] = field(default_factory=list)  # as seen by the target
+    server_queue_s: list[float] = field(default_factory=list)
+    server_compute_s: list[float] = field(default_factory=list)
+
+    def wire_overhead_s(self) -> list[float]:
+        return [r - q - c for r, q, c in zip(self.round_s, self.server_queue_s, self.server_compute_s)]
+
+
+class RemoteProposer:
+    def __init__(self, address: str, fingerprint: str, worker_id: str, deadline_s: float = 0.5,
+                 backoff_s: tuple[float, float] = (0.05, 5.0), max_message_bytes: int = 4 << 20):
+        self.address = address
+        self.worker_id = worker_id
+        self.deadline_s = deadline_s
+        vocab, tok_hash = fingerprint.split(":", 1)
+        self._fingerprint = pb.ModelFingerprint(vocab_size=int(vocab), tokenizer_hash=tok_hash)
+        self._backoff = backoff_s
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)])
+        self._stub = pb_grpc.DraftServiceStub(self._channel)
+        self._lock = threading.Lock()
+        self._attached = threading.Event()
+        self._closed = False
+        self._tag: bytes | None = None
+        self.limits: pb.Limits | None = None
+        self._requests: queue.Queue | None = None
+        self._replies: queue.Queue = queue.Queue()
+        self._round_ids = itertools.count(1)
+        self._wire_ids: dict[Hashable, int] = {}
+        self._next_wire_id = itertools.count(1)
+        self._wake = threading.Event()
+        self.stats = ClientStats()
+        self._attacher = threading.Thread(target=self._attach_loop, name="draft-attach", daemon=True)
+        self._attacher.start()
+
+    # ---- Proposer -------------------------------------------------------------------------
+
+    @property
+    def attached(self) -> bool:
+        return self._attached.is_set()
+
+    def wait_attached(self, timeout: float) -> bool:
+        return self._attached.wait(timeout)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[DraftReply]:
+        if not self._attached.is_set():
+            self._fallback("detached")
+        with self._lock:
+            reqs_q = self._requests
+        if reqs_q is None:
+            self._fallback("detached")
+        round_id = next(self._round_ids)
+        msg = pb.SpeculateRequest(round_id=round_id)
+        wire = []
+        for r in requests:
+            wid = self._wire_ids.get(r.seq_id)
+            if wid is None:
+                wid = self._wire_ids[r.seq_id] = next(self._next_wire_id)
+            wire.append(wid)
+            msg.sequences.add(seq_id=wid, start=r.start, tokens=r.tokens, gamma=r.gamma)
+        t0 = time.perf_counter()
+        reqs_q.put(msg)
+        resp = self._await_reply(round_id, t0 + self.deadline_s)
+        elapsed = time.perf_counter() - t0
+        if len(resp.sequences) != len(wire) or any(s.seq_id != w for s, w in zip(resp.sequences, wire)):
+            self._fallback("malformed", f"round {round_id}")
+        self.stats.rounds += 1
+        self.stats.round_s.append(elapsed)
+        self.stats.server_queue_s.append(resp.timings.queue_wait_s)
+        self.stats.server_compute_s.append(resp.timings.compute_s)
+        out: list[DraftReply] = []
+        for s, r in zip(resp.sequences, requests):
+            if s.resync:
+                self.stats.fallbacks["resync"] += 1
+                out.append(None)
+            else:
+                out.append(list(s.tokens)[: r.gamma])
+        return out
+
+    def release(self, seq_ids: Sequence[Hashable]) -> None:
+        wire = [w for w in (self._wire_ids.pop(s, None) for s in seq_ids) if w is not None]
+        tag = self._tag
+        if not wire or tag is None or not self._attached.is_set():
+            return  # the server frees them with the stream or the lease
+        fut = self._stub.Release.future(pb.ReleaseRequest(tag=tag, seq_ids=wire), timeout=2.0)
+        fut.add_done_callback(lambda f: f.exception() and log.debug("release failed: %s", f.exception()))
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        tag = self._tag
+        self._drop_stream()
+        if tag is not None:
+            try:
+                self._stub.Release(pb.ReleaseRequest(tag=tag, detach=True), timeout=1.0)
+            except grpc.RpcError:
+                pass
+        self._channel.close()
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _fallback(self, reason: str, detail: str = ""):
+        self.stats.fallbacks[reason] += 1
+        raise DraftUnavailable(reason, detail)
+
+    def _await_reply(self, round_id: int, deadline: float) -> pb.SpeculateResponse:
+        while True:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                self._fallback("deadline", f"no drafts within {self.deadline_s * 1000:.0f} ms")
+            try:
+                resp = self._replies.get(timeout=left)
+            except queue.Empty:
+                continue
+            if resp is _CLOSE:
+                self._fallback("stream_broken")
+            if resp.round_id == round_id:
+                return resp
+            # else: a late answer to a round we gave up on; drop it
+
+    def _attach_loop(self) -> None:
+        delay = self._backoff[0]
+        while not self._closed:
+            if self._attached.is_set():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                resp = self._stub.Attach(pb.AttachRequest(worker_id=self.worker_id, fingerprint=self._fingerprint),
+                                         timeout=5.0)
+                self._open_stream(resp)
+                self.stats.attaches += 1
+                delay = self._backoff[0]
+                log.info("attached to draft server %s", self.address)
+                continue
+            except grpc.RpcError as exc:
+                reason = _reason(exc)
+                self.stats.refusals[reason] += 1
+                log.info("draft server %s: %s (%s); retrying in %.2fs", self.address, exc.code().name, reason,
+                         delay)
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(self._backoff[1], delay * 2)
+
+    def _open_stream(self, resp: pb.AttachResponse) -> None:
+        requests: queue.Queue = queue.Queue()
+
+        def gen():
+            while True:
+                item = requests.get()
+                if item is _CLOSE:
+                    return
+                yield item
+
+        stream = self._stub.Speculate(gen(), metadata=((TAG_METADATA, resp.tag.hex()),))
+        with self._lock:
+            self._tag, self.limits, self._requests = resp.tag, resp.limits, requests
+        while not self._replies.empty():  # a stale close marker from the previous stream
+            self._replies.get_nowait()
+        self._wire_ids.clear()  # a new tag knows no sequence: ids restart, the server asks for resyncs
+        threading.Thread(target=self._read, args=(stream, requests), name="draft-reader", daemon=True).start()
+        self._attached.set()
+
+    def _read(self, stream, requests: queue.Queue) -> None:
+        try:
+            for resp in stream:
+                self._replies.put(resp)
+            log.info("draft stream ended by the server")
+        except grpc.RpcError as exc:
+            if not self._closed:
+                log.info("draft stream broken: %s", exc.code().name)
+        with self._lock:
+            if self._requests is requests:
+                self._drop_stream_locked()
+        self._replies.put(_CLOSE)
+        self._wake.set()
+
+    def _drop_stream(self) -> None:
+        with self._lock:
+            self._drop_stream_locked()
+
+    def _drop_stream_locked(self) -> None:
+        self._attached.clear()
+        if self._requests is not None:
+            self._requests.put(_CLOSE)
+        self._requests, self._tag = None, None
+
+
+def _reason(exc: grpc.RpcError) -> str:
+    for key, value in (exc.trailing_metadata() or ()) if hasattr(exc, "trailing_metadata") else ():
+        if key == "starjar-reason":
+            return value
+    return exc.code().name.lower() if hasattr(exc, "code") else "error"
