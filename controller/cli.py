@@ -2,6 +2,7 @@
 
   starjar demo                       the README's first command: default pair, a short workload, a summary
   starjar generate ...               batch generation from a JSONL file (co-located draft)
+  starjar serve draft|target ...     one gRPC server in the foreground
   starjar models build [--json]      build the default pair offline and print where it is
   starjar bench NAME [--quick] --out F.json
 
@@ -60,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--target", help="target model directory (default: the default pair)")
     be.add_argument("--draft", help="draft model directory (default: the default pair)")
 
+    from controller.serve_cmd import add_serve_parsers
+
+    add_serve_parsers(sub)
+    g.add_argument("--draft-server", help="use a running draft server HOST:PORT instead of --draft")
+
     d = sub.add_parser("demo", help="default pair, Spec-Bench prompts, target alone vs speculative")
     d.add_argument("--requests", type=int, default=16)
     d.add_argument("--max-tokens", type=int, default=48)
@@ -82,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "bench":
             from benchmarks.registry import run_bench
             return run_bench(args)
+        if args.cmd == "serve":
+            from controller.serve_cmd import run_serve
+            return run_serve(args)
         if args.cmd == "demo":
             from controller.demo import run_demo
             return run_demo(args)

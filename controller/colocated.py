@@ -31,3 +31,16 @@ def colocated_engine(target: LoadedModel, draft: LoadedModel | None, gamma: int 
                        max_gamma=max(8, gamma))
     proposer = DraftEngine(draft, max_sequences=max_batch_size * 4) if draft is not None else None
     return TargetEngine(target, proposer, policy, cfg)
+
+
+def remote_engine(target: LoadedModel, draft_address: str, gamma: int, max_batch_size: int = 16,
+                  wait_attach_s: float = 10.0, deadline_s: float = 0.5) -> TargetEngine:
+    """A target engine whose proposer is a remote draft server (the distributed mode, one process)."""
+    import os
+
+    from target_worker.draft_client import RemoteProposer
+
+    proposer = RemoteProposer(draft_address, target.fingerprint, f"generate:{os.getpid()}", deadline_s)
+    proposer.wait_attached(wait_attach_s)  # decoding starts anyway; it speculates once attached
+    cfg = EngineConfig(max_batch_size=max_batch_size, max_gamma=max(8, gamma))
+    return TargetEngine(target, proposer, FixedGamma(gamma), cfg)

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from controller.colocated import colocated_engine, load_pair
 from starjar.default_pair import DRAFT_NAME, build_default_pair
 from starjar.sampling import SamplingParams
+from starjar.text import encode_prompt
 from starjar.workloads import spec_bench_prompts
 
 
@@ -41,8 +42,7 @@ def run_demo(args) -> int:
     target, draft = load_pair(pair["target"], pair["draft"])
     tok = target.tokenizer
     texts = spec_bench_prompts(args.requests)
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"]) for t in texts]
+    prompts = [encode_prompt(tok, t, chat=True) for t in texts]
     params = SamplingParams(max_tokens=args.max_tokens)
     colocated_engine(target, None, 0, args.batch_size).generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
     base_reqs, base = _run(colocated_engine(target, None, 0, args.batch_size), prompts, params, "target alone")

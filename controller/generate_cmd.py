@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from starjar.errors import InvalidArgument
 from starjar.sampling import SamplingParams
+from starjar.text import encode_prompt
 
 MAX_PROMPT_CHARS = 1 << 20
 
@@ -40,18 +41,8 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
-def tokenize(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise InvalidArgument("--chat", "the target's tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer(prompt)["input_ids"]
-
-
 def run_generate(args) -> int:
-    from controller.colocated import colocated_engine, load_pair
+    from controller.colocated import colocated_engine, load_pair, remote_engine
     from starjar.default_pair import build_target
 
     if args.gamma < 0:
@@ -62,10 +53,15 @@ def run_generate(args) -> int:
     SamplingParams(**base, seed=args.seed)  # fail on bad flags before loading anything
     prompts = read_prompts(args.prompts)
     target_dir = args.target or str(build_target())
+    if args.draft and args.draft_server:
+        raise InvalidArgument("--draft-server", "give either --draft or --draft-server, not both")
     draft_dir = args.draft if args.gamma > 0 else None
     target, draft = load_pair(target_dir, draft_dir, args.device, args.dtype)
-    engine = colocated_engine(target, draft, gamma=args.gamma, max_batch_size=args.batch_size)
-    ids = [tokenize(target.tokenizer, p, args.chat) for p in prompts]
+    if args.draft_server and args.gamma > 0:
+        engine = remote_engine(target, args.draft_server, args.gamma, args.batch_size)
+    else:
+        engine = colocated_engine(target, draft, gamma=args.gamma, max_batch_size=args.batch_size)
+    ids = [encode_prompt(target.tokenizer, p, args.chat) for p in prompts]
     for i, p in enumerate(ids):
         try:
             engine.validate_prompt(p)
@@ -91,6 +87,8 @@ def run_generate(args) -> int:
             f.write(json.dumps({"prompt": prompt, "prompt_token_ids": req.prompt_ids, "token_ids": req.output_ids,
                                 "text": target.tokenizer.decode(req.output_ids, skip_special_tokens=True),
                                 "finish_reason": req.finish_reason}, ensure_ascii=False) + "\n")
+    if getattr(engine.proposer, "close", None):
+        engine.proposer.close()
     s = engine.stats
     wall = time.perf_counter() - t0
     msg = f"{len(reqs)} requests, {tokens} tokens in {wall:.1f} s ({tokens / wall:.1f} tok/s)"

@@ -110,11 +110,14 @@ class TargetEngine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None) -> Request:
-        prompt = self.validate_prompt(prompt_ids)
-        params.validate(self.model.vocab_size)
-        req = Request(prompt_ids=prompt, params=params)
+        req = Request(prompt_ids=list(prompt_ids), params=params)
         if request_id is not None:
             req.request_id = request_id
+        return self.enqueue(req)
+
+    def enqueue(self, req: Request) -> Request:
+        req.prompt_ids = self.validate_prompt(req.prompt_ids)
+        req.params.validate(self.model.vocab_size)
         self.scheduler.add(req)
         return req
 

@@ -1,0 +1,80 @@
+"""`starjar serve draft|target`: one server process in the foreground.
+
+When the server is listening it prints one JSON line on stdout,
+{"serving": "draft"|"target", "address": "HOST:PORT"}, so scripts (and tests)
+can start it on port 0 and learn the port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from starjar.errors import InvalidArgument
+from starjar.models import load_model
+
+
+def add_serve_parsers(sub) -> None:
+    s = sub.add_parser("serve", help="run a draft server or a target worker")
+    ssub = s.add_subparsers(dest="serve_cmd", required=True)
+    d = ssub.add_parser("draft", help="the gRPC draft server")
+    d.add_argument("--model", help="draft model directory (default: the default pair's draft)")
+    d.add_argument("--host", default="127.0.0.1")
+    d.add_argument("--port", type=int, default=50061, help="0 = any free port")
+    d.add_argument("--mode", default="batched", choices=["batched", "fifo"])
+    d.add_argument("--max-targets", type=int, default=8, help="N_max: targets admitted at once")
+    d.add_argument("--max-sequences", type=int, default=256, help="live sequences per target")
+    d.add_argument("--max-gamma", type=int, default=16)
+    d.add_argument("--lease", type=float, default=60.0, help="seconds before unused sessions are reclaimed")
+    d.add_argument("--device", default="cpu")
+    d.add_argument("--dtype", default="float32")
+
+    t = ssub.add_parser("target", help="a target worker with its own Generate service")
+    t.add_argument("--model", help="target model directory (default: the default pair's target)")
+    t.add_argument("--draft", help="draft server HOST:PORT (default: none, no speculation)")
+    t.add_argument("--host", default="127.0.0.1")
+    t.add_argument("--port", type=int, default=50071, help="0 = any free port")
+    t.add_argument("--worker-id", default=None, help="name for the draft server (default: host:pid)")
+    t.add_argument("--gamma", type=int, default=4, help="draft tokens per step")
+    t.add_argument("--batch-size", type=int, default=16)
+    t.add_argument("--draft-deadline", type=float, default=0.5, help="seconds to wait for drafts per step")
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--dtype", default="float32")
+
+
+def _announce(kind: str, host: str):
+    def on_ready(port: int) -> None:
+        print(json.dumps({"serving": kind, "address": f"{host}:{port}"}), flush=True)
+    return on_ready
+
+
+def run_serve(args) -> int:
+    from starjar.default_pair import build_default_pair
+
+    if not 0 <= args.port <= 65535:
+        raise InvalidArgument("--port", "must be in [0, 65535]", args.port)
+    if args.serve_cmd == "draft":
+        from draft_server.config import DraftServerConfig
+        from draft_server.server import serve_forever
+
+        cfg = DraftServerConfig(mode=args.mode, max_targets=args.max_targets,
+                                max_sequences_per_target=args.max_sequences, max_gamma=args.max_gamma,
+                                lease_s=args.lease)
+        model = load_model(args.model or build_default_pair()["draft"], args.device, args.dtype, what="model")
+        serve_forever(model, cfg, args.host, args.port, _announce("draft", args.host))
+        return 0
+    from starjar.policy import FixedGamma
+    from target_worker.engine import EngineConfig
+    from target_worker.server import TargetServer, serve_forever as serve_target
+
+    if args.gamma < 0:
+        raise InvalidArgument("--gamma", "must be >= 0", args.gamma)
+    if args.draft_deadline <= 0:
+        raise InvalidArgument("--draft-deadline", "must be > 0", args.draft_deadline)
+    model = load_model(args.model or build_default_pair()["target"], args.device, args.dtype, what="model")
+    worker_id = args.worker_id or f"{os.uname().nodename}:{os.getpid()}"
+    server = TargetServer(model, args.draft, worker_id, FixedGamma(args.gamma if args.draft else 0),
+                          EngineConfig(max_batch_size=args.batch_size, max_gamma=max(8, args.gamma)),
+                          args.host, args.port, args.draft_deadline)
+    serve_target(server, _announce("target", args.host))
+    return 0

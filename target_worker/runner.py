@@ -1,0 +1,84 @@
+"""The engine's own thread: requests in, per-step outputs out.
+
+The target engine is single-threaded by design; gRPC handlers talk to it only
+through this runner's inbox (submit, cancel) and receive each step's new
+tokens through the callback they registered.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Callable
+
+from starjar.sampling import SamplingParams
+from target_worker.engine import StepOutput, TargetEngine
+from target_worker.request import Request
+
+log = logging.getLogger(__name__)
+
+OnOutput = Callable[[StepOutput], None]
+
+
+class EngineRunner(threading.Thread):
+    def __init__(self, engine: TargetEngine):
+        super().__init__(name="target-engine", daemon=True)
+        self.engine = engine
+        self._inbox: deque = deque()
+        self._cv = threading.Condition()
+        self._listeners: dict[int, OnOutput] = {}
+        self._stop = False
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, on_output: OnOutput) -> Request:
+        """prompt_ids and params must already be validated (engine.validate_prompt, params.validate)."""
+        req = Request(prompt_ids=list(prompt_ids), params=params, request_id=request_id)
+        with self._cv:
+            self._inbox.append(("add", req, on_output))
+            self._cv.notify()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        with self._cv:
+            self._inbox.append(("cancel", req, None))
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+
+    @property
+    def load(self) -> int:
+        """Requests running or waiting: the router's least-loaded measure."""
+        return self.engine.num_running + self.engine.num_waiting + len(self._inbox)
+
+    def run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self.engine.has_work() and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                items = list(self._inbox)
+                self._inbox.clear()
+            for op, req, cb in items:
+                if op == "add":
+                    self._listeners[id(req)] = cb
+                    self.engine.enqueue(req)
+                elif not req.finished:
+                    self.engine.abort(req)
+                    self._listeners.pop(id(req), None)
+            if not self.engine.has_work():
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception:
+                log.exception("engine step failed")
+                raise
+            for out in outs:
+                cb = self._listeners.get(id(out.request))
+                if cb is not None:
+                    cb(out)
+                if out.finished:
+                    self._listeners.pop(id(out.request), None)

@@ -1,0 +1,73 @@
+"""GenerateService on a target worker: a worker can be used on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+import grpc
+
+from starjar.errors import InvalidArgument
+from starjar.text import encode_prompt
+from starjar.v1 import generate_pb2 as pb
+from starjar.v1 import generate_pb2_grpc as pb_grpc
+from starjar.wire import check_request_shape, sampling_from_proto
+from target_worker.detok import IncrementalDetokenizer
+from target_worker.engine import StepOutput
+from target_worker.runner import EngineRunner
+
+log = logging.getLogger(__name__)
+_ids = itertools.count(1)
+
+
+class GenerateService(pb_grpc.GenerateServiceServicer):
+    def __init__(self, runner: EngineRunner, model_name: str):
+        self.runner = runner
+        self.engine = runner.engine
+        self.model_name = model_name
+        self.tokenizer = runner.engine.model.tokenizer
+
+    def _prepare(self, request: pb.GenerateRequest):
+        check_request_shape(request, self.model_name)
+        params = sampling_from_proto(request.sampling)
+        params.validate(self.engine.model.vocab_size)
+        if request.prompt:
+            ids = encode_prompt(self.tokenizer, request.prompt, request.chat)
+        else:
+            ids = list(request.prompt_token_ids)
+        ids = self.engine.validate_prompt(ids)
+        return ids, params
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrival = time.perf_counter()
+        try:
+            ids, params = self._prepare(request)
+        except InvalidArgument as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = request.request_id or f"gen-{next(_ids)}"
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
+        req = self.runner.submit(ids, params, rid, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        detok = IncrementalDetokenizer(self.tokenizer)
+        log.debug("request %s: %d prompt tokens", rid, len(ids))  # never the prompt text
+        try:
+            while True:
+                out = await outputs.get()
+                final = out.finished
+                resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids,
+                                           text=detok.push(out.new_token_ids, final))
+                if final:
+                    r = out.request
+                    resp.finish_reason = r.finish_reason or ""
+                    resp.usage.prompt_tokens = len(r.prompt_ids)
+                    resp.usage.completion_tokens = len(r.output_ids)
+                    resp.timing.ttft_s = (r.first_token_s or arrival) - arrival
+                    resp.timing.e2e_s = (r.finish_s or time.perf_counter()) - arrival
+                yield resp
+                if final:
+                    return
+        finally:
+            if not req.finished:
+                self.runner.cancel(req)  # the client went away: free the sequence and its draft session
