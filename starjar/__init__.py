@@ -9,4 +9,17 @@ __version__ = "0.1.0"
 from starjar.errors import InvalidArgument, StarjarError
 from starjar.sampling import SamplingParams
 
-__all__ = ["InvalidArgument", "SamplingParams", "StarjarError", "__version__"]
+
+def __getattr__(name):
+    # The SDK pulls in grpc; load it only when asked so engine-only users stay light.
+    if name in ("Client", "AsyncClient", "GenerationResult", "GenerationChunk", "ClientError", "InvalidRequest",
+                "Unavailable", "Timeout", "Unauthenticated"):
+        from starjar import client
+
+        return getattr(client, name)
+    raise AttributeError(name)
+
+
+__all__ = ["AsyncClient", "Client", "ClientError", "GenerationChunk", "GenerationResult", "InvalidArgument",
+           "InvalidRequest", "SamplingParams", "StarjarError", "Timeout", "Unauthenticated", "Unavailable",
+           "__version__"]

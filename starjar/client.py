@@ -1,0 +1,216 @@
+"""The client SDK: `Client` and `AsyncClient` for any starjar GenerateService
+(a target worker, or the controller's front end).
+
+    from starjar import Client
+    with Client("127.0.0.1:50051") as c:
+        print(c.generate("Hello", max_tokens=32).text)
+        for chunk in c.generate_stream("Tell me a story", temperature=0.7):
+            print(chunk.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from starjar.errors import StarjarError
+from starjar.sampling import SamplingParams
+from starjar.v1 import generate_pb2 as pb
+from starjar.v1 import generate_pb2_grpc as pb_grpc
+from starjar.wire import sampling_to_proto
+
+
+class ClientError(StarjarError):
+    """A call failed; `code` is the gRPC status code, `details` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class InvalidRequest(ClientError):
+    """The server rejected the request (INVALID_ARGUMENT); details name the field."""
+
+
+class Unavailable(ClientError):
+    """No server answered (UNAVAILABLE)."""
+
+
+class Timeout(ClientError):
+    """The per-call timeout passed (DEADLINE_EXCEEDED)."""
+
+
+class Unauthenticated(ClientError):
+    """The auth token was missing or wrong (UNAUTHENTICATED / PERMISSION_DENIED)."""
+
+
+_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest, grpc.StatusCode.UNAVAILABLE: Unavailable,
+           grpc.StatusCode.DEADLINE_EXCEEDED: Timeout, grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+           grpc.StatusCode.PERMISSION_DENIED: Unauthenticated}
+
+
+def _error(exc: grpc.RpcError) -> ClientError:
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return _ERRORS.get(code, ClientError)(code, details or "")
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """New tokens since the previous chunk; the last chunk has finish_reason, usage and timing."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.token_ids.extend(chunk.token_ids)
+        self.text += chunk.text
+        if chunk.finish_reason is not None:
+            self.finish_reason, self.usage = chunk.finish_reason, chunk.usage
+            self.ttft_s, self.e2e_s = chunk.ttft_s, chunk.e2e_s
+
+
+def _request(prompt, prompt_token_ids, chat, request_id, model, **sampling) -> pb.GenerateRequest:
+    params = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})  # validates locally first
+    return pb.GenerateRequest(request_id=request_id or "", prompt=prompt or "",
+                              prompt_token_ids=list(prompt_token_ids or ()), chat=chat, model=model or "",
+                              sampling=sampling_to_proto(params))
+
+
+def _chunk(resp: pb.GenerateResponse) -> GenerationChunk:
+    if not resp.finish_reason:
+        return GenerationChunk(list(resp.token_ids), resp.text)
+    return GenerationChunk(list(resp.token_ids), resp.text, resp.finish_reason,
+                           Usage(resp.usage.prompt_tokens, resp.usage.completion_tokens),
+                           resp.timing.ttft_s, resp.timing.e2e_s)
+
+
+def _credentials(tls, root_certificates):
+    if tls is None or tls is False:
+        return None
+    if isinstance(tls, grpc.ChannelCredentials):
+        return tls
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+
+
+class _Base:
+    def __init__(self, address: str, *, timeout: float | None = None, auth_token: str | None = None,
+                 tls: bool | grpc.ChannelCredentials | None = None, root_certificates: bytes | None = None,
+                 model: str | None = None):
+        self.address = address
+        self.timeout = timeout
+        self.model = model
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._creds = _credentials(tls, root_certificates)
+
+    def _call_args(self, timeout):
+        return {"timeout": timeout if timeout is not None else self.timeout, "metadata": self._metadata}
+
+
+class Client(_Base):
+    """Blocking client. Thread-safe: one Client may serve many threads."""
+
+    def __init__(self, address: str, **kw):
+        super().__init__(address, **kw)
+        self._channel = (grpc.secure_channel(address, self._creds) if self._creds
+                         else grpc.insecure_channel(address))
+        self._stub = pb_grpc.GenerateServiceStub(self._channel)
+
+    def generate_stream(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
+                        max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+                        top_k: int | None = None, seed: int | None = None, stop_token_ids: Sequence[int] = (),
+                        ignore_eos: bool = False, chat: bool = False, request_id: str | None = None,
+                        timeout: float | None = None) -> Iterator[GenerationChunk]:
+        req = _request(prompt, prompt_token_ids, chat, request_id, self.model, max_tokens=max_tokens,
+                       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                       stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
+        call = self._stub.Generate(req, **self._call_args(timeout))
+        try:
+            for resp in call:
+                yield _chunk(resp)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()  # no-op once finished; frees the server's sequence if the caller stopped early
+
+    def generate(self, prompt: str | None = None, **kw) -> GenerationResult:
+        result = GenerationResult(request_id=kw.get("request_id") or "")
+        for chunk in self.generate_stream(prompt, **kw):
+            result.add(chunk)
+        return result
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """asyncio client (grpc.aio). Create it inside the event loop that uses it."""
+
+    def __init__(self, address: str, **kw):
+        super().__init__(address, **kw)
+        self._channel = (grpc.aio.secure_channel(address, self._creds) if self._creds
+                         else grpc.aio.insecure_channel(address))
+        self._stub = pb_grpc.GenerateServiceStub(self._channel)
+
+    async def generate_stream(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
+                              max_tokens: int | None = None, temperature: float | None = None,
+                              top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                              stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, chat: bool = False,
+                              request_id: str | None = None,
+                              timeout: float | None = None) -> AsyncIterator[GenerationChunk]:
+        req = _request(prompt, prompt_token_ids, chat, request_id, self.model, max_tokens=max_tokens,
+                       temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                       stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
+        call = self._stub.Generate(req, **self._call_args(timeout))
+        try:
+            async for resp in call:
+                yield _chunk(resp)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: str | None = None, **kw) -> GenerationResult:
+        result = GenerationResult(request_id=kw.get("request_id") or "")
+        async for chunk in self.generate_stream(prompt, **kw):
+            result.add(chunk)
+        return result
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

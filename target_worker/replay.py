@@ -1,0 +1,95 @@
+"""Replay targets: the draft server and the wire run for real, the target does not.
+
+Two cores cannot host several real target models at once, so the star-scaling
+benchmark replaces target compute by a replay: each sequence verifies the
+drafts against the target's own recorded greedy continuation (so acceptance
+is exactly what the real target would give), and each round sleeps for the
+recorded (or chosen) verification time. Results from it are labeled replay.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from starjar.proposer import DraftRequest, Proposer
+
+
+@dataclass(eq=False)
+class ReplaySequence:
+    prompt_ids: list[int]
+    continuation: list[int]  # the target's greedy output for this prompt
+    emitted: int = 0
+    synced: int = 0  # tokens the proposer has been told about
+
+    @property
+    def done(self) -> bool:
+        return self.emitted >= len(self.continuation)
+
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.continuation[: self.emitted]
+
+
+@dataclass
+class ReplayStats:
+    tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    fallbacks: int = 0
+    round_s: list[float] = field(default_factory=list)
+
+
+class ReplayTarget:
+    """A batch of sequences decoded speculatively against recorded continuations."""
+
+    def __init__(self, proposer: Proposer, gamma: int, verify_s: float):
+        self.proposer = proposer
+        self.gamma = gamma
+        self.verify_s = verify_s  # wall time one verification pass takes on the real target
+        self.stats = ReplayStats()
+
+    def run(self, scripts: Sequence[tuple[list[int], list[int]]], until_s: float | None = None) -> ReplayStats:
+        """Decode every script to its end; with until_s, restart finished ones until the time is up."""
+        stop_at = None if until_s is None else time.perf_counter() + until_s
+        batch = [ReplaySequence(list(p), list(c)) for p, c in scripts]
+        while batch:
+            self._round(batch)
+            expired = stop_at is not None and time.perf_counter() >= stop_at
+            for i, seq in enumerate(batch):
+                if seq.done or expired:
+                    self.proposer.release([id(seq)])
+                    if seq.done and stop_at is not None and not expired:
+                        batch[i] = ReplaySequence(seq.prompt_ids, seq.continuation)
+            batch = [] if expired else [s for s in batch if not s.done]
+        return self.stats
+
+    def _round(self, batch: list[ReplaySequence]) -> None:
+        t0 = time.perf_counter()
+        reqs = []
+        for s in batch:
+            toks = s.tokens()
+            g = max(0, min(self.gamma, len(s.continuation) - s.emitted - 1))
+            reqs.append(DraftRequest(id(s), s.synced, toks[s.synced:], g))
+        try:
+            replies = self.proposer.propose(reqs)
+        except Exception:  # a failed round is a speculation-free step, as on a real target
+            replies = [None] * len(reqs)
+            self.stats.fallbacks += 1
+        for s, r, req in zip(batch, replies, reqs):
+            if r is None:
+                s.synced, r = 0, []
+            else:
+                s.synced = req.start + len(req.tokens)
+            want = s.continuation[s.emitted:]
+            k = 0
+            while k < len(r) and k < len(want) - 1 and r[k] == want[k]:
+                k += 1
+            s.emitted += k + 1  # accepted drafts + the target's own next token
+            self.stats.drafted += len(r)
+            self.stats.accepted += k
+            self.stats.tokens += k + 1
+        self.stats.rounds += 1
+        time.sleep(self.verify_s)  # the verification pass, replayed
+        self.stats.round_s.append(time.perf_counter() - t0)

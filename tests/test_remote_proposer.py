@@ -1,0 +1,125 @@
+"""Target engines drafting through a real draft server: exact output whatever the draft side does."""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from draft_server.background import BackgroundDraftServer
+from draft_server.config import DraftServerConfig
+from starjar.policy import FixedGamma
+from starjar.sampling import SamplingParams
+from starjar.v1 import draft_pb2 as pb
+from starjar.v1 import draft_pb2_grpc as pb_grpc
+from target_worker.draft_client import RemoteProposer
+from target_worker.engine import EngineConfig, TargetEngine
+
+GREEDY = SamplingParams(max_tokens=48)
+
+
+def engine_for(models, address, worker, gamma=3, deadline_s=2.0, batch=8):
+    rp = RemoteProposer(address, models["llama"].fingerprint, worker, deadline_s, backoff_s=(0.02, 0.2))
+    return TargetEngine(models["llama"], rp, FixedGamma(gamma), EngineConfig(max_batch_size=batch)), rp
+
+
+def test_three_targets_share_one_draft_server(models, spec_prompts, reference):
+    ref = reference("llama", 48)
+    with BackgroundDraftServer(models["draft"]) as srv:
+        results = {}
+
+        def run(k):
+            eng, rp = engine_for(models, srv.address, f"t{k}")
+            assert rp.wait_attached(10)
+            reqs = eng.generate(spec_prompts, GREEDY)
+            results[k] = ([r.output_ids for r in reqs], eng.stats, rp.stats)
+            rp.close()
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        for outs, es, cs in results.values():
+            assert outs == ref
+            assert es.accepted_tokens > 0 and cs.rounds > 0 and not cs.fallbacks
+        stats = srv.server.stats.snapshot()
+        assert set(stats["per_worker"]) == {"t0", "t1", "t2"}
+        time.sleep(0.2)
+        assert srv.server.compute.engine.num_sequences == 0  # released as requests finished
+
+
+def test_refused_at_n_max_runs_without_speculation(models, spec_prompts, reference):
+    with BackgroundDraftServer(models["draft"], DraftServerConfig(max_targets=1)) as srv:
+        first, rp1 = engine_for(models, srv.address, "first")
+        assert rp1.wait_attached(10)
+        second, rp2 = engine_for(models, srv.address, "second")
+        outs = second.generate(spec_prompts[:10], GREEDY)
+        assert [r.output_ids for r in outs] == reference("llama", 48)[:10]
+        assert rp2.stats.refusals["admission"] >= 1 and second.stats.drafted_tokens == 0
+        assert second.stats.proposer_failures > 0
+        rp1.close(), rp2.close()
+
+
+def test_missed_deadlines_fall_back(models, spec_prompts, reference):
+    with BackgroundDraftServer(models["draft"]) as srv:
+        eng, rp = engine_for(models, srv.address, "slowpoke", deadline_s=1e-6)
+        assert rp.wait_attached(10)
+        outs = eng.generate(spec_prompts[:8], GREEDY)
+        assert [r.output_ids for r in outs] == reference("llama", 48)[:8]
+        assert rp.stats.fallbacks["deadline"] > 0
+        rp.close()
+
+
+def test_draft_server_restart_mid_run(models, spec_prompts, reference):
+    """The server goes away and comes back on the same port: no request fails or changes."""
+    srv = BackgroundDraftServer(models["draft"]).start()
+    port = srv.server.port
+    eng, rp = engine_for(models, srv.address, "survivor", batch=4)
+    assert rp.wait_attached(10)
+    reqs = [eng.add_request(p, GREEDY) for p in spec_prompts[:12]]
+    steps = 0
+    restarted = None
+    while eng.has_work():
+        eng.step()
+        steps += 1
+        if steps == 10:
+            srv.stop(grace=0)
+        if steps == 25:
+            restarted = BackgroundDraftServer(models["draft"], port=port).start()
+    assert [r.output_ids for r in reqs] == reference("llama", 48)[:12]
+    assert rp.stats.attaches >= 2 or restarted is None
+    assert eng.stats.proposer_failures > 0
+    rp.close()
+    if restarted:
+        restarted.stop(grace=0)
+
+
+class MalformedDraftService(pb_grpc.DraftServiceServicer):
+    """Fault injection: a draft server that answers with the wrong sequence ids and bogus tokens."""
+
+    def Attach(self, request, context):
+        return pb.AttachResponse(tag=b"x" * 16, limits=pb.Limits(max_gamma=8))
+
+    def Speculate(self, request_iterator, context):
+        for req in request_iterator:
+            resp = pb.SpeculateResponse(round_id=req.round_id)
+            for s in req.sequences:
+                resp.sequences.add(seq_id=s.seq_id + (req.round_id % 2), tokens=[10**6] * s.gamma)
+            yield resp
+
+
+def test_malformed_replies_fall_back(models, spec_prompts, reference):
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_DraftServiceServicer_to_server(MalformedDraftService(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        eng, rp = engine_for(models, f"127.0.0.1:{port}", "victim")
+        assert rp.wait_attached(10)
+        outs = eng.generate(spec_prompts[:6], GREEDY)
+        assert [r.output_ids for r in outs] == reference("llama", 48)[:6]
+        assert rp.stats.fallbacks["malformed"] > 0 and eng.stats.proposer_failures > 0
+        rp.close()
+    finally:
+        server.stop(0)
