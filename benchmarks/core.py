@@ -111,11 +111,27 @@ def run(args) -> dict:
                            "hf_assisted_best": round(max(h["tokens_per_s"] for h in hf_assisted) / hf_alone, 3)},
         "batching_ratio": {f"{bs}_vs_1": round(by[(bs, 0)]["tokens_per_s"] / alone1, 3)
                            for bs in batch_sizes if bs > 1},
+        "batching_fixed_length": fixed_length_batching(target, prompts[:16], max_new, batch_sizes),
         "greedy_equal_all": all(r["greedy_equal"] == r["requests"] for r in runs)
         and all(h["greedy_equal"] == len(prompts) for h in hf_assisted),
         "switching_cost": switching_cost(draft, prompts, quick),
     }
     return result
+
+
+def fixed_length_batching(target, prompts, max_new: int, batch_sizes: list[int]) -> dict:
+    """Target alone with every output exactly max_new tokens (ignore_eos): decode-dominated
+    throughput per batch size, as a serving benchmark with fixed output lengths measures it."""
+    params = SamplingParams(max_tokens=max_new, ignore_eos=True)
+    rates = {}
+    for bs in batch_sizes:
+        engine = colocated_engine(target, None, 0, bs)
+        t0 = time.perf_counter()
+        reqs = engine.generate(prompts, params)
+        rates[bs] = sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - t0)
+    return {"prompts": len(prompts), "max_new_tokens": max_new,
+            "tokens_per_s": {str(b): round(r, 3) for b, r in rates.items()},
+            "ratio_vs_1": {str(b): round(r / rates[1], 3) for b, r in rates.items() if b > 1}}
 
 
 def switching_cost(draft, prompts, quick: bool) -> list[dict]:

@@ -13,7 +13,7 @@ import torch
 
 from starjar.errors import InvalidArgument
 
-BENCHMARKS = {"core": "benchmarks.core"}
+BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "benchmarks.star"}
 
 
 def run_bench(args) -> int:

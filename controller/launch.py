@@ -12,10 +12,10 @@ import time
 
 
 class ServerProcess:
-    def __init__(self, *args: str, threads: int = 1):
+    def __init__(self, *args: str, threads: int = 1, module: str = "controller.cli serve"):
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
         self.args = args
-        self.proc = subprocess.Popen([sys.executable, "-m", "controller.cli", "serve", *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", *module.split(), *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.address = self._wait_ready()
         # Keep draining stderr so the server never blocks on a full pipe.

@@ -183,25 +183,20 @@ class TargetEngine:
 
     def _prefill(self, joined: list[Request], outputs: dict[int, StepOutput]) -> None:
         t0 = time.perf_counter()
-        feeds = []
         for req in joined:
             req.slot = self.cache.allocate()
             self._slot_req.append(req)
-            # A readmitted (preempted) request already has its pending token: feed all but it.
-            feeds.append(req.all_ids()[:-1] if req.output_ids else req.prompt_ids)
-        fresh = [i for i, r in enumerate(joined) if not r.output_ids]
-        resumed = [i for i, r in enumerate(joined) if r.output_ids]
-        # Resumed requests with a single prompt token feed nothing; run them as fresh-less no-ops.
-        run = [i for i in range(len(joined)) if feeds[i]]
-        logits = self.model.forward(self.cache, [joined[i].slot for i in run], [feeds[i] for i in run],
-                                    [[len(feeds[i]) - 1] for i in run])
-        by_index = dict(zip(run, logits))
-        now = time.perf_counter()
-        for i in fresh:
-            req = joined[i]
-            req.first_token_s = now
-            self._emit(req, [sample_next(by_index[i][0], req.params, req.generator)], outputs)
-        del resumed  # nothing to emit: their pending token is already in output_ids
+        # A readmitted (preempted) request already holds its pending token: feed all but it.
+        feeds = {id(r): (r.all_ids()[:-1] if r.output_ids else r.prompt_ids) for r in joined}
+        for group in _length_groups(joined, lambda r: len(feeds[id(r)])):
+            group.sort(key=lambda r: r.slot)  # contiguous slots let the cache use views
+            fs = [feeds[id(r)] for r in group]
+            logits = self.model.forward(self.cache, [r.slot for r in group], fs, [[len(f) - 1] for f in fs])
+            now = time.perf_counter()
+            for req, lg in zip(group, logits):
+                if not req.output_ids:
+                    req.first_token_s = now
+                    self._emit(req, [sample_next(lg[0], req.params, req.generator)], outputs)
         self.stats.prefill_s += time.perf_counter() - t0
 
     # ---- run: one decoding step (speculative when gamma > 0) ------------------------------
@@ -346,3 +341,24 @@ class TargetEngine:
                 self.proposer.release([req.request_id])
             except Exception as exc:
                 log.warning("proposer release failed: %s", exc)
+
+
+def _length_groups(reqs: list[Request], length: Callable[[Request], int],
+                   max_padding: float = 0.25) -> list[list[Request]]:
+    """Split a prefill into passes of similar lengths.
+
+    A padded pass costs about as much as if every sequence had the longest length, and
+    prefill is compute-bound, so mixing a 20-token and a 200-token prompt wastes most of
+    the pass. Sorted by length, a group closes once padding would exceed max_padding of
+    its real tokens.
+    """
+    groups: list[list[Request]] = []
+    for r in sorted(reqs, key=length, reverse=True):
+        if groups:
+            g = groups[-1]
+            real = sum(length(x) for x in g) + length(r)
+            if length(g[0]) * (len(g) + 1) <= (1 + max_padding) * real:
+                g.append(r)
+                continue
+        groups.append([r])
+    return groups

@@ -86,3 +86,22 @@ def test_kill_9_draft_server_and_restart(model_dirs, spec_prompts, reference):
     finally:
         for p in targets + [draft]:
             p.kill()
+
+
+def test_sigterm_drains_and_exits_cleanly(model_dirs, models):
+    import grpc
+
+    from starjar.v1 import draft_pb2 as pb
+    from starjar.v1 import draft_pb2_grpc as pb_grpc
+    from target_worker.draft_client import RemoteProposer
+    from starjar.proposer import DraftRequest
+
+    draft = ServerProcess("draft", "--model", model_dirs["draft"], "--port", "0")
+    rp = RemoteProposer(draft.address, models["llama"].fingerprint, "graceful", deadline_s=10)
+    assert rp.wait_attached(10)
+    assert rp.propose([DraftRequest("s", 0, [5, 6, 7], 3)])[0]  # a round answered before the signal
+    assert draft.terminate() == 0  # SIGTERM: finish what is in flight, refuse new work, exit 0
+    with pytest.raises(grpc.RpcError):
+        pb_grpc.DraftServiceStub(grpc.insecure_channel(draft.address)).Attach(
+            pb.AttachRequest(worker_id="late"), timeout=2)
+    rp.close()

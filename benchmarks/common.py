@@ -1,0 +1,61 @@
+"""Pieces every benchmark shares: the pair, the prompts, target continuations, a plot helper."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from starjar.sampling import SamplingParams
+from starjar.workloads import spec_bench_prompts
+
+
+def pair_dirs(args) -> tuple[str, str, str]:
+    """(target dir, draft dir, a note saying which draft this is)."""
+    if getattr(args, "target", None) and getattr(args, "draft", None):
+        return args.target, args.draft, "given on the command line"
+    from starjar.default_pair import DRAFT_LAYERS, build_default_pair
+
+    pair = build_default_pair()
+    note = (f"placeholder draft: the target's first {DRAFT_LAYERS} layers, untrained "
+            "(the trained default draft is issue 4)")
+    return args.target or pair["target"], args.draft or pair["draft"], note
+
+
+def prompt_ids(tokenizer, n: int) -> list[list[int]]:
+    return [list(tokenizer(p)["input_ids"]) for p in spec_bench_prompts(n)]
+
+
+def target_continuations(target, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The target's own greedy output (what replay targets verify against)."""
+    from controller.colocated import colocated_engine
+
+    reqs = colocated_engine(target, None, 0, len(prompts)).generate(prompts, SamplingParams(max_tokens=max_tokens,
+                                                                                            ignore_eos=True))
+    return [r.output_ids for r in reqs]
+
+
+def p50(xs) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def save_plot(path: Path, title: str, series: dict[str, tuple[list, list]], xlabel: str, ylabel: str) -> str | None:
+    """A line plot as PNG; None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,125 @@
+"""`starjar bench star --replay`: StarSD's star scaling, batched vs fifo.
+
+One real draft server process (the default pair's draft) serves N = 1..8
+replay targets (threads in this process, each with its own gRPC stream): they
+verify drafts against the target's recorded greedy continuations and spend a
+fixed verification time Z per round, chosen so that StarSD's prediction
+N_full = ceil(Z/S) + 1 lands near 4-5. Labeled replay: target compute is
+simulated, the draft server, the wire and the scheduling are real.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from tqdm import tqdm
+
+from benchmarks.common import pair_dirs, prompt_ids, save_plot, target_continuations
+from controller.launch import ServerProcess
+from starjar.models import load_model
+from starjar.v1 import draft_pb2 as pb
+from starjar.v1 import draft_pb2_grpc as pb_grpc
+from target_worker.draft_client import RemoteProposer
+from target_worker.replay import ReplayTarget
+
+GAMMA = 4
+
+
+def _server_stats(address: str) -> pb.DraftStats:
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.DraftServiceStub(ch).GetStats(pb.GetStatsRequest(), timeout=10)
+
+
+def _run_n(draft_dir, mode, n, scripts, verify_s, duration_s, fingerprint) -> dict:
+    server = ServerProcess("draft", "--model", draft_dir, "--port", "0", "--mode", mode, "--max-targets", "64",
+                           threads=2)
+    try:
+        proposers = [RemoteProposer(server.address, fingerprint, f"target-{k}", deadline_s=30.0) for k in range(n)]
+        for p in proposers:
+            if not p.wait_attached(30):
+                raise RuntimeError("replay target could not attach")
+        targets = [ReplayTarget(p, GAMMA, verify_s) for p in proposers]
+        # Each target serves one request at a time, as in StarSD; targets start staggered.
+        threads = [threading.Thread(target=t.run, args=([scripts[k % len(scripts)]], duration_s))
+                   for k, t in enumerate(targets)]
+        t0 = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - t0
+        stats = _server_stats(server.address)
+        wire = [w for p in proposers for w in p.stats.wire_overhead_s()]
+        for p in proposers:
+            p.close()
+    finally:
+        server.kill()
+    tokens = [t.stats.tokens for t in targets]
+    return {"n_targets": n, "system_tokens_per_s": round(sum(tokens) / wall, 3),
+            "per_target_tokens_per_s": round(sum(tokens) / wall / n, 3),
+            "t_s_ms": round(1000 * stats.mean_step_s, 3), "s_ms": round(1000 * stats.mean_service_s, 3),
+            "t_wait_ms": round(1000 * stats.mean_wait_s, 3), "t_idle_ms": round(1000 * stats.mean_idle_s, 3),
+            "r_q": round(stats.rounds_per_s, 3),
+            "r_p": round(sum(t.rounds_per_s for t in stats.targets) / max(1, len(stats.targets)), 3),
+            "draft_load": round(stats.load, 4), "batches": stats.batches, "rounds": stats.rounds,
+            "acceptance_rate": round(sum(t.stats.accepted for t in targets) /
+                                     max(1, sum(t.stats.drafted for t in targets)), 4),
+            "wire_ms_mean": round(1000 * sum(wire) / max(1, len(wire)), 3)}
+
+
+def run(args) -> dict:
+    if not getattr(args, "replay", False):
+        raise SystemExit("bench star runs replay targets only on this machine: pass --replay")
+    quick = args.quick
+    ns = [1, 2, 4, 6, 8] if quick else list(range(1, 9))
+    duration = 6.0 if quick else 15.0
+    target_dir, draft_dir, note = pair_dirs(args)
+    target = load_model(target_dir)
+    prompts = prompt_ids(target.tokenizer, 8)
+    print("recording the target's greedy continuations ...", file=sys.stderr)
+    conts = target_continuations(target, prompts, 48 if quick else 96)
+    scripts = list(zip(prompts, conts))
+    fingerprint = target.fingerprint
+    del target
+
+    # Calibrate: S from fifo at N = 1 with no verification time; then Z = 3.5 S gives N_full = 5.
+    calib = _run_n(draft_dir, "fifo", 1, scripts, 0.0, 4.0, fingerprint)
+    s_round = calib["s_ms"] / 1000
+    verify_s = 3.5 * s_round
+    modes = {}
+    bar = tqdm(total=2 * len(ns), desc="star scaling (replay)", file=sys.stderr)
+    for mode in ("batched", "fifo"):
+        rows = []
+        for n in ns:
+            rows.append(_run_n(draft_dir, mode, n, scripts, verify_s, duration, fingerprint))
+            bar.set_postfix(mode=mode, n=n, sys_tok_s=rows[-1]["system_tokens_per_s"], load=rows[-1]["draft_load"])
+            bar.update()
+        modes[mode] = rows
+    bar.close()
+    fifo = modes["fifo"]
+    s_fifo = fifo[0]["s_ms"] / 1000
+    z = verify_s + fifo[0]["wire_ms_mean"] / 1000  # return time: verification + wire
+    predicted = math.ceil(z / s_fifo) + 1 if s_fifo else None
+    best = max(r["system_tokens_per_s"] for r in fifo)
+    measured = next(r["n_targets"] for r in fifo if r["system_tokens_per_s"] >= 0.95 * best)
+    b = {r["n_targets"]: r for r in modes["batched"]}
+    f = {r["n_targets"]: r for r in fifo}
+    out = {"label": "replay: recorded target continuations and a fixed verification time; draft server real",
+           "pair": {"target": target_dir, "draft": draft_dir, "note": note},
+           "gamma": GAMMA, "verify_s": round(verify_s, 5), "return_time_z_s": round(z, 5),
+           "service_time_s_fifo": round(s_fifo, 5), "modes": modes,
+           "n_full_measured": measured, "n_full_predicted": predicted,
+           "n_full_rule": "smallest N whose fifo system throughput is >= 95% of its maximum",
+           "batched_scaling_6_over_1": round(b[6]["system_tokens_per_s"] / b[1]["system_tokens_per_s"], 3)
+           if 6 in b else None,
+           "batched_vs_fifo_round_rate_at_8": round(b[8]["r_q"] / f[8]["r_q"], 3) if 8 in b else None}
+    plot = Path(args.out).with_suffix(".png")
+    out["plot"] = save_plot(plot, "star scaling (replay targets)",
+                            {m: ([r["n_targets"] for r in rows], [r["system_tokens_per_s"] for r in rows])
+                             for m, rows in modes.items()}, "targets N", "system tokens/s")
+    return out

@@ -1,0 +1,76 @@
+"""`starjar bench tax`: the distribution tax on the default pair.
+
+Co-located (draft engine in the target's process) vs remote (a `starjar serve
+draft` process on loopback, N = 1), same prompts, greedy, batch 1, in one run.
+The wire overhead per round is the round time the target sees minus the
+server's queue wait and compute; next to it, a bare grpc.aio bidirectional
+echo of the same message size between two processes, the floor of Python gRPC.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from tqdm import tqdm
+
+from benchmarks.common import p50, pair_dirs, prompt_ids
+from benchmarks.echo import measure_echo
+from controller.colocated import colocated_engine, load_pair, remote_engine
+from controller.launch import ServerProcess
+from starjar.sampling import SamplingParams
+
+
+def _timed(engine, prompts, params, label):
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(prompts), desc=label, file=sys.stderr)
+    reqs = engine.generate(prompts, params, on_step=lambda outs: bar.update(sum(o.finished for o in outs)))
+    bar.close()
+    wall = time.perf_counter() - t0
+    return reqs, sum(len(r.output_ids) for r in reqs) / wall
+
+
+def run(args) -> dict:
+    n_prompts, max_new = (4, 32) if args.quick else (12, 64)
+    gamma = 2
+    target_dir, draft_dir, note = pair_dirs(args)
+    target, draft = load_pair(target_dir, draft_dir)
+    prompts = prompt_ids(target.tokenizer, n_prompts)
+    params = SamplingParams(max_tokens=max_new)
+    colocated_engine(target, draft, gamma, 1).generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
+
+    server = ServerProcess("draft", "--model", draft_dir, "--port", "0", threads=2)
+    try:
+        # Alternate the two modes twice so drift on the machine hits both alike.
+        co_rates, re_rates, co_out, re_out, wire = [], [], None, None, []
+        for rep in range(2):
+            reqs, rate = _timed(colocated_engine(target, draft, gamma, 1), prompts, params, f"co-located #{rep}")
+            co_rates.append(rate)
+            co_out = [r.output_ids for r in reqs]
+            eng = remote_engine(target, server.address, gamma, 1, deadline_s=5.0)
+            reqs, rate = _timed(eng, prompts, params, f"remote #{rep}")
+            re_rates.append(rate)
+            re_out = [r.output_ids for r in reqs]
+            wire.extend(eng.proposer.stats.wire_overhead_s())
+            eng.proposer.close()
+    finally:
+        server.kill()
+    # The message a typical round sends: one sequence, a few new tokens, gamma.
+    from starjar.v1 import draft_pb2 as pb
+
+    msg = pb.SpeculateRequest(round_id=1000, sequences=[pb.SequenceRound(seq_id=7, start=300, tokens=[1234, 5678],
+                                                                         gamma=gamma)])
+    echo = ServerProcess(module="benchmarks.echo")
+    try:
+        echo_ms = measure_echo(echo.address, msg.ByteSize(), 500)
+    finally:
+        echo.kill()
+    colocated, remote = sum(co_rates) / 2, sum(re_rates) / 2
+    return {"pair": {"target": target_dir, "draft": draft_dir, "note": note},
+            "workload": {"prompts": n_prompts, "max_new_tokens": max_new, "gamma": gamma, "batch_size": 1},
+            "colocated_tokens_per_s": round(colocated, 3), "remote_tokens_per_s": round(remote, 3),
+            "ratio": round(remote / colocated, 4),
+            "wire_overhead_ms_p50": round(1000 * p50(wire), 4), "echo_ms_p50": round(echo_ms, 4),
+            "wire_vs_echo": round(1000 * p50(wire) / echo_ms, 3) if echo_ms else None,
+            "message_bytes": msg.ByteSize(), "rounds_measured": len(wire),
+            "outputs_identical": co_out == re_out}
