@@ -144,8 +144,8 @@ class Client(_Base):
                         max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                         top_k: int | None = None, seed: int | None = None, stop_token_ids: Sequence[int] = (),
                         ignore_eos: bool = False, chat: bool = False, request_id: str | None = None,
-                        timeout: float | None = None) -> Iterator[GenerationChunk]:
-        req = _request(prompt, prompt_token_ids, chat, request_id, self.model, max_tokens=max_tokens,
+                        model: str | None = None, timeout: float | None = None) -> Iterator[GenerationChunk]:
+        req = _request(prompt, prompt_token_ids, chat, request_id, model or self.model, max_tokens=max_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                        stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
         call = self._stub.Generate(req, **self._call_args(timeout))
@@ -186,9 +186,9 @@ class AsyncClient(_Base):
                               max_tokens: int | None = None, temperature: float | None = None,
                               top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, chat: bool = False,
-                              request_id: str | None = None,
+                              request_id: str | None = None, model: str | None = None,
                               timeout: float | None = None) -> AsyncIterator[GenerationChunk]:
-        req = _request(prompt, prompt_token_ids, chat, request_id, self.model, max_tokens=max_tokens,
+        req = _request(prompt, prompt_token_ids, chat, request_id, model or self.model, max_tokens=max_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                        stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
         call = self._stub.Generate(req, **self._call_args(timeout))

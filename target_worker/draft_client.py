@@ -62,7 +62,10 @@ class RemoteProposer:
         self._backoff = backoff_s
         self._channel = grpc.insecure_channel(address, options=[
             ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)])
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # Reconnect soon after a draft server restarts (gRPC's default backoff grows to 120 s).
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", int(backoff_s[1] * 1000))])
         self._stub = pb_grpc.DraftServiceStub(self._channel)
         self._lock = threading.Lock()
         self._attached = threading.Event()
