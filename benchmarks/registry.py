@@ -13,7 +13,8 @@ import torch
 
 from starjar.errors import InvalidArgument
 
-BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "benchmarks.star"}
+BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "benchmarks.star",
+              "cluster": "benchmarks.cluster"}
 
 
 def run_bench(args) -> int:
