@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from draft_server.compute import ComputeLoop
 from draft_server.config import DraftServerConfig
@@ -23,6 +20,7 @@ from draft_server.sessions import SessionTable
 from draft_server.stats import ServerStats
 from draft_server.work_queue import make_queue
 from starjar.models import LoadedModel
+from starjar.serving import HealthAndReflection, run_until_signalled
 from starjar.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -46,7 +44,7 @@ class DraftServer:
         self.service = DraftService(self.cfg, self.sessions, self.queue, self.stats, (int(vocab_size), tok_hash),
                                     draft_name=model.path.rstrip("/").split("/")[-1], vocab_size=model.vocab_size)
         self._server: grpc.aio.Server | None = None
-        self._health = health.aio.HealthServicer()
+        self._health: HealthAndReflection | None = None
         self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> int:
@@ -55,15 +53,11 @@ class DraftServer:
                 ("grpc.so_reuseport", 0)]
         self._server = grpc.aio.server(options=opts)
         draft_pb2_grpc.add_DraftServiceServicer_to_server(self.service, self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._server)
+        self._health = HealthAndReflection(self._server, SERVICE_NAME)
         self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
         self.compute.start()
         await self._server.start()
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set_serving(True)
         self._sweeper = asyncio.create_task(self._sweep())
         log.info("draft server on %s:%d (mode %s, N_max %d, draft %s)", self.host, self.port, self.cfg.mode,
                  self.cfg.max_targets, self.service.draft_name)
@@ -82,8 +76,7 @@ class DraftServer:
         """Answer what is queued, refuse new rounds, then close."""
         if self._server is None:
             return
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._health.set_serving(False)
         self.service.start_draining()
         await self._server.stop(grace)
         if self._sweeper:
@@ -93,24 +86,7 @@ class DraftServer:
         self._server = None
 
 
-async def _serve(model: LoadedModel, cfg: DraftServerConfig, host: str, port: int, on_ready=None) -> None:
-    server = DraftServer(model, cfg, host, port)
-    bound = await server.start()
-    if on_ready:
-        on_ready(bound)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down: finishing rounds in flight")
-    await server.stop()
-
-
 def serve_forever(model: LoadedModel, cfg: DraftServerConfig, host: str, port: int, on_ready=None) -> None:
-    try:
-        import uvloop
-
-        uvloop.run(_serve(model, cfg, host, port, on_ready))
-    except ImportError:
-        asyncio.run(_serve(model, cfg, host, port, on_ready))
+    """Until SIGTERM/SIGINT; then answer what is queued, refuse new rounds, exit."""
+    server = DraftServer(model, cfg, host, port)
+    run_until_signalled(server.start, server.stop, on_ready)

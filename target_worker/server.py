@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from starjar.models import LoadedModel
 from starjar.policy import FixedGamma, SpeculationPolicy
+from starjar.serving import HealthAndReflection, run_until_signalled
 from starjar.v1 import generate_pb2, generate_pb2_grpc
 from target_worker.draft_client import RemoteProposer
 from target_worker.engine import EngineConfig, TargetEngine
@@ -34,21 +31,17 @@ class TargetServer:
         self.port: int | None = None
         self.model_name = model.path.rstrip("/").split("/")[-1]
         self._server: grpc.aio.Server | None = None
-        self._health = health.aio.HealthServicer()
+        self._health: HealthAndReflection | None = None
 
     async def start(self) -> int:
         self._server = grpc.aio.server()
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateService(self.runner, self.model_name),
                                                                 self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            self._server)
+        self._health = HealthAndReflection(self._server, SERVICE_NAME)
         self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
         self.runner.start()
         await self._server.start()
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set_serving(True)
         log.info("target worker on %s:%d (model %s, draft %s)", self.host, self.port, self.model_name,
                  self.proposer.address if self.proposer else "none")
         return self.port
@@ -56,8 +49,7 @@ class TargetServer:
     async def stop(self, grace: float = 5.0) -> None:
         if self._server is None:
             return
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._health.set_serving(False)
         await self._server.stop(grace)
         self.runner.stop()
         if self.proposer:
@@ -65,22 +57,5 @@ class TargetServer:
         self._server = None
 
 
-async def _serve(server: TargetServer, on_ready=None) -> None:
-    port = await server.start()
-    if on_ready:
-        on_ready(port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await server.stop()
-
-
 def serve_forever(server: TargetServer, on_ready=None) -> None:
-    try:
-        import uvloop
-
-        uvloop.run(_serve(server, on_ready))
-    except ImportError:
-        asyncio.run(_serve(server, on_ready))
+    run_until_signalled(server.start, server.stop, on_ready)
