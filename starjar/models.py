@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from starjar.errors import InvalidArgument, ModelMismatch
+from starjar import skinny_linear
 from starjar.kv_cache import RaggedKVCache
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     dev, dt = parse_device(device), parse_dtype(dtype)
     tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dt).to(dev).eval()
+    if dev.type == "cpu" and dt == torch.float32:
+        skinny_linear.install(model)
     cfg = model.config
     max_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id

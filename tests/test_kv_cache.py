@@ -55,3 +55,18 @@ def test_scattered_slots_and_growth(models):
     assert torch.allclose(out[0][0], full_logits(m, seqs[4] + long), atol=TOL)
     assert torch.allclose(out[1][0], full_logits(m, seqs[1] + [9]), atol=TOL)
     assert cache.tokens_used() == sum(map(len, seqs)) + len(long) + 1
+
+
+def test_skinny_linear_matches_f_linear(models):
+    """The few-rows CPU path computes the same product (to float rounding) and is installed."""
+    import torch.nn.functional as F
+
+    from starjar import skinny_linear
+
+    lin = torch.nn.Linear(48, 300, bias=True)
+    assert skinny_linear.install(torch.nn.Sequential(lin)) == 1
+    for r in (1, 2, 5, 33):
+        x = torch.randn(3, r, 48)
+        assert torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5)
+    head = models["llama"].model.get_output_embeddings()
+    assert "forward" in head.__dict__  # load_model installed it on the CPU fp32 model
