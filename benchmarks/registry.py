@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import platform
 import sys
 import time
@@ -24,7 +25,8 @@ def run_bench(args) -> int:
     t0 = time.time()
     result = module.run(args)
     result["meta"] = {"benchmark": args.name, "quick": bool(args.quick), "wall_s": round(time.time() - t0, 1),
-                      "torch_threads": torch.get_num_threads(), "machine": platform.machine(),
+                      "torch_threads": torch.get_num_threads(),
+                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"), "machine": platform.machine(),
                       "python": platform.python_version(), "torch": torch.__version__,
                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     out = Path(args.out)

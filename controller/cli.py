@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.registry import run_bench
             return run_bench(args)
         if args.cmd == "serve":
+            # Servers share cores with each other on one host: OpenMP threads that spin after
+            # each op steal them (a remote draft lost 8% of target speed that way). Must be
+            # set before torch loads.
+            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             from controller.serve_cmd import run_serve
             return run_serve(args)
         if args.cmd == "demo":

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from starjar.errors import InvalidArgument
+
+if TYPE_CHECKING:  # torch loads on first use, so `import starjar` (the SDK) stays light
+    import torch
 
 # Upper bounds that keep a single request from monopolising a server.
 MAX_TOKENS_LIMIT = 1 << 16
@@ -60,21 +62,25 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def make_generator(self) -> torch.Generator:
+    def make_generator(self) -> "torch.Generator":
         """A private RNG per request: seeded runs repeat, unseeded ones never collide."""
+        import torch
+
         gen = torch.Generator(device="cpu")
         seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         gen.manual_seed(seed)
         return gen
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def logits_to_probs(logits: "torch.Tensor", params: SamplingParams) -> "torch.Tensor":
     """Target distribution p for sampling.
 
     logits: [..., V] (any float dtype); returns float32 probabilities [..., V].
     Must not be called for greedy requests: greedy is argmax, not a distribution.
     """
     assert not params.greedy, "greedy requests use argmax"
+    import torch
+
     x = logits.float() / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
