@@ -42,14 +42,20 @@ class ComputeLoop(threading.Thread):
 
     def _serve(self, items) -> None:
         rounds = [w for w in items if isinstance(w, RoundWork)]
-        for w in items:
-            if isinstance(w, ReleaseWork):
-                before = self.engine.num_sequences
-                self.engine.release(w.keys)
-                if w.done:
-                    w.done(before - self.engine.num_sequences)
-        if not rounds:
-            return
+        try:
+            if rounds:
+                self._draft(rounds)
+        finally:
+            # Releases go last: a release queued after a round of the same sequence (a stream
+            # that ends with a round in flight) must not be undone by that round recreating it.
+            for w in items:
+                if isinstance(w, ReleaseWork):
+                    before = self.engine.num_sequences
+                    self.engine.release(w.keys)
+                    if w.done:
+                        w.done(before - self.engine.num_sequences)
+
+    def _draft(self, rounds: list[RoundWork]) -> None:
         start = time.perf_counter()
         flat = [r for w in rounds for r in w.requests]
         es = self.engine.stats
