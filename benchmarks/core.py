@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
+from benchmarks.common import pair_dirs
 from controller.colocated import colocated_engine, load_pair
 from draft_server.engine import DraftEngine
 from starjar.proposer import DraftRequest
@@ -26,23 +26,12 @@ from starjar.sampling import SamplingParams
 from starjar.workloads import spec_bench_prompts
 
 
-def _pair_dirs(args) -> tuple[str, str, str]:
-    if args.target and args.draft:
-        return args.target, args.draft, "given on the command line"
-    from starjar.default_pair import build_default_pair, DRAFT_LAYERS
-
-    pair = build_default_pair()
-    note = (f"placeholder draft: the target's first {DRAFT_LAYERS} layers, untrained "
-            "(the trained default draft is issue 4)")
-    return args.target or pair["target"], args.draft or pair["draft"], note
-
-
 def run(args) -> dict:
     quick = args.quick
     n_prompts, max_new = (6, 24) if quick else (40, 64)
     batch_sizes = [1, 4] if quick else [1, 4, 16]
     gammas = [0, 1, 2] if quick else [0, 1, 2, 3, 4, 5]
-    target_dir, draft_dir, note = _pair_dirs(args)
+    target_dir, draft_dir, note = pair_dirs(args)
     target, draft = load_pair(target_dir, draft_dir)
     prompts = [target.tokenizer(p)["input_ids"] for p in spec_bench_prompts(n_prompts)]
     params = SamplingParams(max_tokens=max_new)

@@ -12,8 +12,7 @@ from tqdm import tqdm
 from starjar.errors import InvalidArgument
 from starjar.sampling import SamplingParams
 from starjar.text import encode_prompt
-
-MAX_PROMPT_CHARS = 1 << 20
+from starjar.wire import MAX_PROMPT_CHARS
 
 
 def read_prompts(path: str) -> list[str]:

@@ -1,9 +1,5 @@
 """Bad input gets a clear error naming the field and the limit, never a traceback."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from controller.cli import main

@@ -4,7 +4,6 @@ import threading
 import time
 
 import grpc
-import pytest
 
 from draft_server.background import BackgroundDraftServer
 from draft_server.config import DraftServerConfig
