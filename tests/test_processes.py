@@ -105,3 +105,45 @@ def test_sigterm_drains_and_exits_cleanly(model_dirs, models):
         pb_grpc.DraftServiceStub(grpc.insecure_channel(draft.address)).Attach(
             pb.AttachRequest(worker_id="late"), timeout=2)
     rp.close()
+
+
+def _live_draft_sequences(address):
+    import grpc
+
+    from starjar.v1 import draft_pb2 as pb
+    from starjar.v1 import draft_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.DraftServiceStub(ch).GetStats(pb.GetStatsRequest(), timeout=10).live_sequences
+
+
+def test_streaming_and_cancellation_free_the_draft_session(cluster, spec_prompts, reference):
+    draft, targets = cluster
+    with Client(targets[1].address, timeout=60) as c:
+        chunks = list(c.generate_stream(prompt_token_ids=spec_prompts[0], max_tokens=MAX_TOKENS))
+        assert chunks[-1].finish_reason in ("stop", "length") and all(ch.finish_reason is None for ch in chunks[:-1])
+        assert [t for ch in chunks for t in ch.token_ids] == reference("llama", 64)[0][:MAX_TOKENS]
+        # Walk away after two chunks of a long request: the target and the draft server let go.
+        stream = c.generate_stream(prompt_token_ids=spec_prompts[1], max_tokens=400, ignore_eos=True)
+        next(stream), next(stream)
+        assert _live_draft_sequences(draft.address) >= 1
+        stream.close()
+        deadline = time.time() + 2.0
+        while time.time() < deadline and _live_draft_sequences(draft.address):
+            time.sleep(0.05)
+        assert _live_draft_sequences(draft.address) == 0
+        assert c.generate("still serving", max_tokens=4).usage.completion_tokens >= 1
+
+
+def test_async_client(cluster, spec_prompts, reference):
+    import asyncio
+
+    from starjar import AsyncClient
+
+    async def main():
+        async with AsyncClient(cluster[1][2].address, timeout=60) as c:
+            results = await asyncio.gather(*[c.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS)
+                                             for p in spec_prompts[:6]])
+            return [r.token_ids for r in results]
+
+    assert asyncio.run(main()) == [r[:MAX_TOKENS] for r in reference("llama", 64)[:6]]
