@@ -210,6 +210,7 @@ class TargetEngine:
         batch_order = sorted(range(len(batch)), key=lambda i: batch[i].slot)  # contiguous slots -> views
         batch = [batch[i] for i in batch_order]
         gammas = [gammas[i] for i in batch_order]
+        step_start = time.perf_counter()
         drafts = self._propose(batch, gammas)
         t0 = time.perf_counter()
         feeds = [[r.output_ids[-1]] + d for r, d in zip(batch, drafts)]
@@ -228,13 +229,14 @@ class TargetEngine:
             accepted += verdict.num_accepted
             drafted += len(d)
             tokens += self._emit(req, verdict.tokens, outputs)
-        step_s = time.perf_counter() - t0
-        self.stats.verify_s += step_s
+        now = time.perf_counter()
+        self.stats.verify_s += now - t0
         self.stats.decode_steps += 1
         self.stats.spec_steps += drafted > 0
         self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += accepted
-        self.policy.observe(len(batch), gamma, step_s, tokens, accepted, drafted)
+        # The policy sees the whole step, drafting included: that is what gamma trades off.
+        self.policy.observe(len(batch), gamma, now - step_start, tokens, accepted, drafted)
 
     def _cap_gamma(self, req: Request, gamma: int) -> int:
         """No drafts past max_tokens or past the sequence's token limit."""
