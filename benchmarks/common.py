@@ -13,11 +13,10 @@ def pair_dirs(args) -> tuple[str, str, str]:
     """(target dir, draft dir, a note saying which draft this is)."""
     if getattr(args, "target", None) and getattr(args, "draft", None):
         return args.target, args.draft, "given on the command line"
-    from starjar.default_pair import DRAFT_LAYERS, build_default_pair
+    from starjar.default_pair import DRAFT_NOTE, build_default_pair
 
     pair = build_default_pair()
-    note = (f"placeholder draft: the target's first {DRAFT_LAYERS} layers, untrained "
-            "(the trained default draft is issue 4)")
+    note = f"default pair; draft: {DRAFT_NOTE}"
     return args.target or pair["target"], args.draft or pair["draft"], note
 
 

@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="default pair, Spec-Bench prompts, target alone vs speculative")
     d.add_argument("--requests", type=int, default=16)
     d.add_argument("--max-tokens", type=int, default=48)
-    d.add_argument("--gamma", type=int, default=1, help="draft tokens per step (1 is best for the placeholder draft)")
+    d.add_argument("--gamma", type=int, default=3, help="draft tokens per step (default 3)")
     d.add_argument("--batch-size", type=int, default=4)
     return ap
 

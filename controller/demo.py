@@ -12,7 +12,7 @@ import time
 from tqdm import tqdm
 
 from controller.colocated import colocated_engine, load_pair
-from starjar.default_pair import DRAFT_LAYERS, build_default_pair
+from starjar.default_pair import DRAFT_NOTE, build_default_pair
 from starjar.sampling import SamplingParams
 from starjar.text import encode_prompt
 from starjar.workloads import spec_bench_prompts
@@ -52,8 +52,7 @@ def run_demo(args) -> int:
     s = spec_engine.stats
 
     print(f"\nstarjar demo: target {target.path}\n              draft  {draft.path}\n"
-          f"              (placeholder draft: the target's first {DRAFT_LAYERS} layers, untrained; "
-          "speculation pays once the trained draft lands)")
+          f"              ({DRAFT_NOTE})")
     print(f"{len(prompts)} Spec-Bench prompts, chat template, greedy, max {args.max_tokens} new tokens, "
           f"batch {args.batch_size}, CPU fp32\n")
     print(f"{'run':<24}{'tokens':>8}{'tok/s':>9}{'TTFT p50':>11}{'TPOT p50':>11}{'accept':>8}")

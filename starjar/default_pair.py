@@ -5,9 +5,9 @@ Q4_1 GGUF. transformers dequantises it on load, but refuses to save a
 GGUF-loaded model, so its state_dict is copied into a fresh LlamaForCausalLM
 that is saved once as safetensors.
 
-Draft: until a trained draft exists, the target's first DRAFT_LAYERS layers
-with its embeddings, final norm and head (untrained: low acceptance; it is
-here so that the speculative path runs end to end on the real tokenizer).
+Draft: an int8 copy of the target (starjar/quantized.py): weights quantized
+per output channel when it loads, 0.39x the target's step time on a 2-core
+CPU, and close enough to the target that most proposals are accepted.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_NAME = "smollm2-135m-instruct"
-DRAFT_LAYERS = 4
-DRAFT_NAME = f"smollm2-135m-first{DRAFT_LAYERS}layers"
+DRAFT_NAME = "smollm2-135m-instruct-int8"
+DRAFT_NOTE = "int8 (per-channel, dynamic) copy of the target, quantized at load; no training"
 
 
 def models_home() -> Path:
@@ -98,31 +98,30 @@ def build_target(home: Path | None = None, force: bool = False) -> Path:
     return final
 
 
-def build_layer_draft(target_dir: Path, home: Path | None = None, layers: int = DRAFT_LAYERS,
-                      force: bool = False) -> Path:
-    """The placeholder draft: the target truncated to its first `layers` decoder layers."""
+def build_int8_draft(target_dir: Path, home: Path | None = None, force: bool = False) -> Path:
+    """The default draft: an int8 (per-channel, dynamic) copy of the target, quantized at load.
+
+    Only the tokenizer, the config and the recipe are written; the weights are the target's.
+    """
     home = home or models_home()
     final = home / DRAFT_NAME
-    if (final / "config.json").is_file() and not force:
+    if (final / "starjar.json").is_file() and not force:
         return final
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from starjar.quantized import KIND
 
     tmp = home / f".{DRAFT_NAME}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True)
-    model.model.layers = model.model.layers[:layers]
-    model.config.num_hidden_layers = layers
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:layers]
-    model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(target_dir, local_files_only=True).save_pretrained(tmp)
-    (tmp / "starjar.json").write_text(json.dumps({"kind": "truncated-target", "layers": layers,
-                                                  "trained": False}))
+    tmp.mkdir(parents=True)
+    for f in target_dir.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "starjar.json":
+            shutil.copy(f, tmp / f.name)
+    (tmp / "starjar.json").write_text(json.dumps({"kind": KIND, "weights_from": f"../{target_dir.name}",
+                                                  "weights": "int8 per output channel, activations dynamic"}))
     _publish(tmp, final)
     return final
 
 
 def build_default_pair(force: bool = False) -> dict[str, str]:
     target = build_target(force=force)
-    draft = build_layer_draft(target, force=force)
+    draft = build_int8_draft(target, force=force)
     return {"target": str(target), "draft": str(draft)}

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from starjar.errors import InvalidArgument, ModelMismatch
-from starjar import skinny_linear
+from starjar import quantized, skinny_linear
 from starjar.kv_cache import RaggedKVCache
 
 log = logging.getLogger(__name__)
@@ -100,9 +100,18 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     if not (p / "config.json").is_file():
         raise InvalidArgument(what, "must be a local directory with a Hugging Face config.json", str(path))
     dev, dt = parse_device(device), parse_dtype(dtype)
+    recipe = _recipe(p)
+    weights = p
+    if recipe.get("kind") == quantized.KIND:
+        weights = (p / recipe["weights_from"]).resolve()
+        if dev.type != "cpu" or dt != torch.float32:
+            raise InvalidArgument(what, f"an int8 draft runs on cpu in float32 (asked {dev}, {dt})", str(path))
     tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=dt).to(dev).eval()
-    if dev.type == "cpu" and dt == torch.float32:
+    model = AutoModelForCausalLM.from_pretrained(weights, local_files_only=True, dtype=dt).to(dev).eval()
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if recipe.get("kind") == quantized.KIND:
+        model = quantized.quantize_int8(model)
+    elif dev.type == "cpu" and dt == torch.float32:
         skinny_linear.install(model)
     cfg = model.config
     max_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
@@ -111,10 +120,18 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     if gen_cfg is not None and gen_cfg.eos_token_id is not None:
         eos = gen_cfg.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-    vocab = model.get_output_embeddings().weight.shape[0]
     log.info("loaded %s from %s (%s, %s, vocab %d, context %d)", what, p, dev, dt, vocab, max_ctx)
     return LoadedModel(str(p), model, tokenizer, dev, dt, vocab, int(max_ctx), eos_ids,
                        tokenizer_fingerprint(tokenizer))
+
+
+def _recipe(p: Path) -> dict:
+    """starjar.json beside a model says how it was built (and, for int8 drafts, how to load it)."""
+    f = p / "starjar.json"
+    try:
+        return json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
