@@ -83,12 +83,12 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class StepOutput:
+    """What one step produced for one request. `finished` is a snapshot taken in that step:
+    consumers on other threads read it later, after the request may have moved on."""
+
     request: Request
     new_token_ids: list[int]
-
-    @property
-    def finished(self) -> bool:
-        return self.request.finished
+    finished: bool = False
 
 
 class TargetEngine:
@@ -318,7 +318,8 @@ class TargetEngine:
                 break
         self.stats.emitted_tokens += len(taken)
         prev = outputs.get(id(req))
-        outputs[id(req)] = StepOutput(req, (prev.new_token_ids if prev else []) + taken)
+        outputs[id(req)] = StepOutput(req, (prev.new_token_ids if prev else []) + taken,
+                                      finished=req.finish_reason is not None)
         if req.finish_reason:
             req.finish_s = time.perf_counter()
             self._retire(req)

@@ -112,3 +112,15 @@ def test_sampled_runs_repeat_with_a_seed(models, spec_prompts):
     a = colocated_engine(models["llama"], models["draft"], 3, 4).generate(spec_prompts[:6], p)
     b = colocated_engine(models["llama"], models["draft"], 3, 2).generate(spec_prompts[:6], p)
     assert outputs(a) == outputs(b)
+
+
+def test_step_outputs_snapshot_finished(models, spec_prompts):
+    """A consumer reading an older step's output must not see the request's later state
+    (a streaming server once ended a stream one step early because of that)."""
+    engine = colocated_engine(models["llama"], None, 0, 2)
+    req = engine.add_request(spec_prompts[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    seen = []
+    while engine.has_work():
+        seen.extend(engine.step())
+    assert [o.finished for o in seen] == [False, False, True]
+    assert sum(len(o.new_token_ids) for o in seen) == 3 and req.finished
