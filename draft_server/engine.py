@@ -19,7 +19,7 @@ from starjar.models import LoadedModel
 from starjar.proposer import DraftReply, DraftRequest
 
 
-@dataclass
+@dataclass(eq=False)
 class _DraftSeq:
     slot: int
     verified: list[int] = field(default_factory=list)
@@ -46,7 +46,6 @@ class DraftEngine:
         self.cache = model.new_cache()
         self.max_sequences = max_sequences
         self._seqs: dict[Hashable, _DraftSeq] = {}
-        self._slot_owner: list[Hashable] = []
         self.stats = DraftStats()
 
     @property
@@ -76,11 +75,7 @@ class DraftEngine:
             seq = self._seqs.pop(sid, None)
             if seq is None:
                 continue
-            moved = self.cache.free(seq.slot)
-            self._slot_owner[seq.slot] = self._slot_owner[-1]
-            self._slot_owner.pop()
-            if moved is not None:
-                self._seqs[self._slot_owner[seq.slot]].slot = seq.slot
+            self.cache.free(seq.slot)  # keeps the slot of the sequence it moves current
 
     # ---- internals ------------------------------------------------------------------------
 
@@ -90,9 +85,9 @@ class DraftEngine:
         if seq is None:
             if req.start != 0 or len(self._seqs) >= self.max_sequences:
                 return None
-            seq = _DraftSeq(slot=self.cache.allocate())
+            seq = _DraftSeq(slot=-1)
+            self.cache.allocate(seq)
             self._seqs[req.seq_id] = seq
-            self._slot_owner.append(req.seq_id)
         if req.start > len(seq.verified):
             return None
         del seq.verified[req.start:]

@@ -36,6 +36,7 @@ class RaggedKVCache(Cache):
         self._slot_cap = initial_slots
         self._len_cap = initial_capacity
         self.lengths: list[int] = []  # valid tokens per live slot; len() = live slots
+        self._owners: list[object] = []  # who holds each slot; their `.slot` follows compaction
         # Set by begin() for the pass in flight.
         self._rows: torch.Tensor | slice | None = None
         self._write_pos: torch.Tensor | None = None  # [B, Q] absolute positions to write
@@ -47,9 +48,13 @@ class RaggedKVCache(Cache):
     def num_slots(self) -> int:
         return len(self.lengths)
 
-    def allocate(self) -> int:
-        """A new empty slot; returns its index."""
+    def allocate(self, owner: object = None) -> int:
+        """A new empty slot; returns its index. An owner with a `slot` attribute gets it set,
+        and kept current when compaction moves it."""
         self.lengths.append(0)
+        self._owners.append(owner)
+        if owner is not None and hasattr(owner, "slot"):
+            owner.slot = self.num_slots - 1
         if self.num_slots > self._slot_cap:
             self._grow(slots=max(self.num_slots, 2 * self._slot_cap))
         return self.num_slots - 1
@@ -63,8 +68,12 @@ class RaggedKVCache(Cache):
             for buf in self._keys + self._values:
                 buf[slot, :, :n] = buf[last, :, :n]
             self.lengths[slot] = n
+            self._owners[slot] = self._owners[last]
+            if self._owners[slot] is not None and hasattr(self._owners[slot], "slot"):
+                self._owners[slot].slot = slot
             moved = last
         self.lengths.pop()
+        self._owners.pop()
         return moved
 
     def truncate(self, slot: int, length: int) -> None:

@@ -103,7 +103,6 @@ class TargetEngine:
         self.scheduler = Scheduler(self.config.max_batch_size, budget, self.config.max_gamma + 1)
         # One sequence may hold at most this many tokens (prompt + output).
         self.max_seq_tokens = min(model.max_context, budget - self.config.max_gamma - 1)
-        self._slot_req: list[Request] = []
         self.stats = EngineStats()
 
     # ---- requests -------------------------------------------------------------------------
@@ -118,6 +117,8 @@ class TargetEngine:
     def enqueue(self, req: Request) -> Request:
         req.prompt_ids = self.validate_prompt(req.prompt_ids)
         req.params.validate(self.model.vocab_size)
+        eos = () if req.params.ignore_eos else self.model.eos_token_ids
+        req.stop_ids = frozenset(req.params.stop_token_ids) | frozenset(eos)
         self.scheduler.add(req)
         return req
 
@@ -184,8 +185,7 @@ class TargetEngine:
     def _prefill(self, joined: list[Request], outputs: dict[int, StepOutput]) -> None:
         t0 = time.perf_counter()
         for req in joined:
-            req.slot = self.cache.allocate()
-            self._slot_req.append(req)
+            self.cache.allocate(req)
         # A readmitted (preempted) request already holds its pending token: feed all but it.
         feeds = {id(r): (r.all_ids()[:-1] if r.output_ids else r.prompt_ids) for r in joined}
         for group in _length_groups(joined, lambda r: len(feeds[id(r)])):
@@ -303,14 +303,11 @@ class TargetEngine:
 
     def _emit(self, req: Request, new: list[int], outputs: dict[int, StepOutput]) -> int:
         """Append tokens up to the first stop condition; retire the request if it finished."""
-        stops = set(req.params.stop_token_ids)
-        if not req.params.ignore_eos:
-            stops.update(self.model.eos_token_ids)
         taken = []
         for t in new:
             req.output_ids.append(t)
             taken.append(t)
-            if t in stops:
+            if t in req.stop_ids:
                 req.finish_reason = "stop"
             elif len(req.output_ids) >= req.params.max_tokens or req.num_tokens >= self.max_seq_tokens:
                 req.finish_reason = "length"
@@ -332,11 +329,7 @@ class TargetEngine:
     def _drop_kv(self, req: Request) -> None:
         if req.slot < 0:
             return
-        moved = self.cache.free(req.slot)
-        self._slot_req[req.slot] = self._slot_req[-1]
-        self._slot_req.pop()
-        if moved is not None:
-            self._slot_req[req.slot].slot = req.slot
+        self.cache.free(req.slot)  # keeps the slot of the request it moves current
         req.slot = -1
         req.draft_synced = 0
         if self.proposer is not None:

@@ -36,7 +36,7 @@ class Request:
     # Engine bookkeeping.
     slot: int = -1
     draft_synced: int = 0  # how many of all_ids() the proposer has been told about
-    new_since_emit: int = 0  # output tokens not yet handed to the caller's stream
+    stop_ids: frozenset[int] = frozenset()  # tokens that end it (stop ids, EOS unless ignored), set at enqueue
 
     def __post_init__(self) -> None:
         if self.generator is None and not self.params.greedy:
