@@ -3,6 +3,7 @@
   starjar demo                       the README's first command: default pair, a short workload, a summary
   starjar generate ...               batch generation from a JSONL file (co-located draft)
   starjar serve draft|target ...     one gRPC server in the foreground
+  starjar up [--json] / starjar down  a cluster on Ray: draft server, target workers, front end
   starjar models build [--json]      build the default pair offline and print where it is
   starjar bench NAME [--quick] --out F.json
 
@@ -65,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     from controller.serve_cmd import add_serve_parsers
 
     add_serve_parsers(sub)
+    from controller.up_cmd import add_up_parsers
+
+    add_up_parsers(sub)
     g.add_argument("--draft-server", help="use a running draft server HOST:PORT instead of --draft")
 
     d = sub.add_parser("demo", help="default pair, Spec-Bench prompts, target alone vs speculative")
@@ -98,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             from controller.serve_cmd import run_serve
             return run_serve(args)
+        if args.cmd in ("up", "down"):
+            from controller.up_cmd import run_down, run_up
+            return run_up(args) if args.cmd == "up" else run_down(args)
         if args.cmd == "demo":
             from controller.demo import run_demo
             return run_demo(args)

@@ -62,6 +62,8 @@ def _error(exc: grpc.RpcError) -> ClientError:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    draft_tokens: int = 0  # draft tokens verified for this request
+    accepted_draft_tokens: int = 0  # of which accepted
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,8 @@ def _chunk(resp: pb.GenerateResponse) -> GenerationChunk:
     if not resp.finish_reason:
         return GenerationChunk(list(resp.token_ids), resp.text)
     return GenerationChunk(list(resp.token_ids), resp.text, resp.finish_reason,
-                           Usage(resp.usage.prompt_tokens, resp.usage.completion_tokens),
+                           Usage(resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.draft_tokens,
+                                 resp.usage.accepted_draft_tokens),
                            resp.timing.ttft_s, resp.timing.e2e_s)
 
 

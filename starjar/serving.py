@@ -49,3 +49,22 @@ def run_until_signalled(start: Callable[[], Awaitable[int]], stop: Callable[[], 
         asyncio.run(main())
     else:
         uvloop.run(main())
+
+
+class BackgroundLoop:
+    """An event loop on its own daemon thread, for servers hosted inside another runtime (Ray actors)."""
+
+    def __init__(self, name: str = "server-loop"):
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float = 60.0):
+        """Run a coroutine on the loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)

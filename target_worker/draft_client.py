@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import grpc
 
@@ -52,21 +52,23 @@ class ClientStats:
 
 
 class RemoteProposer:
-    def __init__(self, address: str, fingerprint: str, worker_id: str, deadline_s: float = 0.5,
-                 backoff_s: tuple[float, float] = (0.05, 5.0), max_message_bytes: int = 4 << 20):
-        self.address = address
+    def __init__(self, address: str | Callable[[], str | None], fingerprint: str, worker_id: str,
+                 deadline_s: float = 0.5, backoff_s: tuple[float, float] = (0.05, 5.0),
+                 max_message_bytes: int = 4 << 20):
+        """`address` is HOST:PORT, or a function returning the current one (None = unknown yet): under Ray
+        a restarted draft server comes back on a new port, and the attach loop asks again before each try."""
+        self._resolve = address if callable(address) else None
+        self.address = "" if callable(address) else address
         self.worker_id = worker_id
         self.deadline_s = deadline_s
         vocab, tok_hash = fingerprint.split(":", 1)
         self._fingerprint = pb.ModelFingerprint(vocab_size=int(vocab), tokenizer_hash=tok_hash)
         self._backoff = backoff_s
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            # Reconnect soon after a draft server restarts (gRPC's default backoff grows to 120 s).
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", int(backoff_s[1] * 1000))])
-        self._stub = pb_grpc.DraftServiceStub(self._channel)
+        self._max_message_bytes = max_message_bytes
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.DraftServiceStub | None = None
+        if self.address:
+            self._connect(self.address)
         self._lock = threading.Lock()
         self._attached = threading.Event()
         self._closed = False
@@ -129,7 +131,7 @@ class RemoteProposer:
     def release(self, seq_ids: Sequence[Hashable]) -> None:
         wire = [w for w in (self._wire_ids.pop(s, None) for s in seq_ids) if w is not None]
         tag = self._tag
-        if not wire or tag is None or not self._attached.is_set():
+        if not wire or tag is None or not self._attached.is_set() or self._stub is None:
             return  # the server frees them with the stream or the lease
         fut = self._stub.Release.future(pb.ReleaseRequest(tag=tag, seq_ids=wire), timeout=2.0)
         fut.add_done_callback(lambda f: f.exception() and log.debug("release failed: %s", f.exception()))
@@ -139,6 +141,8 @@ class RemoteProposer:
         self._wake.set()
         tag = self._tag
         self._drop_stream()
+        if self._channel is None:
+            return
         if tag is not None:
             try:
                 self._stub.Release(pb.ReleaseRequest(tag=tag, detach=True), timeout=1.0)
@@ -147,6 +151,33 @@ class RemoteProposer:
         self._channel.close()
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _connect(self, address: str) -> None:
+        old = self._channel
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_send_message_length", self._max_message_bytes),
+            ("grpc.max_receive_message_length", self._max_message_bytes),
+            # Reconnect soon after a draft server restarts (gRPC's default backoff grows to 120 s).
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", int(self._backoff[1] * 1000))])
+        self._stub = pb_grpc.DraftServiceStub(self._channel)
+        self.address = address
+        if old is not None:
+            old.close()
+
+    def _follow_address(self) -> bool:
+        """Before an attach try: move to the draft server's current address. False if none is known."""
+        if self._resolve is None:
+            return True
+        try:
+            address = self._resolve()
+        except Exception as exc:  # the resolver is someone else's code (Ray): never let it kill the loop
+            log.info("could not look up the draft server: %s", exc)
+            address = None
+        if address and address != self.address:
+            log.info("draft server is now at %s", address)
+            self._connect(address)
+        return self._stub is not None
 
     def _fallback(self, reason: str, detail: str = ""):
         self.stats.fallbacks[reason] += 1
@@ -173,6 +204,10 @@ class RemoteProposer:
             if self._attached.is_set():
                 self._wake.wait()
                 self._wake.clear()
+                continue
+            if not self._follow_address():
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(self._backoff[1], delay * 2)
                 continue
             try:
                 resp = self._stub.Attach(pb.AttachRequest(worker_id=self.worker_id, fingerprint=self._fingerprint),

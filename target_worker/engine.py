@@ -228,6 +228,8 @@ class TargetEngine:
                     self.stats.accepted_per_position[pos] += 1
             accepted += verdict.num_accepted
             drafted += len(d)
+            req.drafted_tokens += len(d)
+            req.accepted_tokens += verdict.num_accepted
             tokens += self._emit(req, verdict.tokens, outputs)
         now = time.perf_counter()
         self.stats.verify_s += now - t0

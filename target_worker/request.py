@@ -33,6 +33,9 @@ class Request:
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     finish_s: float | None = None
+    # Speculation, for this request's usage report.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     # Engine bookkeeping.
     slot: int = -1
     draft_synced: int = 0  # how many of all_ids() the proposer has been told about

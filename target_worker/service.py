@@ -63,6 +63,8 @@ class GenerateService(pb_grpc.GenerateServiceServicer):
                     resp.finish_reason = r.finish_reason or ""
                     resp.usage.prompt_tokens = len(r.prompt_ids)
                     resp.usage.completion_tokens = len(r.output_ids)
+                    resp.usage.draft_tokens = r.drafted_tokens
+                    resp.usage.accepted_draft_tokens = r.accepted_tokens
                     resp.timing.ttft_s = (r.first_token_s or arrival) - arrival
                     resp.timing.e2e_s = (r.finish_s or time.perf_counter()) - arrival
                 yield resp

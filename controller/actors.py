@@ -1,0 +1,157 @@
+"""The Ray actors that run a starjar cluster's servers: the draft server, the target workers, the front end.
+
+Each starts its gRPC server on a free port of its node and answers `info()`
+with where it listens; the controller reads that and publishes it. A restarted
+actor starts on a new port; the controller notices and republishes, and target
+workers find the draft server again by asking the controller (never a fixed
+address). Model actors pin their torch threads, and set OpenMP to passive
+waiting before torch loads, because they share cores with each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from controller.cluster_spec import CONTROLLER, NAMESPACE, ClusterSpec
+
+log = logging.getLogger(__name__)
+
+
+def _prepare_process(spec: ClusterSpec) -> None:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # must precede the torch import
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    torch.set_num_threads(spec.threads)
+
+
+def _device(spec: ClusterSpec) -> str:
+    if spec.device == "auto":
+        return "cuda" if ray.get_gpu_ids() else "cpu"
+    return spec.device
+
+
+def _start_metrics(host: str) -> str | None:
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(0, addr=host)
+    return f"{host}:{server.server_port}"
+
+
+class DraftServerActor:
+    def __init__(self, spec: dict):
+        self.spec = ClusterSpec.from_dict(spec)
+        _prepare_process(self.spec)
+        from draft_server.background import BackgroundDraftServer
+        from draft_server.config import DraftServerConfig
+        from starjar.models import load_model
+
+        self.host = ray.util.get_node_ip_address()
+        model = load_model(self.spec.draft, _device(self.spec), self.spec.dtype, what="draft")
+        cfg = DraftServerConfig(mode=self.spec.draft_mode, max_targets=self.spec.max_targets)
+        self.server = BackgroundDraftServer(model, cfg, host=self.host, port=0).start()
+        self.metrics = _start_metrics(self.host) if self.spec.metrics else None
+        log.info("draft server actor ready at %s", self.server.address)
+
+    def info(self) -> dict:
+        return {"address": self.server.address, "metrics": self.metrics, "pid": os.getpid()}
+
+    def stats(self) -> dict:
+        """The same numbers as the GetStats RPC, read through it."""
+        import grpc
+        from google.protobuf.json_format import MessageToDict
+
+        from starjar.v1 import draft_pb2, draft_pb2_grpc
+
+        with grpc.insecure_channel(self.server.address) as ch:
+            msg = draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.GetStatsRequest(), timeout=5)
+        return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+    def set_max_targets(self, n: int) -> None:
+        self.server.call(self.server.server.set_max_targets, n)
+
+
+def _resolve_draft_address() -> str | None:
+    """Ask the controller where the draft server is now (None until it is known)."""
+    controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+    return ray.get(controller.draft_address.remote(), timeout=5)
+
+
+class TargetWorkerActor:
+    def __init__(self, spec: dict, name: str):
+        self.spec = ClusterSpec.from_dict(spec)
+        self.name = name
+        _prepare_process(self.spec)
+        from starjar.models import load_model
+        from starjar.policy import FixedGamma
+        from starjar.serving import BackgroundLoop
+        from target_worker.engine import EngineConfig
+        from target_worker.server import TargetServer
+
+        self.host = ray.util.get_node_ip_address()
+        model = load_model(self.spec.target, _device(self.spec), self.spec.dtype, what="target")
+        draft = _resolve_draft_address if self.spec.draft else None
+        self.policy = FixedGamma(self.spec.gamma if self.spec.draft else 0)
+        self.server = TargetServer(model, draft, name, self.policy,
+                                   EngineConfig(max_batch_size=self.spec.batch_size,
+                                                max_gamma=max(8, self.spec.gamma)),
+                                   host=self.host, port=0, draft_deadline_s=self.spec.draft_deadline_s)
+        self.loop = BackgroundLoop("target-server-loop")
+        self.loop.run(self.server.start())
+        self.metrics = _start_metrics(self.host) if self.spec.metrics else None
+        log.info("target worker %s ready at %s:%d", name, self.host, self.server.port)
+
+    def info(self) -> dict:
+        return {"address": f"{self.host}:{self.server.port}", "metrics": self.metrics, "pid": os.getpid(),
+                "draft_attached": bool(self.server.proposer and self.server.proposer.attached)}
+
+    def stats(self) -> dict:
+        engine = self.server.runner.engine
+        s = engine.stats
+        out = {"running": engine.num_running, "waiting": engine.num_waiting, "gamma": self.policy.gamma,
+               "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
+               "decode_steps": s.decode_steps}
+        if self.server.proposer:
+            out["fallbacks"] = dict(self.server.proposer.stats.fallbacks)
+            out["draft_address"] = self.server.proposer.address
+        return out
+
+    def set_gamma(self, gamma: int) -> None:
+        """Override the speculation length (0 = off); the engine reads it at its next step."""
+        if gamma < 0:
+            raise ValueError("gamma must be >= 0")
+        self.policy.gamma = gamma if self.spec.draft else 0
+
+
+class FrontEndActor:
+    def __init__(self, spec: dict):
+        self.spec = ClusterSpec.from_dict(spec)
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers import AutoTokenizer
+
+        from controller.frontend import FrontEnd
+
+        tokenizer = AutoTokenizer.from_pretrained(self.spec.target, local_files_only=True)
+        name = self.spec.target.rstrip("/").split("/")[-1]
+        self.node = ray.util.get_node_ip_address()
+        self.frontend = FrontEnd(name, tokenizer, self.spec.host, self.spec.grpc_port, self.spec.http_port,
+                                 self.spec.auth_token).start()
+        self.metrics = _start_metrics(self.node) if self.spec.metrics else None
+
+    def info(self) -> dict:
+        host = self.node if self.spec.host in ("0.0.0.0", "::") else self.spec.host
+        return {"grpc": f"{host}:{self.frontend.grpc_port}", "http": f"http://{host}:{self.frontend.http_port}",
+                "metrics": self.metrics, "pid": os.getpid()}
+
+    def set_targets(self, addresses: dict[str, str]) -> None:
+        self.frontend.set_targets(addresses)
+
+    def in_flight(self) -> dict[str, int]:
+        return self.frontend.in_flight()

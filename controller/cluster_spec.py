@@ -1,0 +1,83 @@
+"""What a starjar cluster runs: one ClusterSpec, validated once, passed to every actor as a dict.
+
+Also the names everything is found by: the Ray namespace, the actor names and
+the environment a local Ray cluster needs on a single host.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+
+from starjar.errors import InvalidArgument
+
+NAMESPACE = "starjar"
+CONTROLLER = "starjar-controller"
+DRAFT = "starjar-draft"
+FRONTEND = "starjar-frontend"
+
+
+def target_name(i: int) -> str:
+    return f"starjar-target-{i}"
+
+
+# A single-host cluster: keep Ray on loopback and without token auth (every process here is ours).
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+                 "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def local_ray_env() -> None:
+    for k, v in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+@dataclass
+class ClusterSpec:
+    target: str  # target model directory (on every target node)
+    draft: str | None  # draft model directory; None = no draft server, targets decode alone
+    targets: int = 2  # target workers
+    gamma: int = 1  # draft tokens per step (the planner of a later issue replaces this)
+    batch_size: int = 8  # running requests per target worker
+    draft_mode: str = "batched"  # batched | fifo
+    max_targets: int = 8  # N_max on the draft server
+    draft_deadline_s: float = 0.5
+    threads: int = 1  # torch threads per model actor
+    device: str = "auto"  # auto (cuda when the actor got a GPU) | cpu | cuda
+    dtype: str = "float32"
+    host: str = "127.0.0.1"  # where the front end listens
+    grpc_port: int = 50051
+    http_port: int = 8000
+    auth_token: str | None = None  # required as "Bearer <token>" by the front end when set
+    metrics: bool = True  # a Prometheus endpoint in every actor
+
+    def validate(self) -> "ClusterSpec":
+        if not os.path.isdir(self.target):
+            raise InvalidArgument("--target", "must be a model directory", self.target)
+        if self.draft is not None and not os.path.isdir(self.draft):
+            raise InvalidArgument("--draft", "must be a model directory", self.draft)
+        if not 1 <= self.targets <= 64:
+            raise InvalidArgument("--targets", "must be in [1, 64]", self.targets)
+        if not 0 <= self.gamma <= 16:
+            raise InvalidArgument("--gamma", "must be in [0, 16]", self.gamma)
+        if not 1 <= self.batch_size <= 256:
+            raise InvalidArgument("--batch-size", "must be in [1, 256]", self.batch_size)
+        if self.draft_mode not in ("batched", "fifo"):
+            raise InvalidArgument("--draft-mode", "must be batched or fifo", self.draft_mode)
+        if self.max_targets < 1:
+            raise InvalidArgument("--max-targets", "must be >= 1", self.max_targets)
+        if self.threads < 1:
+            raise InvalidArgument("--threads", "must be >= 1", self.threads)
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise InvalidArgument("--device", "must be auto, cpu or cuda", self.device)
+        for name in ("grpc_port", "http_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise InvalidArgument(f"--{name.replace('_', '-')}", "must be in [0, 65535]", getattr(self, name))
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ClusterSpec":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})

@@ -1,0 +1,148 @@
+"""The controller: creates the cluster's actors, watches them, and publishes where they listen.
+
+Every actor is detached, named in the `starjar` namespace and restartable, so
+the cluster outlives the command that started it and comes back from crashes.
+Twice a second the controller asks each actor where it is; a new pid means a
+restart (counted), a new address is published: to the front end (target
+list, pushed) and to target workers (the draft address, which they pull when
+they reattach). A target that does not answer is taken out of routing until it
+does. The controller itself is restartable: it finds its actors again by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+
+import ray
+
+from controller.actors import DraftServerActor, FrontEndActor, TargetWorkerActor
+from controller.cluster_spec import DRAFT, FRONTEND, NAMESPACE, ClusterSpec, target_name
+
+log = logging.getLogger(__name__)
+POLL_S = 0.5
+INFO_TIMEOUT_S = 2.0
+
+
+def _options(name: str, resources: dict | None = None, gpus: float = 0) -> dict:
+    # num_cpus=0: placement is by the starjar_* resources; threads are pinned by the actors themselves.
+    return dict(name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, max_task_retries=-1,
+                num_cpus=0, num_gpus=gpus, resources=resources or {}, get_if_exists=True)
+
+
+class Controller:
+    def __init__(self, spec: dict):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.spec = ClusterSpec.from_dict(spec)
+        gpus = 1 if self.spec.device == "cuda" or (
+            self.spec.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
+        self.draft = (ray.remote(DraftServerActor).options(**_options(DRAFT, {"starjar_draft": 1}, gpus))
+                      .remote(self.spec.to_dict()) if self.spec.draft else None)
+        self.targets = {target_name(i): ray.remote(TargetWorkerActor).options(
+            **_options(target_name(i), {"starjar_target": 1}, gpus)).remote(self.spec.to_dict(), target_name(i))
+            for i in range(self.spec.targets)}
+        self.frontend = ray.remote(FrontEndActor).options(**_options(FRONTEND)).remote(self.spec.to_dict())
+        self.info: dict[str, dict] = {}  # actor name -> its last answer to info()
+        self.live: dict[str, bool] = {}
+        self.restarts: Counter = Counter()
+        self._pushed: tuple | None = None
+        self._monitor: asyncio.Task | None = None
+        self.started_s = time.time()
+
+    def _ensure_monitor(self) -> None:
+        if self._monitor is None or self._monitor.done():
+            self._monitor = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                await self._refresh()
+            except Exception:
+                log.exception("refresh failed")
+            await asyncio.sleep(POLL_S)
+
+    async def _ask(self, name: str, handle) -> None:
+        try:
+            info = await asyncio.wait_for(handle.info.remote(), INFO_TIMEOUT_S)
+        except Exception:  # restarting, or not started yet
+            if self.live.get(name):
+                log.warning("%s is not answering", name)
+            self.live[name] = False
+            return
+        old = self.info.get(name)
+        if old and old["pid"] != info["pid"]:
+            self.restarts[name] += 1
+            log.warning("%s restarted (pid %s -> %s), now at %s", name, old["pid"], info["pid"],
+                        info.get("address") or info.get("grpc"))
+        self.info[name], self.live[name] = info, True
+
+    async def _refresh(self) -> None:
+        actors = dict(self.targets)
+        actors[FRONTEND] = self.frontend
+        if self.draft is not None:
+            actors[DRAFT] = self.draft
+        await asyncio.gather(*(self._ask(n, h) for n, h in actors.items()))
+        routable = {n: self.info[n]["address"] for n in self.targets if self.live.get(n)}
+        key = (tuple(sorted(routable.items())), self.info.get(FRONTEND, {}).get("pid"))
+        if self.live.get(FRONTEND) and key != self._pushed:
+            try:
+                await asyncio.wait_for(self.frontend.set_targets.remote(routable), INFO_TIMEOUT_S)
+                self._pushed = key
+            except Exception as exc:
+                log.warning("could not update the front end: %s", exc)
+
+    # ---- what others ask ------------------------------------------------------------------------
+
+    async def draft_address(self) -> str | None:
+        self._ensure_monitor()
+        if self.draft is None or not self.live.get(DRAFT):
+            return None
+        return self.info[DRAFT]["address"]
+
+    async def addresses(self) -> dict:
+        self._ensure_monitor()
+        fe = self.info.get(FRONTEND, {})
+        metrics = [i["metrics"] for i in self.info.values() if i.get("metrics")]
+        return {"grpc": fe.get("grpc"), "http": fe.get("http"), "metrics": sorted(metrics)}
+
+    async def status(self) -> dict:
+        self._ensure_monitor()
+        return {"actors": {n: {"live": self.live.get(n, False), **self.info.get(n, {})} for n in self._names()},
+                "restarts": dict(self.restarts), "uptime_s": time.time() - self.started_s}
+
+    def _names(self) -> list[str]:
+        return ([DRAFT] if self.draft is not None else []) + list(self.targets) + [FRONTEND]
+
+    async def wait_ready(self, timeout: float = 600.0) -> dict:
+        """Until every actor answers, the targets are routable and (with a draft) attached to it."""
+        self._ensure_monitor()
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            ready = all(self.live.get(n) for n in self._names()) and self._pushed is not None
+            if ready and self.draft is not None:
+                ready = all(self.info[n].get("draft_attached") for n in self.targets)
+            if ready:
+                return await self.addresses()
+            await asyncio.sleep(POLL_S)
+        raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {await self.status()}")
+
+    async def target_stats(self) -> dict:
+        return dict(zip(self.targets, await asyncio.gather(*(h.stats.remote() for h in self.targets.values()))))
+
+    async def draft_stats(self) -> dict | None:
+        return await self.draft.stats.remote() if self.draft is not None else None
+
+    async def set_gamma(self, gamma: int) -> None:
+        await asyncio.gather(*(h.set_gamma.remote(gamma) for h in self.targets.values()))
+
+    async def shutdown(self) -> None:
+        """Kill every actor of the cluster (for clusters this controller did not start itself)."""
+        if self._monitor:
+            self._monitor.cancel()
+        for name in self._names():
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            except ValueError:
+                pass

@@ -1,0 +1,93 @@
+"""The cluster's front door: the gRPC GenerateService and the OpenAI HTTP endpoint on one event loop.
+
+It runs on its own thread (uvloop when installed), so the Ray actor that owns
+it stays free to answer the controller; `set_targets` is the only way in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import grpc
+from aiohttp import web
+
+from controller.frontend_grpc import FrontendGenerateService
+from controller.openai_http import OpenAIServer
+from controller.router import TargetRouter
+from starjar.serving import HealthAndReflection
+from starjar.v1 import generate_pb2, generate_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class FrontEnd:
+    def __init__(self, model_name: str, tokenizer, host: str = "127.0.0.1", grpc_port: int = 0,
+                 http_port: int = 0, auth_token: str | None = None):
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.host = host
+        self.auth_token = auth_token
+        self._ports = (grpc_port, http_port)
+        self.grpc_port: int | None = None
+        self.http_port: int | None = None
+        self._loop = _new_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="frontend-loop", daemon=True)
+        self.router: TargetRouter | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._http: web.AppRunner | None = None
+        self._health: HealthAndReflection | None = None
+
+    def start(self, timeout: float = 30.0) -> "FrontEnd":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout)
+        return self
+
+    async def _start(self) -> None:
+        self.router = TargetRouter()
+        self._grpc = grpc.aio.server()
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(
+            FrontendGenerateService(self.router, self.model_name, self.auth_token), self._grpc)
+        self._health = HealthAndReflection(self._grpc, SERVICE_NAME)
+        self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self._ports[0]}")
+        if not self.grpc_port:
+            raise OSError(f"cannot listen on {self.host}:{self._ports[0]} (gRPC)")
+        await self._grpc.start()
+        app = OpenAIServer(self.router, self.model_name, self.tokenizer, self.auth_token).app()
+        self._http = web.AppRunner(app, access_log=None)  # access logs would carry client addresses
+        await self._http.setup()
+        site = web.TCPSite(self._http, self.host, self._ports[1])
+        await site.start()
+        self.http_port = site._server.sockets[0].getsockname()[1]
+        log.info("front end: gRPC %s:%d, HTTP %s:%d", self.host, self.grpc_port, self.host, self.http_port)
+
+    def set_targets(self, addresses: dict[str, str]) -> None:
+        async def update():
+            self.router.update(addresses)
+            await self._health.set_serving(bool(addresses))
+        asyncio.run_coroutine_threadsafe(update(), self._loop).result(10)
+
+    def in_flight(self) -> dict[str, int]:
+        async def read():
+            return self.router.in_flight()
+        return asyncio.run_coroutine_threadsafe(read(), self._loop).result(10)
+
+    def stop(self, grace: float = 5.0) -> None:
+        async def stop():
+            await self._grpc.stop(grace)
+            await self._http.cleanup()
+            await self.router.close()
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(grace + 10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)

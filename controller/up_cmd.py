@@ -1,0 +1,280 @@
+"""`starjar up` / `starjar down`: a starjar cluster on Ray, in one command.
+
+Without --address, `up` starts a private local Ray cluster on this machine,
+owned by one background process (the keeper): it runs ray.init(), creates the
+controller, and holds the cluster until `starjar down` sends it SIGTERM, when
+ray.shutdown() takes every Ray process it started with it. A state file
+($STARJAR_HOME/run/cluster.json) says where the keeper and the cluster are.
+With --address (a cluster from `ray up`), `up` creates the detached actors
+there and returns; `down --address` kills them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from controller.cluster_spec import CONTROLLER, NAMESPACE, ClusterSpec, local_ray_env
+from starjar.errors import InvalidArgument, StarjarError
+
+READY_TIMEOUT_S = 900.0
+
+
+def run_dir() -> Path:
+    root = Path(os.environ.get("STARJAR_HOME") or Path.home() / ".cache" / "starjar")
+    return root / "run"
+
+
+def state_path() -> Path:
+    return run_dir() / "cluster.json"
+
+
+def add_up_parsers(sub) -> None:
+    u = sub.add_parser("up", help="start a starjar cluster on Ray (local by default) and print its addresses")
+    u.add_argument("--target", help="target model directory (default: the default pair's target)")
+    u.add_argument("--draft", help="draft model directory (default: the default pair's draft)")
+    u.add_argument("--no-draft", action="store_true", help="no draft server: targets decode alone")
+    u.add_argument("--targets", type=int, default=2, help="target workers (default 2)")
+    u.add_argument("--gamma", type=int, default=1, help="draft tokens per step (default 1)")
+    u.add_argument("--batch-size", type=int, default=8, help="running requests per target (default 8)")
+    u.add_argument("--draft-mode", default="batched", choices=["batched", "fifo"])
+    u.add_argument("--max-targets", type=int, default=8, help="N_max on the draft server")
+    u.add_argument("--threads", type=int, default=1, help="torch threads per model actor")
+    u.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    u.add_argument("--dtype", default="float32")
+    u.add_argument("--host", default="127.0.0.1", help="front end listen address (0.0.0.0 on a real cluster)")
+    u.add_argument("--grpc-port", type=int, default=50051, help="front end gRPC port (0 = any free)")
+    u.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0 = any free)")
+    u.add_argument("--auth-token", default=os.environ.get("STARJAR_AUTH_TOKEN"),
+                   help="require 'Authorization: Bearer TOKEN' (default $STARJAR_AUTH_TOKEN; none)")
+    u.add_argument("--address", help="an existing Ray cluster (e.g. auto, after `ray up`) instead of a local one")
+    u.add_argument("--json", action="store_true", help='print {"grpc", "http", "metrics"} once serving')
+    d = sub.add_parser("down", help="stop the cluster `starjar up` started")
+    d.add_argument("--address", help="the Ray cluster given to `starjar up --address`")
+
+
+def _spec(args) -> ClusterSpec:
+    target, draft = args.target, args.draft
+    if target is None or (draft is None and not args.no_draft):
+        from starjar.default_pair import build_default_pair
+
+        pair = build_default_pair()
+        target = target or pair["target"]
+        draft = draft or pair["draft"]
+    return ClusterSpec(target=os.path.abspath(target), draft=None if args.no_draft else os.path.abspath(draft),
+                       targets=args.targets, gamma=args.gamma, batch_size=args.batch_size,
+                       draft_mode=args.draft_mode, max_targets=args.max_targets, threads=args.threads,
+                       device=args.device, dtype=args.dtype, host=args.host, grpc_port=args.grpc_port,
+                       http_port=args.http_port, auth_token=args.auth_token).validate()
+
+
+def _print_ready(addrs: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(addrs), flush=True)
+        return
+    print(f"starjar is serving\n  gRPC    {addrs['grpc']}   (from starjar import Client)\n"
+          f"  HTTP    {addrs['http']}/v1   (OpenAI-compatible)\n"
+          f"  metrics {', '.join(addrs['metrics']) or '-'}\nstop it with: starjar down", flush=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def run_up(args) -> int:
+    spec = _spec(args)
+    if args.address:
+        return _up_remote(spec, args)
+    path = state_path()
+    if path.exists():
+        state = json.loads(path.read_text())
+        if _alive(state["keeper_pid"]):
+            raise StarjarError(f"a starjar cluster is already running (keeper pid {state['keeper_pid']}); "
+                               "run `starjar down` first")
+        path.unlink()
+    run_dir().mkdir(parents=True, exist_ok=True)
+    log_path = run_dir() / "cluster.log"
+    spec_path = run_dir() / "spec.json"
+    spec_path.write_text(json.dumps(spec.to_dict()))
+    os.chmod(spec_path, 0o600)  # may hold the auth token
+    with open(log_path, "ab") as log_file:
+        keeper = subprocess.Popen([sys.executable, "-m", "controller.keeper", str(spec_path), str(path)],
+                                  stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
+                                  start_new_session=True, text=True)
+    t0 = time.time()
+    for line in keeper.stdout:
+        msg = json.loads(line)
+        if "progress" in msg:
+            print(f"[{time.time() - t0:5.1f}s] {msg['progress']}", file=sys.stderr, flush=True)
+        elif "ready" in msg:
+            keeper.stdout.close()
+            _print_ready(msg["ready"], args.json)
+            return 0
+        elif "error" in msg:
+            break
+    keeper.wait(timeout=60)
+    raise StarjarError(f"the cluster did not start; see {log_path}:\n" + _tail(log_path))
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _up_remote(spec: ClusterSpec, args) -> int:
+    import ray
+
+    from controller.controller_actor import Controller
+    from controller.controller_actor import _options
+
+    ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+    ctl = ray.remote(Controller).options(**_options(CONTROLLER)).remote(spec.to_dict())
+    print("waiting for the draft server, target workers and front end ...", file=sys.stderr, flush=True)
+    _print_ready(ray.get(ctl.wait_ready.remote(READY_TIMEOUT_S)), args.json)
+    return 0
+
+
+def run_down(args) -> int:
+    if args.address:
+        import ray
+
+        ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+        try:
+            ctl = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+        except ValueError:
+            print("no starjar cluster on this Ray cluster", file=sys.stderr)
+            return 0
+        ray.get(ctl.shutdown.remote(), timeout=60)
+        ray.kill(ctl, no_restart=True)
+        print("starjar actors stopped")
+        return 0
+    path = state_path()
+    if not path.exists():
+        print("no local starjar cluster is running", file=sys.stderr)
+        return 0
+    state = json.loads(path.read_text())
+    keeper = state["keeper_pid"]
+    pids = set(state.get("pids", [])) | set(_descendants(keeper))  # actors restarted since `up` included
+    if _alive(keeper):
+        os.kill(keeper, signal.SIGTERM)
+    left = _wait_gone([keeper, *pids], 60.0)
+    for pid in left:  # what ray.shutdown() did not take with it
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    path.unlink(missing_ok=True)
+    print(f"starjar cluster stopped ({len(pids) + 1} processes"
+          f"{f', {len(left)} killed' if left else ''})")
+    return 0
+
+
+def _wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        left = [p for p in pids if _alive(p) and not _is_zombie(p)]
+        if not left:
+            return []
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p) and not _is_zombie(p)]
+
+
+def _descendants(pid: int) -> list[int]:
+    try:
+        import psutil
+
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except Exception:
+        return []
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        import psutil
+
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except Exception:
+        return False
+
+
+def keeper_main(spec_path: str, state_file: str) -> int:
+    """The keeper process: owns the local Ray cluster until SIGTERM."""
+    local_ray_env()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+    def say(**msg) -> None:
+        print(json.dumps(msg), flush=True)
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    spec = ClusterSpec.from_dict(json.loads(Path(spec_path).read_text()))
+    try:
+        import psutil
+        import ray
+
+        from controller.controller_actor import Controller, _options
+
+        say(progress="starting Ray (local, loopback only)")
+        ray.init(namespace=NAMESPACE, include_dashboard=False, num_cpus=os.cpu_count(), num_gpus=None,
+                 resources={"starjar_draft": 1, "starjar_target": spec.targets}, _node_ip_address="127.0.0.1",
+                 log_to_driver=False)
+        say(progress=f"loading models: draft server {'on' if spec.draft else 'off'}, {spec.targets} target "
+                     "worker(s), front end")
+        ctl = ray.remote(Controller).options(**_options(CONTROLLER)).remote(spec.to_dict())
+        ready = ctl.wait_ready.remote(READY_TIMEOUT_S)
+        last = ""
+        while True:
+            done, _ = ray.wait([ready], timeout=2.0)
+            if done:
+                break
+            if stop.is_set():
+                raise KeyboardInterrupt
+            st = ray.get(ctl.status.remote(), timeout=10)["actors"]
+            line = ", ".join(f"{n.removeprefix('starjar-')} {'up' if a['live'] else '...'}" for n, a in st.items())
+            if line != last:
+                say(progress=line)
+                last = line
+        addrs = ray.get(ready)
+        pids = [p.pid for p in psutil.Process().children(recursive=True)]
+        state = {"keeper_pid": os.getpid(), "ray_address": ray.get_runtime_context().gcs_address,
+                 "addresses": addrs, "pids": pids, "started": time.time()}
+        tmp = Path(state_file + ".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(state_file)
+        say(ready=addrs)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)  # `starjar up` has gone; nothing must write to its closed pipe
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        say(error=str(exc))
+        return 1
+    finally:
+        try:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+        except Exception:
+            pass
+    return 0
