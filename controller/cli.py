@@ -71,13 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     add_up_parsers(sub)
     g.add_argument("--draft-server", help="use a running draft server HOST:PORT instead of --draft")
 
-    d = sub.add_parser("demo", help="default pair, Spec-Bench prompts, target alone vs speculative")
-    d.add_argument("--requests", type=int, default=16)
-    d.add_argument("--max-tokens", type=int, default=48)
-    # Batch 1, gamma 1: where speculation pays on a 2-core CPU with the default pair
-    # (benchmarks/results/draft-default-pair.json); larger batches are compute-bound.
-    d.add_argument("--gamma", type=int, default=1, help="draft tokens per step (default 1)")
-    d.add_argument("--batch-size", type=int, default=1, help="running batch cap (default 1)")
+    from controller.demo import add_demo_parser
+
+    add_demo_parser(sub)
     return ap
 
 

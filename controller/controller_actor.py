@@ -134,8 +134,14 @@ class Controller:
     async def draft_stats(self) -> dict | None:
         return await self.draft.stats.remote() if self.draft is not None else None
 
-    async def set_gamma(self, gamma: int) -> None:
+    async def set_gamma(self, gamma: int | None) -> None:
+        """Override every target's gamma (0 = speculation off); None = back to the configured one."""
+        gamma = self.spec.gamma if gamma is None else gamma
         await asyncio.gather(*(h.set_gamma.remote(gamma) for h in self.targets.values()))
+
+    async def describe(self) -> dict:
+        """The cluster's settings (the auth token left out)."""
+        return {**self.spec.to_dict(), "auth_token": "***" if self.spec.auth_token else None}
 
     async def shutdown(self) -> None:
         """Kill every actor of the cluster (for clusters this controller did not start itself)."""

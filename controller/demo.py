@@ -1,65 +1,168 @@
-"""`starjar demo`: the default pair on a short Spec-Bench workload, target alone vs speculative.
+"""`starjar demo`: a local cluster (`starjar up`), a short Spec-Bench workload with Poisson arrivals
+through the SDK, run with speculation off and then on, a summary table and a plot.
 
-Prints a summary table; both runs are greedy, so their outputs must be identical.
+Both runs are greedy on the same prompts and arrival times, so their outputs
+must be identical; the demo says so, and fails if they are not.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import random
 import statistics
 import sys
 import time
 
 from tqdm import tqdm
 
-from controller.colocated import colocated_engine, load_pair
-from starjar.default_pair import DRAFT_NOTE, build_default_pair
-from starjar.sampling import SamplingParams
-from starjar.text import encode_prompt
-from starjar.workloads import spec_bench_prompts
+from starjar.workloads import spec_bench_mix
 
 
-def _run(engine, prompts, params, label):
+def add_demo_parser(sub) -> None:
+    d = sub.add_parser("demo", help="local cluster, Spec-Bench with Poisson arrivals, speculation off vs on")
+    d.add_argument("--requests", type=int, default=16, help="requests per run (default 16)")
+    d.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate, requests/s (default 1)")
+    d.add_argument("--max-tokens", type=int, default=48, help="new tokens per request (default 48)")
+    d.add_argument("--targets", type=int, default=1, help="target workers, if the demo starts the cluster")
+    d.add_argument("--gamma", type=int, default=1, help="draft tokens per step when speculating (default 1)")
+    d.add_argument("--batch-size", type=int, default=1, help="running requests per target (default 1)")
+    d.add_argument("--threads", type=int, default=2, help="torch threads per model actor (default 2: draft and "
+                   "target take turns, so each can use both cores of a small machine)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    d.add_argument("--plot", default="starjar-demo.png", help="where to save the plot")
+    d.add_argument("--keep", action="store_true", help="leave the cluster running afterwards")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else 0.0
+
+
+async def _workload(address: str, prompts: list[str], arrivals: list[float], max_tokens: int, label: str) -> dict:
+    from starjar import AsyncClient
+
     bar = tqdm(total=len(prompts), desc=label, unit="req", file=sys.stderr)
-    t0 = time.perf_counter()
-    def on_step(outs):
-        done = sum(o.finished for o in outs)
-        if done:
-            bar.update(done)
+    events: list[tuple[float, int]] = []  # (seconds since start, tokens) as chunks arrive
+    async with AsyncClient(address, timeout=900) as client:
+        t0 = time.perf_counter()
 
-    reqs = engine.generate(prompts, params, on_step=on_step)
-    wall = time.perf_counter() - t0
+        async def one(i: int) -> dict:
+            await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+            sent, first, ids, usage = time.perf_counter(), None, [], None
+            async for chunk in client.generate_stream(prompts[i], chat=True, max_tokens=max_tokens):
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    first = first or now
+                    ids += chunk.token_ids
+                    events.append((now - t0, len(chunk.token_ids)))
+                usage = chunk.usage or usage
+            end = time.perf_counter()
+            bar.update(1)
+            return {"ids": ids, "ttft": first - sent, "tpot": (end - first) / (len(ids) - 1) if len(ids) > 1 else None,
+                    "drafted": usage.draft_tokens, "accepted": usage.accepted_draft_tokens}
+
+        results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        wall = time.perf_counter() - t0
     bar.close()
-    tokens = sum(len(r.output_ids) for r in reqs)
-    ttft = [r.first_token_s - t0 for r in reqs]
-    tpot = [(r.finish_s - r.first_token_s) / (len(r.output_ids) - 1) for r in reqs if len(r.output_ids) > 1]
-    return reqs, {"tokens": tokens, "wall": wall, "tok_s": tokens / wall,
-                  "ttft_p50": statistics.median(ttft), "tpot_p50": statistics.median(tpot) if tpot else 0.0}
+    tokens = sum(len(r["ids"]) for r in results)
+    tpot = [r["tpot"] for r in results if r["tpot"] is not None]
+    drafted = sum(r["drafted"] for r in results)
+    return {"label": label, "results": results, "events": sorted(events), "wall": wall, "tokens": tokens,
+            "tok_s": tokens / wall, "ttft": [r["ttft"] for r in results], "tpot": tpot,
+            "accept": sum(r["accepted"] for r in results) / drafted if drafted else None}
+
+
+def _row(run: dict) -> str:
+    ttft, tpot = run["ttft"], run["tpot"]
+    accept = f"{run['accept']:.2f}" if run["accept"] is not None else "-"
+    return (f"{run['label']:<22}{len(run['results']):>5}{run['tokens']:>7}{run['tok_s']:>8.1f}"
+            f"{_pct(ttft, .5):>9.2f}s{_pct(ttft, .99):>8.2f}s{_pct(tpot, .5) * 1000:>8.0f}ms"
+            f"{_pct(tpot, .99) * 1000:>7.0f}ms{accept:>8}")
+
+
+def _plot(runs: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        times = [t for t, _ in run["events"]]
+        total, cum = 0, []
+        for _, n in run["events"]:
+            total += n
+            cum.append(total)
+        left.plot(times, cum, label=f"{run['label']} ({run['tok_s']:.1f} tok/s)")
+        tp = sorted(x * 1000 for x in run["tpot"])
+        right.plot(tp, [(i + 1) / len(tp) for i in range(len(tp))], label=run["label"])
+    left.set(xlabel="seconds since the first arrival", ylabel="output tokens delivered", title="Throughput")
+    right.set(xlabel="time per output token (ms)", ylabel="fraction of requests", title="TPOT per request (CDF)")
+    left.legend()
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def run_demo(args) -> int:
-    print("building the default pair (cached after the first run) ...", file=sys.stderr)
-    pair = build_default_pair()
-    target, draft = load_pair(pair["target"], pair["draft"])
-    tok = target.tokenizer
-    texts = spec_bench_prompts(args.requests)
-    prompts = [encode_prompt(tok, t, chat=True) for t in texts]
-    params = SamplingParams(max_tokens=args.max_tokens)
-    colocated_engine(target, None, 0, args.batch_size).generate(prompts[:2], SamplingParams(max_tokens=4))  # warm-up
-    base_reqs, base = _run(colocated_engine(target, None, 0, args.batch_size), prompts, params, "target alone")
-    spec_engine = colocated_engine(target, draft, args.gamma, args.batch_size)
-    spec_reqs, spec = _run(spec_engine, prompts, params, f"speculative gamma={args.gamma}")
-    same = sum(a.output_ids == b.output_ids for a, b in zip(base_reqs, spec_reqs))
-    s = spec_engine.stats
+    from controller.cluster_spec import CONTROLLER, NAMESPACE, local_ray_env
 
-    print(f"\nstarjar demo: target {target.path}\n              draft  {draft.path}\n"
-          f"              ({DRAFT_NOTE})")
-    print(f"{len(prompts)} Spec-Bench prompts, chat template, greedy, max {args.max_tokens} new tokens, "
-          f"batch {args.batch_size}, CPU fp32\n")
-    print(f"{'run':<24}{'tokens':>8}{'tok/s':>9}{'TTFT p50':>11}{'TPOT p50':>11}{'accept':>8}")
-    print(f"{'target alone':<24}{base['tokens']:>8}{base['tok_s']:>9.1f}{base['ttft_p50']:>10.2f}s"
-          f"{base['tpot_p50'] * 1000:>9.0f}ms{'-':>8}")
-    print(f"{f'speculative gamma={args.gamma}':<24}{spec['tokens']:>8}{spec['tok_s']:>9.1f}{spec['ttft_p50']:>10.2f}s"
-          f"{spec['tpot_p50'] * 1000:>9.0f}ms{s.acceptance_rate:>8.2f}")
-    print(f"\nspeedup {spec['tok_s'] / base['tok_s']:.2f}x; identical outputs {same}/{len(prompts)} (lossless)")
-    print(f"\nsample: {texts[0][:70]!r}\n  -> {tok.decode(spec_reqs[0].output_ids, skip_special_tokens=True)[:200]!r}")
+    local_ray_env()  # before Ray is imported: it reads these at import time
+    import ray
+
+    from controller.up_cmd import _spec, read_state, start_local, stop_local
+
+    if args.requests < 1 or args.rate <= 0 or args.max_tokens < 1:
+        from starjar.errors import InvalidArgument
+        raise InvalidArgument("--requests/--rate/--max-tokens", "must be positive")
+    state, started = read_state(), False
+    if state is None:
+        up = argparse.Namespace(target=None, draft=None, no_draft=False, targets=args.targets, gamma=args.gamma,
+                                batch_size=args.batch_size, draft_mode="batched", max_targets=8, threads=args.threads,
+                                device="auto", dtype="float32", host="127.0.0.1", grpc_port=0, http_port=0,
+                                auth_token=None)
+        print("starting a local cluster (starjar up) ...", file=sys.stderr)
+        start_local(_spec(up))
+        state, started = read_state(), True
+    else:
+        print(f"using the running cluster at {state['addresses']['grpc']}", file=sys.stderr)
+    try:
+        ray.init(address=state["ray_address"], namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+        controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+        spec = ray.get(controller.describe.remote())
+        gamma = spec["gamma"] if not started else args.gamma
+        address = state["addresses"]["grpc"]
+        prompts = spec_bench_mix(args.requests)
+        rng = random.Random(args.seed)
+        arrivals, t = [], 0.0
+        for _ in prompts:
+            arrivals.append(t)
+            t += rng.expovariate(args.rate)
+        asyncio.run(_workload(address, prompts[:2], [0.0, 0.0], 4, "warm-up"))
+        ray.get(controller.set_gamma.remote(0))
+        off = asyncio.run(_workload(address, prompts, arrivals, args.max_tokens, "speculation off"))
+        ray.get(controller.set_gamma.remote(gamma))
+        on = asyncio.run(_workload(address, prompts, arrivals, args.max_tokens, f"speculation on, gamma={gamma}"))
+        ray.get(controller.set_gamma.remote(None))
+    finally:
+        ray.shutdown()
+        if started and not args.keep:
+            stop_local()
+    same = sum(a["ids"] == b["ids"] for a, b in zip(off["results"], on["results"]))
+    print(f"\nstarjar demo: {len(prompts)} Spec-Bench prompts (chat), Poisson arrivals at {args.rate:g}/s, "
+          f"greedy, max {args.max_tokens} new tokens")
+    print(f"cluster: {spec['targets']} target worker(s) (batch {spec['batch_size']}), draft server "
+          f"{'on' if spec['draft'] else 'off'}; target {spec['target']}\n")
+    print(f"{'run':<22}{'reqs':>5}{'tokens':>7}{'tok/s':>8}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>9}"
+          f"{'accept':>8}")
+    print(_row(off))
+    print(_row(on))
+    print(f"\nspeedup {on['tok_s'] / off['tok_s']:.2f}x output tokens/s, TPOT p50 "
+          f"{_pct(off['tpot'], .5) / _pct(on['tpot'], .5):.2f}x; identical outputs {same}/{len(prompts)} "
+          "(lossless)")
+    _plot([off, on], args.plot)
+    print(f"plot: {args.plot}")
+    if args.keep and started:
+        print(f"the cluster is still up at {address} (starjar down stops it)")
     return 0 if same == len(prompts) else 1

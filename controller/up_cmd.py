@@ -93,17 +93,33 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def read_state() -> dict | None:
+    """The running local cluster's state file, or None (a stale file of a dead keeper is removed)."""
+    path = state_path()
+    if not path.exists():
+        return None
+    state = json.loads(path.read_text())
+    if not _alive(state["keeper_pid"]):
+        path.unlink(missing_ok=True)
+        return None
+    return state
+
+
 def run_up(args) -> int:
     spec = _spec(args)
     if args.address:
         return _up_remote(spec, args)
+    _print_ready(start_local(spec), args.json)
+    return 0
+
+
+def start_local(spec: ClusterSpec) -> dict:
+    """Start the keeper, show its progress on stderr, return the addresses once everything serves."""
+    state = read_state()
+    if state is not None:
+        raise StarjarError(f"a starjar cluster is already running (keeper pid {state['keeper_pid']}); "
+                           "run `starjar down` first")
     path = state_path()
-    if path.exists():
-        state = json.loads(path.read_text())
-        if _alive(state["keeper_pid"]):
-            raise StarjarError(f"a starjar cluster is already running (keeper pid {state['keeper_pid']}); "
-                               "run `starjar down` first")
-        path.unlink()
     run_dir().mkdir(parents=True, exist_ok=True)
     log_path = run_dir() / "cluster.log"
     spec_path = run_dir() / "spec.json"
@@ -120,8 +136,7 @@ def run_up(args) -> int:
             print(f"[{time.time() - t0:5.1f}s] {msg['progress']}", file=sys.stderr, flush=True)
         elif "ready" in msg:
             keeper.stdout.close()
-            _print_ready(msg["ready"], args.json)
-            return 0
+            return msg["ready"]
         elif "error" in msg:
             break
     keeper.wait(timeout=60)
@@ -162,10 +177,19 @@ def run_down(args) -> int:
         ray.kill(ctl, no_restart=True)
         print("starjar actors stopped")
         return 0
+    stopped = stop_local()
+    if stopped is None:
+        print("no local starjar cluster is running", file=sys.stderr)
+    else:
+        print(f"starjar cluster stopped ({stopped[0]} processes{f', {stopped[1]} killed' if stopped[1] else ''})")
+    return 0
+
+
+def stop_local() -> tuple[int, int] | None:
+    """SIGTERM the keeper, wait for every process of the cluster to end; (processes, killed), or None."""
     path = state_path()
     if not path.exists():
-        print("no local starjar cluster is running", file=sys.stderr)
-        return 0
+        return None
     state = json.loads(path.read_text())
     keeper = state["keeper_pid"]
     pids = set(state.get("pids", [])) | set(_descendants(keeper))  # actors restarted since `up` included
@@ -178,9 +202,7 @@ def run_down(args) -> int:
         except ProcessLookupError:
             pass
     path.unlink(missing_ok=True)
-    print(f"starjar cluster stopped ({len(pids) + 1} processes"
-          f"{f', {len(left)} killed' if left else ''})")
-    return 0
+    return len(pids) + 1, len(left)
 
 
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:

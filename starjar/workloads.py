@@ -33,3 +33,16 @@ def spec_bench_questions(limit: int | None = None, categories: set[str] | None =
 def spec_bench_prompts(limit: int | None = None) -> list[str]:
     """First turn of each Spec-Bench question, in file order."""
     return [q["turns"][0] for q in spec_bench_questions(limit)]
+
+
+def spec_bench_mix(n: int) -> list[str]:
+    """n first-turn prompts taken round-robin over Spec-Bench's categories (file order inside each)."""
+    by_cat: dict[str, list[str]] = {}
+    for q in spec_bench_questions():
+        by_cat.setdefault(q["category"], []).append(q["turns"][0])
+    out: list[str] = []
+    for i in range(max(len(v) for v in by_cat.values())):
+        for prompts in by_cat.values():
+            if i < len(prompts) and len(out) < n:
+                out.append(prompts[i])
+    return out
