@@ -36,11 +36,10 @@ def _device(spec: ClusterSpec) -> str:
     return spec.device
 
 
-def _start_metrics(host: str) -> str | None:
-    from prometheus_client import start_http_server
+def _start_metrics(registry, host: str) -> str:
+    from starjar.metrics import serve
 
-    server, _ = start_http_server(0, addr=host)
-    return f"{host}:{server.server_port}"
+    return f"{host}:{serve(registry, host)}"
 
 
 class DraftServerActor:
@@ -55,7 +54,7 @@ class DraftServerActor:
         model = load_model(self.spec.draft, _device(self.spec), self.spec.dtype, what="draft")
         cfg = DraftServerConfig(mode=self.spec.draft_mode, max_targets=self.spec.max_targets)
         self.server = BackgroundDraftServer(model, cfg, host=self.host, port=0).start()
-        self.metrics = _start_metrics(self.host) if self.spec.metrics else None
+        self.metrics = _start_metrics(self.server.server.metrics.registry, self.host) if self.spec.metrics else None
         log.info("draft server actor ready at %s", self.server.address)
 
     def info(self) -> dict:
@@ -103,7 +102,7 @@ class TargetWorkerActor:
                                    host=self.host, port=0, draft_deadline_s=self.spec.draft_deadline_s)
         self.loop = BackgroundLoop("target-server-loop")
         self.loop.run(self.server.start())
-        self.metrics = _start_metrics(self.host) if self.spec.metrics else None
+        self.metrics = _start_metrics(self.server.metrics.registry, self.host) if self.spec.metrics else None
         log.info("target worker %s ready at %s:%d", name, self.host, self.server.port)
 
     def info(self) -> dict:
@@ -143,7 +142,7 @@ class FrontEndActor:
         self.node = ray.util.get_node_ip_address()
         self.frontend = FrontEnd(name, tokenizer, self.spec.host, self.spec.grpc_port, self.spec.http_port,
                                  self.spec.auth_token).start()
-        self.metrics = _start_metrics(self.node) if self.spec.metrics else None
+        self.metrics = _start_metrics(self.frontend.registry, self.node) if self.spec.metrics else None
 
     def info(self) -> dict:
         host = self.node if self.spec.host in ("0.0.0.0", "::") else self.spec.host

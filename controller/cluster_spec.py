@@ -49,6 +49,7 @@ class ClusterSpec:
     http_port: int = 8000
     auth_token: str | None = None  # required as "Bearer <token>" by the front end when set
     metrics: bool = True  # a Prometheus endpoint in every actor
+    prometheus_sd: str | None = None  # file-SD JSON the controller keeps current (on the head node)
 
     def validate(self) -> "ClusterSpec":
         if not os.path.isdir(self.target):

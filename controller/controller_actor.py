@@ -26,6 +26,10 @@ POLL_S = 0.5
 INFO_TIMEOUT_S = 2.0
 
 
+HEAD = {"node:__internal_head__": 0.001}  # the controller and front end live on the head node
+STATS_EVERY = 10  # polls between draft-stats samples for N_full (5 s)
+
+
 def _options(name: str, resources: dict | None = None, gpus: float = 0) -> dict:
     # num_cpus=0: placement is by the starjar_* resources; threads are pinned by the actors themselves.
     return dict(name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, max_task_retries=-1,
@@ -43,13 +47,35 @@ class Controller:
         self.targets = {target_name(i): ray.remote(TargetWorkerActor).options(
             **_options(target_name(i), {"starjar_target": 1}, gpus)).remote(self.spec.to_dict(), target_name(i))
             for i in range(self.spec.targets)}
-        self.frontend = ray.remote(FrontEndActor).options(**_options(FRONTEND)).remote(self.spec.to_dict())
+        self.frontend = ray.remote(FrontEndActor).options(**_options(FRONTEND, HEAD)).remote(self.spec.to_dict())
         self.info: dict[str, dict] = {}  # actor name -> its last answer to info()
         self.live: dict[str, bool] = {}
         self.restarts: Counter = Counter()
         self._pushed: tuple | None = None
         self._monitor: asyncio.Task | None = None
         self.started_s = time.time()
+        self.n_max = self.spec.max_targets
+        self.n_full_estimate: tuple[float, float, int] | None = None
+        self._draft_snap: dict | None = None
+        self._polls = 0
+        self.gamma = self.spec.gamma if self.spec.draft else 0
+        self.metrics_address = None
+        self._sd_written: dict | None = None
+        if self.spec.metrics:
+            from controller.metrics import ControllerMetrics
+            from starjar.metrics import serve
+
+            host = ray.util.get_node_ip_address()
+            models = {"target_model": self.spec.target.rstrip("/").split("/")[-1],
+                      "draft_model": (self.spec.draft or "").rstrip("/").split("/")[-1]}
+            self._metrics = ControllerMetrics(self, **models)
+            self.metrics_address = f"{host}:{serve(self._metrics.registry, host)}"
+
+    def policy_name(self) -> str:
+        return f"fixed_{self.gamma}" if self.gamma else "none"
+
+    def actor_names(self) -> list[str]:
+        return self._names()
 
     def _ensure_monitor(self) -> None:
         if self._monitor is None or self._monitor.done():
@@ -84,6 +110,10 @@ class Controller:
         if self.draft is not None:
             actors[DRAFT] = self.draft
         await asyncio.gather(*(self._ask(n, h) for n, h in actors.items()))
+        self._polls += 1
+        if self.draft is not None and self.live.get(DRAFT) and self._polls % STATS_EVERY == 0:
+            await self._sample_draft()
+        self._write_sd()
         routable = {n: self.info[n]["address"] for n in self.targets if self.live.get(n)}
         key = (tuple(sorted(routable.items())), self.info.get(FRONTEND, {}).get("pid"))
         if self.live.get(FRONTEND) and key != self._pushed:
@@ -92,6 +122,39 @@ class Controller:
                 self._pushed = key
             except Exception as exc:
                 log.warning("could not update the front end: %s", exc)
+
+    async def _sample_draft(self) -> None:
+        from controller.metrics import estimate_n_full
+
+        try:
+            snap = await asyncio.wait_for(self.draft.stats.remote(), INFO_TIMEOUT_S)
+        except Exception:
+            return
+        prev, self._draft_snap = self._draft_snap, snap
+        if prev is not None and float(snap["uptime_s"]) > float(prev["uptime_s"]):
+            est = estimate_n_full(prev, snap)
+            if est is not None:
+                self.n_full_estimate = est
+
+    def _write_sd(self) -> None:
+        if not self.spec.prometheus_sd:
+            return
+        endpoints = {}
+        for name, info in self.info.items():
+            if self.live.get(name) and info.get("metrics"):
+                kind = ("draft_server" if name == DRAFT else "front_end" if name == FRONTEND
+                        else f"target_worker:{name}")
+                endpoints[kind] = info["metrics"]
+        if self.metrics_address:
+            endpoints["controller"] = self.metrics_address
+        if endpoints != self._sd_written:
+            from controller.metrics import write_file_sd
+
+            try:
+                write_file_sd(self.spec.prometheus_sd, endpoints)
+                self._sd_written = endpoints
+            except OSError as exc:
+                log.warning("cannot write %s: %s", self.spec.prometheus_sd, exc)
 
     # ---- what others ask ------------------------------------------------------------------------
 
@@ -105,6 +168,8 @@ class Controller:
         self._ensure_monitor()
         fe = self.info.get(FRONTEND, {})
         metrics = [i["metrics"] for i in self.info.values() if i.get("metrics")]
+        if self.metrics_address:
+            metrics.append(self.metrics_address)
         return {"grpc": fe.get("grpc"), "http": fe.get("http"), "metrics": sorted(metrics)}
 
     async def status(self) -> dict:
@@ -137,6 +202,7 @@ class Controller:
     async def set_gamma(self, gamma: int | None) -> None:
         """Override every target's gamma (0 = speculation off); None = back to the configured one."""
         gamma = self.spec.gamma if gamma is None else gamma
+        self.gamma = gamma if self.spec.draft else 0
         await asyncio.gather(*(h.set_gamma.remote(gamma) for h in self.targets.values()))
 
     async def describe(self) -> dict:

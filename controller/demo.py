@@ -121,7 +121,7 @@ def run_demo(args) -> int:
         up = argparse.Namespace(target=None, draft=None, no_draft=False, targets=args.targets, gamma=args.gamma,
                                 batch_size=args.batch_size, draft_mode="batched", max_targets=8, threads=args.threads,
                                 device="auto", dtype="float32", host="127.0.0.1", grpc_port=0, http_port=0,
-                                auth_token=None)
+                                auth_token=None, no_metrics=False, prometheus_sd=None, address=None)
         print("starting a local cluster (starjar up) ...", file=sys.stderr)
         start_local(_spec(up))
         state, started = read_state(), True

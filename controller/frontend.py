@@ -47,6 +47,10 @@ class FrontEnd:
         self._grpc: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
         self._health: HealthAndReflection | None = None
+        from starjar.metrics import new_registry
+
+        self.registry = new_registry("front_end", target_model=model_name)
+        self.registry.register(_RouterCollector(self))
 
     def start(self, timeout: float = 30.0) -> "FrontEnd":
         self._thread.start()
@@ -91,3 +95,22 @@ class FrontEnd:
             asyncio.run_coroutine_threadsafe(stop(), self._loop).result(grace + 10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+
+
+class _RouterCollector:
+    """starjar_frontend_*: what the router sees, read at scrape time."""
+
+    def __init__(self, frontend: FrontEnd):
+        self.frontend = frontend
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        router = self.frontend.router
+        in_flight = dict(router.in_flight()) if router is not None else {}
+        g = GaugeMetricFamily("starjar_frontend_in_flight_requests", "requests relayed now, by target worker",
+                              labels=["worker"])
+        for name, n in sorted(in_flight.items()):
+            g.add_metric([name], n)
+        yield g
+        yield GaugeMetricFamily("starjar_frontend_targets", "target workers routable now", value=len(in_flight))

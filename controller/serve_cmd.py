@@ -28,6 +28,7 @@ def add_serve_parsers(sub) -> None:
     d.add_argument("--lease", type=float, default=60.0, help="seconds before unused sessions are reclaimed")
     d.add_argument("--device", default="cpu")
     d.add_argument("--dtype", default="float32")
+    d.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
 
     t = ssub.add_parser("target", help="a target worker with its own Generate service")
     t.add_argument("--model", help="target model directory (default: the default pair's target)")
@@ -40,11 +41,17 @@ def add_serve_parsers(sub) -> None:
     t.add_argument("--draft-deadline", type=float, default=0.5, help="seconds to wait for drafts per step")
     t.add_argument("--device", default="cpu")
     t.add_argument("--dtype", default="float32")
+    t.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
 
 
-def _announce(kind: str, host: str):
+def _announce(kind: str, host: str, registry=None, metrics_port: int | None = None):
     def on_ready(port: int) -> None:
-        print(json.dumps({"serving": kind, "address": f"{host}:{port}"}), flush=True)
+        msg = {"serving": kind, "address": f"{host}:{port}"}
+        if registry is not None and metrics_port is not None:
+            from starjar.metrics import serve
+
+            msg["metrics"] = f"{host}:{serve(registry, host, metrics_port)}"
+        print(json.dumps(msg), flush=True)
     return on_ready
 
 
@@ -55,13 +62,16 @@ def run_serve(args) -> int:
         raise InvalidArgument("--port", "must be in [0, 65535]", args.port)
     if args.serve_cmd == "draft":
         from draft_server.config import DraftServerConfig
-        from draft_server.server import serve_forever
+        from draft_server.server import DraftServer
+        from starjar.serving import run_until_signalled
 
         cfg = DraftServerConfig(mode=args.mode, max_targets=args.max_targets,
                                 max_sequences_per_target=args.max_sequences, max_gamma=args.max_gamma,
                                 lease_s=args.lease)
         model = load_model(args.model or build_default_pair()["draft"], args.device, args.dtype, what="model")
-        serve_forever(model, cfg, args.host, args.port, _announce("draft", args.host))
+        server = DraftServer(model, cfg, args.host, args.port)
+        run_until_signalled(server.start, server.stop,
+                            _announce("draft", args.host, server.metrics.registry, args.metrics_port))
         return 0
     from starjar.policy import FixedGamma
     from target_worker.engine import EngineConfig
@@ -76,5 +86,5 @@ def run_serve(args) -> int:
     server = TargetServer(model, args.draft, worker_id, FixedGamma(args.gamma if args.draft else 0),
                           EngineConfig(max_batch_size=args.batch_size, max_gamma=max(8, args.gamma)),
                           args.host, args.port, args.draft_deadline)
-    serve_target(server, _announce("target", args.host))
+    serve_target(server, _announce("target", args.host, server.metrics.registry, args.metrics_port))
     return 0

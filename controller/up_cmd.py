@@ -54,6 +54,10 @@ def add_up_parsers(sub) -> None:
     u.add_argument("--auth-token", default=os.environ.get("STARJAR_AUTH_TOKEN"),
                    help="require 'Authorization: Bearer TOKEN' (default $STARJAR_AUTH_TOKEN; none)")
     u.add_argument("--address", help="an existing Ray cluster (e.g. auto, after `ray up`) instead of a local one")
+    u.add_argument("--prometheus-sd", default=None,
+                   help="file-SD JSON for Prometheus, kept current by the controller "
+                        "(default $STARJAR_HOME/run/prometheus_sd.json for a local cluster)")
+    u.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoints")
     u.add_argument("--json", action="store_true", help='print {"grpc", "http", "metrics"} once serving')
     d = sub.add_parser("down", help="stop the cluster `starjar up` started")
     d.add_argument("--address", help="the Ray cluster given to `starjar up --address`")
@@ -71,7 +75,14 @@ def _spec(args) -> ClusterSpec:
                        targets=args.targets, gamma=args.gamma, batch_size=args.batch_size,
                        draft_mode=args.draft_mode, max_targets=args.max_targets, threads=args.threads,
                        device=args.device, dtype=args.dtype, host=args.host, grpc_port=args.grpc_port,
-                       http_port=args.http_port, auth_token=args.auth_token).validate()
+                       http_port=args.http_port, auth_token=args.auth_token, metrics=not args.no_metrics,
+                       prometheus_sd=_sd_path(args)).validate()
+
+
+def _sd_path(args) -> str | None:
+    if getattr(args, "prometheus_sd", None):
+        return os.path.abspath(args.prometheus_sd)
+    return None if args.address else str(run_dir() / "prometheus_sd.json")
 
 
 def _print_ready(addrs: dict, as_json: bool) -> None:
@@ -153,11 +164,10 @@ def _tail(path: Path, n: int = 15) -> str:
 def _up_remote(spec: ClusterSpec, args) -> int:
     import ray
 
-    from controller.controller_actor import Controller
-    from controller.controller_actor import _options
+    from controller.controller_actor import HEAD, Controller, _options
 
     ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
-    ctl = ray.remote(Controller).options(**_options(CONTROLLER)).remote(spec.to_dict())
+    ctl = ray.remote(Controller).options(**_options(CONTROLLER, HEAD)).remote(spec.to_dict())
     print("waiting for the draft server, target workers and front end ...", file=sys.stderr, flush=True)
     _print_ready(ray.get(ctl.wait_ready.remote(READY_TIMEOUT_S)), args.json)
     return 0
@@ -249,7 +259,7 @@ def keeper_main(spec_path: str, state_file: str) -> int:
         import psutil
         import ray
 
-        from controller.controller_actor import Controller, _options
+        from controller.controller_actor import HEAD, Controller, _options
 
         say(progress="starting Ray (local, loopback only)")
         ray.init(namespace=NAMESPACE, include_dashboard=False, num_cpus=os.cpu_count(), num_gpus=None,
@@ -257,7 +267,7 @@ def keeper_main(spec_path: str, state_file: str) -> int:
                  log_to_driver=False)
         say(progress=f"loading models: draft server {'on' if spec.draft else 'off'}, {spec.targets} target "
                      "worker(s), front end")
-        ctl = ray.remote(Controller).options(**_options(CONTROLLER)).remote(spec.to_dict())
+        ctl = ray.remote(Controller).options(**_options(CONTROLLER, HEAD)).remote(spec.to_dict())
         ready = ctl.wait_ready.remote(READY_TIMEOUT_S)
         last = ""
         while True:

@@ -65,7 +65,7 @@ class ComputeLoop(threading.Thread):
         passes = es.passes - passes0
         self.stats.record_batch(start, service, [start - w.enqueued_s for w in rounds],
                                 [w.worker_id for w in rounds], es.drafted_tokens - drafted0, passes,
-                                es.catchup_s + es.step_s - pass_s0)
+                                es.catchup_s + es.step_s - pass_s0, sequences=len(flat))
         i = 0
         for w in rounds:
             n = len(w.requests)

@@ -1,7 +1,7 @@
 """Running the draft service: gRPC (with health and reflection) + the compute thread.
 
 `DraftServer` is usable in-process (tests, benchmarks, the Ray actor later);
-`serve_forever` is what `starjar serve draft` runs, with uvloop and a
+`starjar serve draft` runs it with `run_until_signalled`: uvloop and a
 graceful SIGTERM: rounds already queued are answered, new ones are refused.
 """
 
@@ -20,7 +20,7 @@ from draft_server.sessions import SessionTable
 from draft_server.stats import ServerStats
 from draft_server.work_queue import make_queue
 from starjar.models import LoadedModel
-from starjar.serving import HealthAndReflection, run_until_signalled
+from starjar.serving import HealthAndReflection
 from starjar.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,10 @@ class DraftServer:
         vocab_size, tok_hash = model.fingerprint.split(":", 1)
         self.service = DraftService(self.cfg, self.sessions, self.queue, self.stats, (int(vocab_size), tok_hash),
                                     draft_name=model.path.rstrip("/").split("/")[-1], vocab_size=model.vocab_size)
+        from draft_server.metrics import DraftMetrics
+
+        self.metrics = DraftMetrics(self, self.service.draft_name)
+        self.stats.observer = self.metrics
         self._server: grpc.aio.Server | None = None
         self._health: HealthAndReflection | None = None
         self._sweeper: asyncio.Task | None = None
@@ -84,9 +88,3 @@ class DraftServer:
         self.queue.close()
         self.compute.join(timeout=grace)
         self._server = None
-
-
-def serve_forever(model: LoadedModel, cfg: DraftServerConfig, host: str, port: int, on_ready=None) -> None:
-    """Until SIGTERM/SIGINT; then answer what is queued, refuse new rounds, exit."""
-    server = DraftServer(model, cfg, host, port)
-    run_until_signalled(server.start, server.stop, on_ready)

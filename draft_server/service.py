@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 
 import grpc
 
@@ -47,18 +48,22 @@ class DraftService(pb_grpc.DraftServiceServicer):
         self.draft_name = draft_name
         self.vocab_size = vocab_size
         self.draining = False
+        self.refusals: Counter[str] = Counter()  # refused Attach calls by reason (exported as a metric)
         self._streams: set[asyncio.Queue] = set()
 
     # ---- Attach ---------------------------------------------------------------------------
 
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         if self.draining:
+            self.refusals["draining"] += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draft server is shutting down")
         if not request.worker_id or len(request.worker_id) > MAX_WORKER_ID:
+            self.refusals["invalid"] += 1
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"worker_id: must be 1 to {MAX_WORKER_ID} characters")
         fp = (request.fingerprint.vocab_size, request.fingerprint.tokenizer_hash)
         if fp != self.fingerprint:
+            self.refusals["fingerprint"] += 1
             context.set_trailing_metadata(((REASON_METADATA, "fingerprint"),))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"fingerprint: the target's tokenizer must equal the draft's "
@@ -66,6 +71,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
         try:
             s = self.sessions.attach(request.worker_id)
         except AdmissionRefused as exc:
+            self.refusals[exc.reason] += 1
             context.set_trailing_metadata(((REASON_METADATA, exc.reason),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"reason={exc.reason}: {exc}")
         log.info("attached worker %s (%d/%d targets)", s.worker_id, len(self.sessions), self.sessions.max_targets)

@@ -31,15 +31,19 @@ class ServerStats:
         self.wait_s = 0.0
         self.rounds_by_worker: Counter[str] = Counter()
         self.reclaimed_sequences = 0
+        self.observer = None  # DraftMetrics, when exported: sees each event as it is recorded
 
     def record_idle(self, gap_s: float) -> None:
         with self._lock:
-            if self.first_round_s is not None:
-                self.idle_s += gap_s
-                self.idle_gaps += 1
+            if self.first_round_s is None:
+                return
+            self.idle_s += gap_s
+            self.idle_gaps += 1
+        if self.observer is not None:
+            self.observer.observe_idle(gap_s)
 
     def record_batch(self, started_s: float, service_s: float, waits: list[float], workers: list[str],
-                     drafted: int, passes: int, pass_s: float) -> None:
+                     drafted: int, passes: int, pass_s: float, sequences: int = 0) -> None:
         with self._lock:
             if self.first_round_s is None:
                 self.first_round_s = started_s
@@ -51,6 +55,8 @@ class ServerStats:
             self.passes += passes
             self.pass_s += pass_s
             self.rounds_by_worker.update(workers)
+        if self.observer is not None:
+            self.observer.observe_batch(len(waits), sequences, service_s, waits, passes, pass_s)
 
     def snapshot(self) -> dict:
         with self._lock:

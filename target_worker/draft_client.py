@@ -16,7 +16,7 @@ import queue
 import random
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
@@ -28,6 +28,7 @@ from starjar.v1 import draft_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 TAG_METADATA = "starjar-tag"
+HISTORY = 100_000
 _CLOSE = object()
 
 
@@ -43,9 +44,10 @@ class ClientStats:
     fallbacks: Counter = field(default_factory=Counter)  # reason -> steps without drafts
     attaches: int = 0
     refusals: Counter = field(default_factory=Counter)  # reason -> refused Attach calls
-    round_s: list[float] = field(default_factory=list)  # as seen by the target
-    server_queue_s: list[float] = field(default_factory=list)
-    server_compute_s: list[float] = field(default_factory=list)
+    # The last rounds' timings (bounded: a worker runs for weeks; metrics keep the long view).
+    round_s: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # as seen by the target
+    server_queue_s: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
+    server_compute_s: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
 
     def wire_overhead_s(self) -> list[float]:
         return [r - q - c for r, q, c in zip(self.round_s, self.server_queue_s, self.server_compute_s)]
@@ -81,6 +83,7 @@ class RemoteProposer:
         self._next_wire_id = itertools.count(1)
         self._wake = threading.Event()
         self.stats = ClientStats()
+        self.on_round: Callable[[float, float, float], None] | None = None  # (round, server queue, compute) s
         self._attacher = threading.Thread(target=self._attach_loop, name="draft-attach", daemon=True)
         self._attacher.start()
 
@@ -119,6 +122,8 @@ class RemoteProposer:
         self.stats.round_s.append(elapsed)
         self.stats.server_queue_s.append(resp.timings.queue_wait_s)
         self.stats.server_compute_s.append(resp.timings.compute_s)
+        if self.on_round is not None:
+            self.on_round(elapsed, resp.timings.queue_wait_s, resp.timings.compute_s)
         out: list[DraftReply] = []
         for s, r in zip(resp.sequences, requests):
             if s.resync:

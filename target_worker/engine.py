@@ -104,6 +104,7 @@ class TargetEngine:
         # One sequence may hold at most this many tokens (prompt + output).
         self.max_seq_tokens = min(model.max_context, budget - self.config.max_gamma - 1)
         self.stats = EngineStats()
+        self.step_listener: Callable[[int, int], None] | None = None  # (batch size, gamma) per decode step
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -203,6 +204,8 @@ class TargetEngine:
 
     def _decode(self, batch: list[Request], outputs: dict[int, StepOutput]) -> None:
         gamma = min(self.policy.choose(len(batch)), self.config.max_gamma) if self.proposer else 0
+        if self.step_listener is not None:
+            self.step_listener(len(batch), gamma)
         gammas = [self._cap_gamma(r, gamma) for r in batch]
         batch, gammas = self._fit_budget(batch, gammas)
         if not batch:

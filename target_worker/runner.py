@@ -29,6 +29,7 @@ class EngineRunner(threading.Thread):
         self._cv = threading.Condition()
         self._listeners: dict[int, OnOutput] = {}
         self._stop = False
+        self.metrics = None  # TargetMetrics, when exported
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, on_output: OnOutput) -> Request:
         """prompt_ids and params must already be validated (engine.validate_prompt, params.validate)."""
@@ -69,6 +70,8 @@ class EngineRunner(threading.Thread):
                 elif not req.finished:
                     self.engine.abort(req)
                     self._listeners.pop(id(req), None)
+                    if self.metrics is not None:
+                        self.metrics.on_abort(req)
             if not self.engine.has_work():
                 continue
             try:
@@ -76,6 +79,8 @@ class EngineRunner(threading.Thread):
             except Exception:
                 log.exception("engine step failed")
                 raise
+            if self.metrics is not None:
+                self.metrics.on_outputs(outs)
             for out in outs:
                 cb = self._listeners.get(id(out.request))
                 if cb is not None:

@@ -27,6 +27,10 @@ class TargetServer:
                          if draft_address else None)
         engine = TargetEngine(model, self.proposer, policy or FixedGamma(4 if draft_address else 0), config)
         self.runner = EngineRunner(engine)
+        from target_worker.metrics import TargetMetrics
+
+        self.metrics = TargetMetrics(engine, self.proposer, model.path.rstrip("/").split("/")[-1])
+        self.runner.metrics = self.metrics
         self.host, self.requested_port = host, port
         self.port: int | None = None
         self.model_name = model.path.rstrip("/").split("/")[-1]

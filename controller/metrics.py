@@ -1,0 +1,102 @@
+"""The controller's metrics (`starjar_controller_*`), its N_full estimate, and Prometheus discovery.
+
+N_full (StarSD section 4.2) is the number of targets that keeps the draft
+server busy: N_full = ceil(Z / S) + 1, with S the draft service time per batch
+and Z a target's return time (from receiving drafts to sending its next
+round). Both come from two GetStats snapshots a window apart, so they describe
+recent traffic, not the server's whole life; with no traffic the last estimate
+stands.
+
+Discovery: the controller writes a Prometheus file-SD JSON listing every live
+metrics endpoint with a `component` label; deploy/prometheus/prometheus.yml
+reads it. Written atomically (rename), so Prometheus never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from starjar.metrics import new_registry
+
+P = "starjar_controller_"
+
+
+def estimate_n_full(prev: dict, cur: dict) -> tuple[float, float, int] | None:
+    """(Z, S, N_full) from two draft GetStats snapshots (dicts), or None without traffic in between."""
+    d_batches = int(cur["batches"]) - int(prev["batches"])
+    d_rounds = int(cur["rounds"]) - int(prev["rounds"])
+    dt = float(cur["uptime_s"]) - float(prev["uptime_s"])
+    if d_batches <= 0 or d_rounds <= 0 or dt <= 0:
+        return None
+    service = (float(cur["mean_service_s"]) * int(cur["batches"])
+               - float(prev["mean_service_s"]) * int(prev["batches"])) / d_batches
+    wait = (float(cur["mean_wait_s"]) * int(cur["rounds"]) - float(prev["mean_wait_s"]) * int(prev["rounds"])) / d_rounds
+    before = {t["worker_id"]: int(t["rounds"]) for t in prev.get("targets", [])}
+    returns = []
+    for t in cur.get("targets", []):
+        n = int(t["rounds"]) - before.get(t["worker_id"], 0)
+        if n > 0:
+            returns.append(dt / n - service - wait)  # one cycle = return time + wait + service
+    if not returns or service <= 0:
+        return None
+    z = max(0.0, sum(returns) / len(returns))
+    return z, service, math.ceil(z / service) + 1
+
+
+class ControllerMetrics:
+    def __init__(self, controller, target_model: str, draft_model: str):
+        self.controller = controller
+        self.registry = new_registry("controller", target_model=target_model, draft_model=draft_model)
+        self.registry.register(_Collector(controller))
+
+
+class _Collector:
+    def __init__(self, controller):
+        self.c = controller
+
+    def collect(self):
+        c = self.c
+        yield GaugeMetricFamily(P + "n_max", "N_max: targets the draft server admits", value=c.n_max)
+        n_full = GaugeMetricFamily(P + "n_full", "N_full = ceil(Z/S)+1 from recent draft-server traffic")
+        z = GaugeMetricFamily(P + "return_time_seconds", "Z: a target's time from drafts received to next round")
+        s = GaugeMetricFamily(P + "draft_service_seconds", "S: draft service time per batch, recent traffic")
+        if c.n_full_estimate is not None:
+            z.add_metric([], c.n_full_estimate[0])
+            s.add_metric([], c.n_full_estimate[1])
+            n_full.add_metric([], c.n_full_estimate[2])
+        yield n_full
+        yield z
+        yield s
+        policy = GaugeMetricFamily(P + "policy_info", "speculation policy the target workers run (value 1)",
+                                   labels=["policy"])
+        policy.add_metric([c.policy_name()], 1)
+        yield policy
+        restarts = CounterMetricFamily(P + "actor_restarts", "actor restarts seen, by actor", labels=["actor"])
+        for name in c.actor_names():
+            restarts.add_metric([name], c.restarts.get(name, 0))
+        yield restarts
+        live = GaugeMetricFamily(P + "actor_up", "1 while the actor answers", labels=["actor"])
+        for name in c.actor_names():
+            live.add_metric([name], 1 if c.live.get(name) else 0)
+        yield live
+
+
+def write_file_sd(path: str, endpoints: dict[str, str]) -> None:
+    """endpoints: component name (draft_server, target_worker:NAME, front_end, controller) -> HOST:PORT."""
+    groups = []
+    for name, address in sorted(endpoints.items()):
+        component, _, instance = name.partition(":")
+        labels = {"component": component}
+        if instance:
+            labels["worker"] = instance
+        groups.append({"targets": [address], "labels": labels})
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(groups, indent=1))
+    tmp.replace(target)

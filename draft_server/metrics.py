@@ -1,0 +1,101 @@
+"""The draft server's Prometheus metrics (`starjar_draft_*`).
+
+Event timings (step, S(d), T_wait, T_idle, batch size) are histograms observed
+by the compute loop as they happen; everything else is read from the server's
+own bookkeeping at scrape time, so the exported numbers are the very ones
+GetStats reports. Busy and idle time are exported as counters: load over any
+window is rate(busy) / (rate(busy) + rate(idle)).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from starjar.metrics import BATCH_BUCKETS, FAST_BUCKETS, new_registry
+
+P = "starjar_draft_"
+
+
+class DraftMetrics:
+    def __init__(self, server, draft_model: str):
+        self.server = server
+        self.registry = new_registry("draft_server", draft_model=draft_model)
+        r = self.registry
+        self.step_s = Histogram(P + "step_seconds", "one draft forward pass (t_s)", buckets=FAST_BUCKETS, registry=r)
+        self.service_s = Histogram(P + "service_seconds", "service time of one batch of rounds, all its passes (S)",
+                                   buckets=FAST_BUCKETS, registry=r)
+        self.wait_s = Histogram(P + "queue_wait_seconds", "time a round waits before its batch starts (T_wait)",
+                                buckets=FAST_BUCKETS, registry=r)
+        self.idle_s = Histogram(P + "idle_seconds", "idle gap of the compute loop between batches (T_idle)",
+                                buckets=FAST_BUCKETS, registry=r)
+        self.batch_rounds = Histogram(P + "batch_rounds", "rounds (targets) served by one batch",
+                                      buckets=BATCH_BUCKETS, registry=r)
+        self.batch_sequences = Histogram(P + "batch_sequences", "sequences drafted by one batch",
+                                         buckets=BATCH_BUCKETS, registry=r)
+        self.reload_s = Histogram(P + "reload_seconds", "time to bring offloaded draft weights back",
+                                  buckets=FAST_BUCKETS, registry=r)
+        r.register(_StateCollector(server))
+
+    # Called by the compute loop (its thread) -------------------------------------------------------
+
+    def observe_batch(self, rounds: int, sequences: int, service_s: float, waits: list[float], passes: int,
+                      pass_s: float) -> None:
+        self.batch_rounds.observe(rounds)
+        self.batch_sequences.observe(sequences)
+        self.service_s.observe(service_s)
+        for w in waits:
+            self.wait_s.observe(w)
+        if passes:
+            mean = pass_s / passes
+            for _ in range(passes):
+                self.step_s.observe(mean)
+
+    def observe_idle(self, gap_s: float) -> None:
+        self.idle_s.observe(gap_s)
+
+
+class _StateCollector:
+    """Gauges and counters read from the server at scrape time."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def collect(self):
+        s = self.server
+        snap = s.stats.snapshot()
+        sessions = s.sessions.sessions()
+        yield _gauge("attached_targets", "targets attached now", len(sessions))
+        yield _gauge("max_targets", "N_max: targets admitted at once", s.sessions.max_targets)
+        yield _gauge("live_sequences", "sequences with draft KV now", sum(len(x.seq_last_used) for x in sessions))
+        yield _gauge("queue_depth", "rounds waiting for the compute loop", len(s.queue))
+        yield _gauge("load_ratio", "busy fraction since the first round (GetStats' load)", snap["load"])
+        yield _gauge("offloaded", "1 while the draft weights are offloaded to host memory", 0)
+        yield _counter("rounds", "rounds served", snap["rounds"])
+        yield _counter("batches", "batches (compute-loop iterations that drafted)", snap["batches"])
+        yield _counter("drafted_tokens", "draft tokens proposed", snap["drafted_tokens"])
+        yield _counter("busy_seconds", "compute-loop time spent drafting", s.stats.busy_s)
+        yield _counter("idle_seconds", "compute-loop time spent waiting for rounds (after the first one)",
+                       s.stats.idle_s)
+        yield _counter("reclaimed_sequences", "sequences freed because their lease expired",
+                       snap["reclaimed_sequences"])
+        refusals = CounterMetricFamily(P + "refusals", "Attach calls refused, by reason", labels=["reason"])
+        for reason, n in sorted(s.service.refusals.items()):
+            refusals.add_metric([reason], n)
+        yield refusals
+        # R_p: rounds per attached target. Only attached targets are exported, so the label is bounded by N_max.
+        attached = {x.worker_id for x in sessions}
+        per_target = CounterMetricFamily(P + "target_rounds", "rounds served per attached target worker (R_p)",
+                                         labels=["target"])
+        for worker, (n, _) in sorted(snap["per_worker"].items()):
+            if worker in attached:
+                per_target.add_metric([worker], n)
+        yield per_target
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(P + name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(P + name, doc, value=value)
