@@ -44,7 +44,7 @@ def _server_stats(address: str) -> pb.DraftStats:
 
 def _run_n(draft_dir, mode, n, scripts, verify_s, duration_s, fingerprint) -> dict:
     server = ServerProcess("draft", "--model", draft_dir, "--port", "0", "--mode", mode, "--max-targets", "64",
-                           threads=2)
+                           "--metrics-port", "0", threads=2)
     try:
         proposers = [RemoteProposer(server.address, fingerprint, f"target-{k}", deadline_s=30.0) for k in range(n)]
         for p in proposers:
@@ -61,6 +61,7 @@ def _run_n(draft_dir, mode, n, scripts, verify_s, duration_s, fingerprint) -> di
             th.join()
         wall = time.perf_counter() - t0
         stats = _server_stats(server.address)
+        exported = exported_draft_metrics(server.ready["metrics"])
         wire = [w for p in proposers for w in p.stats.wire_overhead_s()]
         for p in proposers:
             p.close()
@@ -76,7 +77,25 @@ def _run_n(draft_dir, mode, n, scripts, verify_s, duration_s, fingerprint) -> di
             "draft_load": round(stats.load, 4), "batches": stats.batches, "rounds": stats.rounds,
             "acceptance_rate": round(sum(t.stats.accepted for t in targets) /
                                      max(1, sum(t.stats.drafted for t in targets)), 4),
-            "wire_ms_mean": round(1000 * sum(wire) / max(1, len(wire)), 3)}
+            "wire_ms_mean": round(1000 * sum(wire) / max(1, len(wire)), 3),
+            # The same quantities as Prometheus sees them (a scrape right after GetStats).
+            "exported": exported}
+
+
+def exported_draft_metrics(metrics_address: str) -> dict:
+    """Load and T_idle from a scrape of the draft server's /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    busy, idle = values["starjar_draft_busy_time_seconds_total"], values["starjar_draft_idle_time_seconds_total"]
+    gaps = values["starjar_draft_idle_gap_seconds_count"]
+    return {"draft_load": round(values["starjar_draft_load_ratio"], 4),
+            "draft_load_from_counters": round(busy / (busy + idle), 4) if busy + idle else 0.0,
+            "t_idle_ms": round(1000 * values["starjar_draft_idle_gap_seconds_sum"] / gaps, 3) if gaps else 0.0}
 
 
 def run(args) -> dict:

@@ -17,6 +17,7 @@ class ServerProcess:
         self.args = args
         self.proc = subprocess.Popen([sys.executable, "-m", *module.split(), *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.ready: dict = {}
         self.address = self._wait_ready()
         # Keep draining stderr so the server never blocks on a full pipe.
         threading.Thread(target=self.proc.stderr.read, daemon=True).start()
@@ -36,7 +37,8 @@ class ServerProcess:
         if "line" not in result:
             self.kill()
             raise RuntimeError(f"server {self.args} did not start: {self.proc.stderr.read()[-2000:]}")
-        return json.loads(result["line"])["address"]
+        self.ready = json.loads(result["line"])
+        return self.ready["address"]
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc.poll() is None:

@@ -4,7 +4,7 @@ Event timings (step, S(d), T_wait, T_idle, batch size) are histograms observed
 by the compute loop as they happen; everything else is read from the server's
 own bookkeeping at scrape time, so the exported numbers are the very ones
 GetStats reports. Busy and idle time are exported as counters: load over any
-window is rate(busy) / (rate(busy) + rate(idle)).
+window is rate(busy_time) / (rate(busy_time) + rate(idle_time)).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starjar.metrics import BATCH_BUCKETS, FAST_BUCKETS, new_registry
 
 P = "starjar_draft_"
+REFUSAL_REASONS = ("admission", "fingerprint", "draining", "invalid")  # exported at 0 until they happen
 
 
 class DraftMetrics:
@@ -27,7 +28,7 @@ class DraftMetrics:
                                    buckets=FAST_BUCKETS, registry=r)
         self.wait_s = Histogram(P + "queue_wait_seconds", "time a round waits before its batch starts (T_wait)",
                                 buckets=FAST_BUCKETS, registry=r)
-        self.idle_s = Histogram(P + "idle_seconds", "idle gap of the compute loop between batches (T_idle)",
+        self.idle_s = Histogram(P + "idle_gap_seconds", "idle gap of the compute loop between batches (T_idle)",
                                 buckets=FAST_BUCKETS, registry=r)
         self.batch_rounds = Histogram(P + "batch_rounds", "rounds (targets) served by one batch",
                                       buckets=BATCH_BUCKETS, registry=r)
@@ -74,14 +75,14 @@ class _StateCollector:
         yield _counter("rounds", "rounds served", snap["rounds"])
         yield _counter("batches", "batches (compute-loop iterations that drafted)", snap["batches"])
         yield _counter("drafted_tokens", "draft tokens proposed", snap["drafted_tokens"])
-        yield _counter("busy_seconds", "compute-loop time spent drafting", s.stats.busy_s)
-        yield _counter("idle_seconds", "compute-loop time spent waiting for rounds (after the first one)",
+        yield _counter("busy_time_seconds", "compute-loop time spent drafting", s.stats.busy_s)
+        yield _counter("idle_time_seconds", "compute-loop time spent waiting for rounds (after the first one)",
                        s.stats.idle_s)
         yield _counter("reclaimed_sequences", "sequences freed because their lease expired",
                        snap["reclaimed_sequences"])
         refusals = CounterMetricFamily(P + "refusals", "Attach calls refused, by reason", labels=["reason"])
-        for reason, n in sorted(s.service.refusals.items()):
-            refusals.add_metric([reason], n)
+        for reason in sorted(set(REFUSAL_REASONS) | set(s.service.refusals)):
+            refusals.add_metric([reason], s.service.refusals.get(reason, 0))
         yield refusals
         # R_p: rounds per attached target. Only attached targets are exported, so the label is bounded by N_max.
         attached = {x.worker_id for x in sessions}

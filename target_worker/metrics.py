@@ -18,6 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starjar.metrics import E2E_BUCKETS, FAST_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, batch_bucket, new_registry
 
 P = "starjar_target_"
+# The remote proposer's fallback reasons, exported at 0 until they happen.
+FALLBACK_REASONS = ("deadline", "detached", "malformed", "resync", "stream_broken")
 
 
 class TargetMetrics:
@@ -125,8 +127,10 @@ class _EngineCollector:
         yield per_pos
         fallbacks = CounterMetricFamily(P + "draft_fallbacks", "steps a sequence ran without drafts because the "
                                         "draft service failed, by reason", labels=["reason"])
-        for reason, n in sorted(self.proposer.stats.fallbacks.items()) if self.proposer is not None else ():
-            fallbacks.add_metric([reason], n)
+        if self.proposer is not None:
+            seen = self.proposer.stats.fallbacks
+            for reason in sorted(set(FALLBACK_REASONS) | set(seen)):
+                fallbacks.add_metric([reason], seen.get(reason, 0))
         yield fallbacks
         attached = 1 if self.proposer is not None and getattr(self.proposer, "attached", False) else 0
         yield GaugeMetricFamily(P + "draft_attached", "1 while attached to the draft server", value=attached)
