@@ -15,7 +15,7 @@ import torch
 from starjar.errors import InvalidArgument
 
 BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "benchmarks.star",
-              "cluster": "benchmarks.cluster", "draft": "benchmarks.draft"}
+              "cluster": "benchmarks.cluster", "draft": "benchmarks.draft", "api": "benchmarks.api"}
 
 
 def run_bench(args) -> int:

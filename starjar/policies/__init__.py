@@ -1,0 +1,43 @@
+"""Speculation policies behind one interface (`starjar.policy.SpeculationPolicy`): Nightjar and the
+baselines it is compared with. `make_policy(name, ...)` builds one by the name benchmarks and the CLI use:
+nightjar, none, fixed_K, dsd, banditspec, tide, vllm_table, sglang_ema, hf_heuristic.
+"""
+
+from __future__ import annotations
+
+from starjar.errors import InvalidArgument
+from starjar.policy import FixedGamma
+
+NAMES = ("nightjar", "none", "fixed_K", "dsd", "banditspec", "tide", "vllm_table", "sglang_ema", "hf_heuristic")
+
+
+def make_policy(name: str, max_gamma: int = 4, cswitch=None, profile: dict | None = None, seed: int | None = 0):
+    """profile: {"t_of_n": {n: seconds}, "d0_s": seconds} for tide (from the C_switch profiler's output)."""
+    from starjar.policies.banditspec import BanditSpecUCB
+    from starjar.policies.dsd import DSDPolicy
+    from starjar.policies.heuristics import HfHeuristic, SglangEma, VllmTable
+    from starjar.policies.nightjar import NightjarPlanner
+    from starjar.policies.tide import TidePolicy
+
+    if name == "nightjar":
+        return NightjarPlanner(max_gamma, cswitch, seed=seed)
+    if name == "none":
+        return FixedGamma(0)
+    if name.startswith("fixed_") and name[6:].isdigit():
+        return FixedGamma(int(name[6:]))
+    if name == "dsd":
+        return DSDPolicy(max_gamma)
+    if name == "banditspec":
+        return BanditSpecUCB(max_gamma)
+    if name == "tide":
+        if not profile:
+            raise InvalidArgument("policy", "tide needs a latency profile (T(n) and D0)")
+        return TidePolicy({int(k): v for k, v in profile["t_of_n"].items()}, profile["d0_s"],
+                          gamma=min(2, max_gamma))
+    if name == "vllm_table":
+        return VllmTable(max_gamma=max_gamma)
+    if name == "sglang_ema":
+        return SglangEma(max_gamma)
+    if name == "hf_heuristic":
+        return HfHeuristic(max_gamma)
+    raise InvalidArgument("policy", f"one of {', '.join(NAMES)}", name)

@@ -1,0 +1,153 @@
+"""Nightjar (Algorithm 1 with Eq. 4): a contextual bandit that picks gamma per batch size.
+
+Each batch-size bucket keeps its own clock of blocks (H = 2^(j-1) steps) split
+into bins of sqrt(H) steps. At a bin's first step the bucket explores (gamma
+uniform over 0..Gmax) with probability 1/b, or exploits: the gamma with the
+lowest empirical latency per token, plus C_switch(L_max, B)/gamma when the
+previous step ran without speculation (the draft must first catch up on
+L_max tokens). The choice is locked for the whole bin, which bounds switches
+by the number of bins, O(sqrt(T)). Latency per token is estimated directly
+(mean of step_s/tokens), not as 1/mean goodput.
+
+Plain Python on purpose: it runs inside the target worker's step loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class CSwitchTable:
+    """C_switch(L_max, B) in seconds, profiled on a grid; looked up at the nearest grid point at or
+    above the query (conservative), clamped to the grid."""
+
+    def __init__(self, lengths: list[int], batch_sizes: list[int], cost_s: list[list[float]]):
+        if len(cost_s) != len(lengths) or any(len(row) != len(batch_sizes) for row in cost_s):
+            raise ValueError("cost_s must be len(lengths) x len(batch_sizes)")
+        self.lengths, self.batch_sizes, self.cost_s = list(lengths), list(batch_sizes), cost_s
+
+    @staticmethod
+    def _index(grid: list[int], x: float) -> int:
+        i = bisect_right(grid, x - 1e-9)
+        return min(i, len(grid) - 1)
+
+    def lookup(self, l_max: float, batch_size: int) -> float:
+        return max(0.0, self.cost_s[self._index(self.lengths, l_max)][self._index(self.batch_sizes, batch_size)])
+
+    def to_dict(self) -> dict:
+        return {"lengths": self.lengths, "batch_sizes": self.batch_sizes, "cost_s": self.cost_s}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CSwitchTable":
+        return cls(d["lengths"], d["batch_sizes"], d["cost_s"])
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CSwitchTable":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def zero(cls) -> "CSwitchTable":
+        return cls([1], [1], [[0.0]])
+
+
+@dataclass
+class _Bucket:
+    arms: int
+    j: int = 1
+    h: int = 1
+    b: int = 1
+    tau: int = 1
+    current: int = 0
+    sums: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.sums = [0.0] * self.arms
+        self.counts = [0] * self.arms
+
+    def advance(self) -> None:
+        """Lines 19-25: one round played; close the bin and the block when they are full."""
+        self.tau += 1
+        if self.tau > math.sqrt(self.h):
+            self.b += 1
+            self.tau = 1
+            if self.b > math.sqrt(self.h):
+                self.j += 1
+                self.h = 2 ** (self.j - 1)
+                self.b = 1
+
+
+class NightjarPlanner:
+    name = "nightjar"
+
+    def __init__(self, max_gamma: int = 4, cswitch: CSwitchTable | None = None,
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, seed: int | None = 0):
+        if max_gamma < 0:
+            raise ValueError("max_gamma must be >= 0")
+        self.max_gamma = max_gamma
+        self.cswitch = cswitch or CSwitchTable.zero()
+        self.buckets = tuple(sorted(buckets))
+        self.rng = random.Random(seed)
+        self.override: int | None = None  # set by the controller (e.g. 0 while the draft server is saturated)
+        self._state: dict[int, _Bucket] = {}
+        self.prev_gamma = 0
+        self.l_max = 0  # tokens the draft falls behind while gamma is 0 (one per step per sequence)
+        self.switches = 0
+        self.explorations = 0
+
+    def bucket(self, batch_size: int) -> int:
+        i = bisect_right(self.buckets, batch_size) - 1
+        return self.buckets[max(0, i)]
+
+    def _exploit(self, st: _Bucket, batch_size: int) -> int:
+        best, best_loss = None, math.inf
+        switch = self.cswitch.lookup(self.l_max, batch_size) if self.prev_gamma == 0 else 0.0
+        for g in range(st.arms):
+            if not st.counts[g]:
+                continue
+            loss = st.sums[g] / st.counts[g] + (switch / g if g > 0 else 0.0)
+            if loss < best_loss:
+                best, best_loss = g, loss
+        return best if best is not None else self.rng.randint(0, self.max_gamma)
+
+    def choose(self, batch_size: int) -> int:
+        if self.override is not None:
+            gamma = min(self.override, self.max_gamma)
+        else:
+            key = self.bucket(batch_size)
+            st = self._state.get(key)
+            if st is None:
+                st = self._state[key] = _Bucket(self.max_gamma + 1)
+            if st.tau == 1:  # a bin starts: explore with probability 1/b, else exploit (Eq. 4); then lock
+                if self.rng.random() < 1.0 / st.b:
+                    st.current = self.rng.randint(0, self.max_gamma)
+                    self.explorations += 1
+                else:
+                    st.current = self._exploit(st, batch_size)
+            gamma = st.current
+            st.advance()
+        if gamma != self.prev_gamma:
+            self.switches += 1
+        self.l_max = self.l_max + 1 if gamma == 0 else 0
+        self.prev_gamma = gamma
+        return gamma
+
+    def observe(self, batch_size: int, gamma: int, step_s: float, tokens: int, accepted: int,
+                drafted: int) -> None:
+        if tokens <= 0 or gamma > self.max_gamma:
+            return
+        st = self._state.get(self.bucket(batch_size))
+        if st is not None:
+            st.sums[gamma] += step_s / tokens
+            st.counts[gamma] += 1
+
+    def estimates(self) -> dict[int, list[float | None]]:
+        """Empirical latency per token, per bucket and gamma (None = never played)."""
+        return {k: [s / n if n else None for s, n in zip(st.sums, st.counts)] for k, st in self._state.items()}

@@ -1,0 +1,163 @@
+"""Speculation policies: Nightjar's planner in a synthetic environment, each baseline's rule, and
+greedy outputs under every policy identical to the target alone."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from starjar.policies import NAMES, make_policy
+from starjar.policies.banditspec import BanditSpecUCB
+from starjar.policies.dsd import DSDPolicy
+from starjar.policies.heuristics import HfHeuristic, SglangEma, VllmTable
+from starjar.policies.nightjar import CSwitchTable, NightjarPlanner
+from starjar.policies.tide import TidePolicy
+
+# Expected latency per token by gamma: gamma 2 is best at batch 1, no speculation at batch 16.
+LATENCY = {1: [1.0, 0.8, 0.7, 0.75, 0.9], 16: [0.3, 0.36, 0.42, 0.5, 0.6]}
+SWITCH_S = 0.5  # what a 0 -> gamma > 0 transition costs, amortized over gamma in the loss
+
+
+def simulate(policy, steps: int, batch_size: int = 1, seed: int = 0) -> tuple[float, int]:
+    """(cumulative regret against the best fixed gamma, switches) under Nightjar's loss (Eq. 5)."""
+    rng = random.Random(seed)
+    means = LATENCY[batch_size]
+    best = min(means)
+    regret, prev, switches = 0.0, 0, 0
+    for _ in range(steps):
+        g = policy.choose(batch_size)
+        lat = means[g] * (1 + 0.2 * (rng.random() - 0.5))
+        loss = lat + (SWITCH_S / g if prev == 0 and g > 0 else 0.0)
+        regret += loss - best
+        switches += g != prev
+        prev = g
+        tokens = 10
+        policy.observe(batch_size, g, lat * tokens, tokens, 0, 0)
+    return regret, switches
+
+
+def _nightjar(seed):
+    return NightjarPlanner(max_gamma=4, cswitch=CSwitchTable([1], [1], [[SWITCH_S]]), seed=seed)
+
+
+def test_nightjar_regret_grows_sublinearly_and_switches_like_sqrt_t():
+    t = 16000
+    r1 = [simulate(_nightjar(s), t, seed=s) for s in range(5)]
+    r4 = [simulate(_nightjar(s), 4 * t, seed=s) for s in range(5)]
+    regret_1 = sum(r for r, _ in r1) / 5
+    regret_4 = sum(r for r, _ in r4) / 5
+    switches_1 = sum(s for _, s in r1) / 5
+    switches_4 = sum(s for _, s in r4) / 5
+    assert 0 < regret_4 / regret_1 < 3.0, (regret_1, regret_4)  # linear would be 4, sqrt(T) gives 2
+    assert switches_4 / switches_1 < 2.6, (switches_1, switches_4)
+    assert switches_4 < 6 * math.sqrt(4 * t)
+
+
+def test_nightjar_learns_each_batch_size_separately():
+    p = _nightjar(1)
+    for _ in range(3000):
+        for b in (1, 16):
+            g = p.choose(b)
+            p.observe(b, g, LATENCY[b][g] * 10, 10, 0, 0)
+    est = p.estimates()
+    assert min(range(5), key=lambda g: est[1][g]) == 2
+    assert min(range(5), key=lambda g: est[16][g]) == 0
+    p.prev_gamma = 2  # speculating already: no switching cost in the comparison
+    assert p._exploit(p._state[1], 1) == 2 and p._exploit(p._state[16], 16) == 0
+
+
+def test_switching_cost_keeps_speculation_off_when_it_does_not_amortize():
+    # gamma 1 is slightly faster per token, but re-enabling it costs far more than it saves.
+    table = CSwitchTable([1, 64], [1, 8], [[5.0, 5.0], [5.0, 5.0]])
+    p = NightjarPlanner(max_gamma=1, cswitch=table, seed=3)
+    st_means = [1.0, 0.95]
+    for _ in range(200):  # learn both arms
+        g = p.choose(1)
+        p.observe(1, g, st_means[g], 1, 0, 0)
+    p.prev_gamma = 0
+    assert p._exploit(p._state[1], 1) == 0
+    p.prev_gamma = 1  # already speculating: no switch to pay
+    assert p._exploit(p._state[1], 1) == 1
+
+
+def test_cswitch_table_lookup_is_conservative_and_round_trips(tmp_path):
+    t = CSwitchTable([128, 256, 512], [2, 4, 8], [[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    assert t.lookup(100, 2) == 1 and t.lookup(129, 2) == 4 and t.lookup(4000, 64) == 9 and t.lookup(256, 3) == 5
+    path = tmp_path / "c.json"
+    import json
+    path.write_text(json.dumps(t.to_dict()))
+    assert CSwitchTable.load(path).lookup(300, 5) == 9  # rounds up to (512, 8)
+
+
+def test_ucb_converges_to_the_best_arm():
+    regret, _ = simulate(BanditSpecUCB(4, c=0.3), 6000)
+    p = BanditSpecUCB(4, c=0.3)
+    simulate(p, 6000)
+    assert max(range(5), key=lambda g: p.counts[g]) == 2
+
+
+def test_dsd_fits_its_latency_model_and_stops_speculating_when_it_costs():
+    p = DSDPolicy(4)
+    rng = random.Random(0)
+    for _ in range(300):  # verification is expensive per token here: every draft token costs 0.02 s per row
+        b = rng.choice([1, 4, 8])
+        g = rng.randint(0, 4)
+        p.observe(b, g, 0.03 + 0.02 * b * (g + 1) + 0.005 * g, b, b * g // 4, b * g)
+    assert p.choose(8) == 0
+    cheap = DSDPolicy(4)
+    for _ in range(300):  # verification nearly free, acceptance high: speculate fully
+        b, g = rng.choice([1, 4, 8]), rng.randint(0, 4)
+        cheap.observe(b, g, 0.03 + 0.0001 * b * (g + 1) + 0.001 * g, b, int(b * g * 0.9), b * g)
+    assert cheap.choose(1) == 4
+
+
+def test_tide_switches_off_where_its_speedup_model_says_so():
+    t = {1: 0.030, 2: 0.031, 4: 0.033, 8: 0.040, 16: 0.060, 32: 0.110, 64: 0.210, 128: 0.410}
+    p = TidePolicy(t, d0_s=0.008, gamma=2, alpha0=0.7)
+    assert p.choose(1) == 2 and p.speedup(1) > 1
+    assert p.choose(32) == 0 and p.speedup(32) < 1
+
+
+def test_vllm_table_sglang_ema_and_hf_heuristic_follow_their_rules():
+    table = VllmTable({1: 3, 4: 1, 8: 0})
+    assert [table.choose(b) for b in (1, 3, 4, 7, 8, 100)] == [3, 3, 1, 1, 0, 0]
+    hf = HfHeuristic(max_gamma=6, start=3)
+    hf.observe(1, 3, 0.1, 4, 3, 3)
+    assert hf.choose(1) == 5
+    hf.observe(1, 5, 0.1, 2, 1, 5)
+    assert hf.choose(1) == 4
+    ema = SglangEma(max_gamma=4, probe_every=5)
+    for _ in range(40):
+        ema.observe(1, 2, 0.1, 1, 0, 2)  # nothing accepted
+    assert ema.choose(1) == 0
+    assert [ema.choose(1) for _ in range(5)][-1] == 1  # the periodic probe
+    for _ in range(40):
+        ema.observe(2, 2, 0.1, 3, 2, 2)  # everything accepted (same range as batch 1)
+    assert ema.choose(2) == 4
+
+
+def test_make_policy_knows_every_name():
+    profile = {"t_of_n": {1: 0.03, 8: 0.04, 64: 0.2}, "d0_s": 0.01}
+    names = [n for n in NAMES if n != "fixed_K"] + ["fixed_1", "fixed_3"]
+    for n in names:
+        p = make_policy(n, max_gamma=3, profile=profile)
+        assert p.name == ("none" if n == "none" else n)
+        assert 0 <= p.choose(4) <= 3
+    from starjar.errors import InvalidArgument
+    with pytest.raises(InvalidArgument, match="policy"):
+        make_policy("magic")
+
+
+@pytest.mark.parametrize("name", ["nightjar", "none", "fixed_2", "dsd", "banditspec", "tide", "vllm_table",
+                                  "sglang_ema", "hf_heuristic"])
+def test_greedy_output_is_the_target_alone_under_every_policy(name, models, spec_prompts, reference):
+    from controller.colocated import colocated_engine
+    from starjar.sampling import SamplingParams
+
+    policy = make_policy(name, max_gamma=4, profile={"t_of_n": {1: 0.01, 4: 0.012, 16: 0.03}, "d0_s": 0.002})
+    engine = colocated_engine(models["llama"], models["draft"], 0, 4, policy=policy)
+    prompts = spec_prompts[:8]
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=24))
+    assert [r.output_ids for r in reqs] == [r[:24] for r in reference("llama", 64)[:8]]
