@@ -87,7 +87,7 @@ class TargetWorkerActor:
         self.name = name
         _prepare_process(self.spec)
         from starjar.models import load_model
-        from starjar.policy import FixedGamma
+        from starjar.policies import serving_policy
         from starjar.serving import BackgroundLoop
         from target_worker.engine import EngineConfig
         from target_worker.server import TargetServer
@@ -95,7 +95,7 @@ class TargetWorkerActor:
         self.host = ray.util.get_node_ip_address()
         model = load_model(self.spec.target, _device(self.spec), self.spec.dtype, what="target")
         draft = _resolve_draft_address if self.spec.draft else None
-        self.policy = FixedGamma(self.spec.gamma if self.spec.draft else 0)
+        self.policy = serving_policy(self.spec.policy, self.spec.gamma, self.spec.profile, bool(self.spec.draft))
         self.server = TargetServer(model, draft, name, self.policy,
                                    EngineConfig(max_batch_size=self.spec.batch_size,
                                                 max_gamma=max(8, self.spec.gamma)),
@@ -112,7 +112,8 @@ class TargetWorkerActor:
     def stats(self) -> dict:
         engine = self.server.runner.engine
         s = engine.stats
-        out = {"running": engine.num_running, "waiting": engine.num_waiting, "gamma": self.policy.gamma,
+        out = {"running": engine.num_running, "waiting": engine.num_waiting, "policy": self.policy.name,
+               "override": self.policy.override,
                "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
                "decode_steps": s.decode_steps}
         if self.server.proposer:
@@ -120,11 +121,11 @@ class TargetWorkerActor:
             out["draft_address"] = self.server.proposer.address
         return out
 
-    def set_gamma(self, gamma: int) -> None:
-        """Override the speculation length (0 = off); the engine reads it at its next step."""
-        if gamma < 0:
+    def set_gamma(self, gamma: int | None) -> None:
+        """Force a speculation length (0 = off), or None to hand control back to the policy."""
+        if gamma is not None and gamma < 0:
             raise ValueError("gamma must be >= 0")
-        self.policy.gamma = gamma if self.spec.draft else 0
+        self.policy.override = gamma if (gamma is None or self.spec.draft) else 0
 
 
 class FrontEndActor:

@@ -5,6 +5,7 @@
   starjar serve draft|target ...     one gRPC server in the foreground
   starjar up [--json] / starjar down  a cluster on Ray: draft server, target workers, front end
   starjar models build [--json]      build the default pair offline and print where it is
+  starjar profile --out F.json       C_switch, T(n) and D0 for the planners (--policy nightjar|tide)
   starjar bench NAME [--quick] --out F.json
 
 Errors in what the user gave print one line naming the field and exit 2.
@@ -48,6 +49,16 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="base seed; prompt i uses seed + i")
     g.add_argument("--batch-size", type=int, default=16, help="cap on the running batch (default 16)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    g.add_argument("--policy", default="fixed",
+                   help="fixed (gamma every step) or a planner picking gamma in 0..--gamma: nightjar, dsd, "
+                        "banditspec, tide, vllm_table, sglang_ema, hf_heuristic")
+    g.add_argument("--profile", default=None, help="latency tables from `starjar profile` (nightjar, tide)")
+
+    pr = sub.add_parser("profile", help="profile C_switch(L_max, B), T(n) and D0 for the planners")
+    pr.add_argument("--target", help="target model directory (default: the default pair's target)")
+    pr.add_argument("--draft", help="draft model directory (default: the default pair's draft)")
+    pr.add_argument("--out", required=True, help="JSON to write (load it with --profile)")
+    pr.add_argument("--quick", action="store_true", help="a smaller grid")
 
     m = sub.add_parser("models", help="the default model pair")
     msub = m.add_subparsers(dest="models_cmd", required=True)
@@ -98,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             from controller.serve_cmd import run_serve
             return run_serve(args)
+        if args.cmd == "profile":
+            return _profile(args)
         if args.cmd in ("up", "down"):
             from controller.up_cmd import run_down, run_up
             return run_up(args) if args.cmd == "up" else run_down(args)
@@ -122,6 +135,23 @@ def _models_build(args) -> int:
         print(json.dumps(pair))
     else:
         print(f"target: {pair['target']}\ndraft:  {pair['draft']}\n({time.time() - t0:.1f} s)")
+    return 0
+
+
+def _profile(args) -> int:
+    from controller.colocated import load_pair
+    from controller.profiler import run_profile
+    from starjar.default_pair import build_default_pair
+
+    if args.target is None or args.draft is None:
+        pair = build_default_pair()
+        args.target, args.draft = args.target or pair["target"], args.draft or pair["draft"]
+    target, draft = load_pair(args.target, args.draft)
+    result = run_profile(target, draft, quick=args.quick)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}: D0 {result['d0_s'] * 1000:.1f} ms, T(1) {result['t_of_n']['1'] * 1000:.1f} ms",
+          file=sys.stderr)
     return 0
 
 

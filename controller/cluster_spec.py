@@ -36,7 +36,9 @@ class ClusterSpec:
     target: str  # target model directory (on every target node)
     draft: str | None  # draft model directory; None = no draft server, targets decode alone
     targets: int = 2  # target workers
-    gamma: int = 1  # draft tokens per step (the planner of a later issue replaces this)
+    gamma: int = 1  # draft tokens per step; with a planner policy, the largest gamma it may pick
+    policy: str = "fixed"  # fixed | nightjar | dsd | banditspec | tide | vllm_table | sglang_ema | hf_heuristic
+    profile: str | None = None  # `starjar profile` JSON (C_switch, T(n), D0) for nightjar and tide
     batch_size: int = 8  # running requests per target worker
     draft_mode: str = "batched"  # batched | fifo
     max_targets: int = 8  # N_max on the draft server
@@ -60,6 +62,12 @@ class ClusterSpec:
             raise InvalidArgument("--targets", "must be in [1, 64]", self.targets)
         if not 0 <= self.gamma <= 16:
             raise InvalidArgument("--gamma", "must be in [0, 16]", self.gamma)
+        from starjar.policies import NAMES
+
+        if self.policy != "fixed" and self.policy not in NAMES and not self.policy.startswith("fixed_"):
+            raise InvalidArgument("--policy", f"fixed or one of {', '.join(NAMES)}", self.policy)
+        if self.profile is not None and not os.path.isfile(self.profile):
+            raise InvalidArgument("--profile", "must be a file written by `starjar profile`", self.profile)
         if not 1 <= self.batch_size <= 256:
             raise InvalidArgument("--batch-size", "must be in [1, 256]", self.batch_size)
         if self.draft_mode not in ("batched", "fifo"):

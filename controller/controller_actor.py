@@ -58,7 +58,7 @@ class Controller:
         self.n_full_estimate: tuple[float, float, int] | None = None
         self._draft_snap: dict | None = None
         self._polls = 0
-        self.gamma = self.spec.gamma if self.spec.draft else 0
+        self.override: int | None = None
         self.metrics_address = None
         self._sd_written: dict | None = None
         if self.spec.metrics:
@@ -72,7 +72,11 @@ class Controller:
             self.metrics_address = f"{host}:{serve(self._metrics.registry, host)}"
 
     def policy_name(self) -> str:
-        return f"fixed_{self.gamma}" if self.gamma else "none"
+        if not self.spec.draft or self.override == 0:
+            return "none"
+        if self.override is not None:
+            return f"fixed_{self.override}"
+        return f"fixed_{self.spec.gamma}" if self.spec.policy == "fixed" else self.spec.policy
 
     def actor_names(self) -> list[str]:
         return self._names()
@@ -200,9 +204,8 @@ class Controller:
         return await self.draft.stats.remote() if self.draft is not None else None
 
     async def set_gamma(self, gamma: int | None) -> None:
-        """Override every target's gamma (0 = speculation off); None = back to the configured one."""
-        gamma = self.spec.gamma if gamma is None else gamma
-        self.gamma = gamma if self.spec.draft else 0
+        """Force every target's gamma (0 = speculation off); None = back to the configured policy."""
+        self.override = gamma
         await asyncio.gather(*(h.set_gamma.remote(gamma) for h in self.targets.values()))
 
     async def describe(self) -> dict:

@@ -56,10 +56,14 @@ def run_generate(args) -> int:
         raise InvalidArgument("--draft-server", "give either --draft or --draft-server, not both")
     draft_dir = args.draft if args.gamma > 0 else None
     target, draft = load_pair(target_dir, draft_dir, args.device, args.dtype)
+    from starjar.policies import serving_policy
+
+    policy = serving_policy(args.policy, args.gamma, args.profile, bool(draft_dir or args.draft_server))
     if args.draft_server and args.gamma > 0:
         engine = remote_engine(target, args.draft_server, args.gamma, args.batch_size)
+        engine.policy = policy
     else:
-        engine = colocated_engine(target, draft, gamma=args.gamma, max_batch_size=args.batch_size)
+        engine = colocated_engine(target, draft, gamma=args.gamma, max_batch_size=args.batch_size, policy=policy)
     ids = [encode_prompt(target.tokenizer, p, args.chat) for p in prompts]
     for i, p in enumerate(ids):
         try:

@@ -41,7 +41,11 @@ def add_up_parsers(sub) -> None:
     u.add_argument("--draft", help="draft model directory (default: the default pair's draft)")
     u.add_argument("--no-draft", action="store_true", help="no draft server: targets decode alone")
     u.add_argument("--targets", type=int, default=2, help="target workers (default 2)")
-    u.add_argument("--gamma", type=int, default=1, help="draft tokens per step (default 1)")
+    u.add_argument("--gamma", type=int, default=1,
+                   help="draft tokens per step (default 1); with --policy other than fixed: the largest gamma")
+    u.add_argument("--policy", default="fixed",
+                   help="fixed (default), nightjar, dsd, banditspec, tide, vllm_table, sglang_ema, hf_heuristic")
+    u.add_argument("--profile", default=None, help="latency tables from `starjar profile` (nightjar, tide)")
     u.add_argument("--batch-size", type=int, default=8, help="running requests per target (default 8)")
     u.add_argument("--draft-mode", default="batched", choices=["batched", "fifo"])
     u.add_argument("--max-targets", type=int, default=8, help="N_max on the draft server")
@@ -72,7 +76,8 @@ def _spec(args) -> ClusterSpec:
         target = target or pair["target"]
         draft = draft or pair["draft"]
     return ClusterSpec(target=os.path.abspath(target), draft=None if args.no_draft else os.path.abspath(draft),
-                       targets=args.targets, gamma=args.gamma, batch_size=args.batch_size,
+                       targets=args.targets, gamma=args.gamma, policy=args.policy,
+                       profile=os.path.abspath(args.profile) if args.profile else None, batch_size=args.batch_size,
                        draft_mode=args.draft_mode, max_targets=args.max_targets, threads=args.threads,
                        device=args.device, dtype=args.dtype, host=args.host, grpc_port=args.grpc_port,
                        http_port=args.http_port, auth_token=args.auth_token, metrics=not args.no_metrics,

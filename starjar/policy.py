@@ -34,3 +34,23 @@ class FixedGamma:
     def observe(self, batch_size: int, gamma: int, step_s: float, tokens: int, accepted: int,
                 drafted: int) -> None:
         pass
+
+
+class Overridable:
+    """Wraps a policy so an operator (the controller) can force a gamma, e.g. 0 while the draft server is
+    saturated or to measure a run without speculation; `override = None` hands control back."""
+
+    def __init__(self, inner: SpeculationPolicy):
+        self.inner = inner
+        self.override: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def choose(self, batch_size: int) -> int:
+        return self.override if self.override is not None else self.inner.choose(batch_size)
+
+    def observe(self, batch_size: int, gamma: int, step_s: float, tokens: int, accepted: int,
+                drafted: int) -> None:
+        self.inner.observe(batch_size, gamma, step_s, tokens, accepted, drafted)

@@ -41,3 +41,36 @@ def make_policy(name: str, max_gamma: int = 4, cswitch=None, profile: dict | Non
     if name == "hf_heuristic":
         return HfHeuristic(max_gamma)
     raise InvalidArgument("policy", f"one of {', '.join(NAMES)}", name)
+
+
+def load_policy(name: str, max_gamma: int = 4, profile_path: str | None = None, seed: int | None = 0):
+    """make_policy with the tables of a `starjar profile` JSON (C_switch for nightjar, T(n) and D0 for tide)."""
+    import json
+    from pathlib import Path
+
+    from starjar.policies.nightjar import CSwitchTable
+
+    profile = None
+    if profile_path:
+        try:
+            profile = json.loads(Path(profile_path).read_text())
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument("profile", f"a JSON file written by `starjar profile` ({exc})", profile_path)
+    cswitch = CSwitchTable.from_dict(profile["cswitch"]) if profile and "cswitch" in profile else None
+    return make_policy(name, max_gamma, cswitch, profile, seed)
+
+
+def serving_policy(name: str, gamma: int, profile_path: str | None, has_draft: bool):
+    """What servers run: `fixed` = always `gamma`; any other name picks gamma in 0..`gamma`. Wrapped so the
+    controller can override it. Without a draft, never speculate."""
+    from starjar.policy import FixedGamma, Overridable
+
+    if gamma < 0:
+        raise InvalidArgument("gamma", "must be >= 0", gamma)
+    if not has_draft:
+        inner = FixedGamma(0)
+    elif name == "fixed":
+        inner = FixedGamma(gamma)
+    else:
+        inner = load_policy(name, max_gamma=gamma, profile_path=profile_path)
+    return Overridable(inner)

@@ -1,0 +1,107 @@
+"""`starjar profile`: the latency tables the planners load at start.
+
+- C_switch(L_max, B) (Nightjar section 4.2): what a step costs extra when
+  speculation resumes after L_max tokens without it, for B sequences: the
+  draft must first catch up on those tokens. Measured on the draft engine as
+  T_SD - T_base: a round that carries L_max new tokens per sequence minus a
+  steady-state round (one new token per sequence), both proposing one token.
+- T(n) and D0 (TIDE section 4.1): the target's decode step with n sequences,
+  and one draft step at batch 1.
+
+Output JSON: {"cswitch": {"lengths", "batch_sizes", "cost_s"}, "t_of_n": {n: s}, "d0_s": s, ...}.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import sys
+import time
+
+from tqdm import tqdm
+
+from starjar.proposer import DraftRequest
+
+CONTEXT = 64  # prompt tokens per profiled sequence
+_ids = itertools.count()
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def profile_cswitch(draft, lengths, batch_sizes, repeats: int = 3, bar=None) -> dict:
+    from draft_server.engine import DraftEngine
+
+    engine = DraftEngine(draft, max_sequences=max(batch_sizes) * 2)
+    vocab = min(draft.vocab_size, 32000)
+    cost = []
+    for length in lengths:
+        row = []
+        for b in batch_sizes:
+            def rounds(new_tokens: int) -> float:
+                samples = []
+                for r in range(repeats):
+                    ids = [next(_ids) for _ in range(b)]
+                    prompt = [(7 * i + 3) % vocab for i in range(CONTEXT)]
+                    engine.propose([DraftRequest(s, 0, prompt, 1) for s in ids])  # synced, as after a step
+                    extra = [(11 * i + 5) % vocab for i in range(new_tokens)]
+                    t0 = time.perf_counter()
+                    engine.propose([DraftRequest(s, CONTEXT, extra, 1) for s in ids])
+                    samples.append(time.perf_counter() - t0)
+                    engine.release(ids)
+                return statistics.median(samples)
+
+            row.append(max(0.0, rounds(length) - rounds(1)))
+            if bar is not None:
+                bar.update()
+        cost.append(row)
+    return {"lengths": list(lengths), "batch_sizes": list(batch_sizes), "cost_s": cost}
+
+
+def profile_target(target, ns, repeats: int = 4, bar=None) -> dict[int, float]:
+    from controller.colocated import colocated_engine
+    from starjar.sampling import SamplingParams
+
+    vocab = min(target.vocab_size, 32000)
+    out = {}
+    for n in ns:
+        engine = colocated_engine(target, None, 0, n)
+        params = SamplingParams(max_tokens=repeats + 8, ignore_eos=True)
+        for i in range(n):
+            engine.add_request([(13 * j + i) % vocab for j in range(CONTEXT)], params)
+        engine.step()  # prefill
+        engine.step()  # warm
+        out[n] = _median_time(engine.step, repeats)
+        if bar is not None:
+            bar.update()
+    return out
+
+
+def run_profile(target, draft, quick: bool = False) -> dict:
+    lengths = [1, 16, 64] if quick else [1, 16, 64, 256]
+    batch_sizes = [1, 2, 4] if quick else [1, 2, 4, 8, 16]
+    ns = [1, 2, 4, 8] if quick else [1, 2, 4, 8, 16, 32, 64]
+    bar = tqdm(total=len(lengths) * len(batch_sizes) + len(ns), desc="profiling", unit="cell", file=sys.stderr)
+    cswitch = profile_cswitch(draft, lengths, batch_sizes, bar=bar)
+    t_of_n = profile_target(target, ns, bar=bar)
+    bar.close()
+    from draft_server.engine import DraftEngine
+
+    engine = DraftEngine(draft, max_sequences=4)
+    prompt = list(range(3, 3 + CONTEXT))
+    engine.propose([DraftRequest("d0", 0, prompt, 1)])
+    step = iter(range(10**6))
+
+    def one_step() -> None:
+        k = next(step)
+        engine.propose([DraftRequest("d0", CONTEXT + k, [5], 1)])
+
+    d0 = _median_time(one_step, 8)
+    return {"cswitch": cswitch, "t_of_n": {str(k): v for k, v in t_of_n.items()}, "d0_s": d0,
+            "context_tokens": CONTEXT, "target": target.path, "draft": draft.path}
