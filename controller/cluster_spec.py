@@ -41,7 +41,8 @@ class ClusterSpec:
     profile: str | None = None  # `starjar profile` JSON (C_switch, T(n), D0) for nightjar and tide
     batch_size: int = 8  # running requests per target worker
     draft_mode: str = "batched"  # batched | fifo
-    max_targets: int = 8  # N_max on the draft server
+    max_targets: int = 8  # N_max on the draft server (with admission "auto": its upper bound)
+    admission: str = "fixed"  # fixed: N_max = max_targets | auto: the controller recomputes N_max (StarSD 4.2)
     draft_deadline_s: float = 0.5
     threads: int = 1  # torch threads per model actor
     device: str = "auto"  # auto (cuda when the actor got a GPU) | cpu | cuda
@@ -72,6 +73,8 @@ class ClusterSpec:
             raise InvalidArgument("--batch-size", "must be in [1, 256]", self.batch_size)
         if self.draft_mode not in ("batched", "fifo"):
             raise InvalidArgument("--draft-mode", "must be batched or fifo", self.draft_mode)
+        if self.admission not in ("fixed", "auto"):
+            raise InvalidArgument("--admission", "must be fixed or auto", self.admission)
         if self.max_targets < 1:
             raise InvalidArgument("--max-targets", "must be >= 1", self.max_targets)
         if self.threads < 1:

@@ -139,6 +139,32 @@ class Controller:
             est = estimate_n_full(prev, snap)
             if est is not None:
                 self.n_full_estimate = est
+                if self.spec.admission == "auto":
+                    await self._readmit(est[0], est[1])
+
+    async def _readmit(self, z: float, s: float) -> None:
+        """N_max from the star model with measured Z, S, tokens per speculative round and alone speed."""
+        from controller.admission import n_max
+
+        try:
+            stats = await asyncio.wait_for(self.target_stats(), INFO_TIMEOUT_S)
+        except Exception:
+            return
+        spec_steps = sum(t["spec_steps"] for t in stats.values())
+        plain_s = sum(t["plain_step_s"] for t in stats.values())
+        if not spec_steps or plain_s <= 0:
+            return  # no evidence yet for one side of the comparison
+        tau = sum(t["spec_tokens"] for t in stats.values()) / spec_steps
+        alone = sum(t["plain_tokens"] for t in stats.values()) / plain_s
+        n = max(1, n_max(z, s, tau, alone, cap=self.spec.max_targets))
+        if n != self.n_max:
+            log.info("N_max %d -> %d (Z %.1f ms, S %.1f ms, %.2f tokens/round, alone %.1f tokens/s)",
+                     self.n_max, n, 1000 * z, 1000 * s, tau, alone)
+            try:
+                await asyncio.wait_for(self.draft.set_max_targets.remote(n), INFO_TIMEOUT_S)
+                self.n_max = n
+            except Exception as exc:
+                log.warning("could not set N_max: %s", exc)
 
     def _write_sd(self) -> None:
         if not self.spec.prometheus_sd:

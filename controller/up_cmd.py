@@ -48,7 +48,9 @@ def add_up_parsers(sub) -> None:
     u.add_argument("--profile", default=None, help="latency tables from `starjar profile` (nightjar, tide)")
     u.add_argument("--batch-size", type=int, default=8, help="running requests per target (default 8)")
     u.add_argument("--draft-mode", default="batched", choices=["batched", "fifo"])
-    u.add_argument("--max-targets", type=int, default=8, help="N_max on the draft server")
+    u.add_argument("--max-targets", type=int, default=8, help="N_max on the draft server (its cap with auto)")
+    u.add_argument("--admission", default="fixed", choices=["fixed", "auto"],
+                   help="auto: the controller recomputes N_max from measured Z, S and speeds (StarSD 4.2)")
     u.add_argument("--threads", type=int, default=1, help="torch threads per model actor")
     u.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     u.add_argument("--dtype", default="float32")
@@ -78,7 +80,8 @@ def _spec(args) -> ClusterSpec:
     return ClusterSpec(target=os.path.abspath(target), draft=None if args.no_draft else os.path.abspath(draft),
                        targets=args.targets, gamma=args.gamma, policy=args.policy,
                        profile=os.path.abspath(args.profile) if args.profile else None, batch_size=args.batch_size,
-                       draft_mode=args.draft_mode, max_targets=args.max_targets, threads=args.threads,
+                       draft_mode=args.draft_mode, max_targets=args.max_targets,
+                       admission=getattr(args, "admission", "fixed"), threads=args.threads,
                        device=args.device, dtype=args.dtype, host=args.host, grpc_port=args.grpc_port,
                        http_port=args.http_port, auth_token=args.auth_token, metrics=not args.no_metrics,
                        prometheus_sd=_sd_path(args)).validate()

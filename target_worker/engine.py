@@ -70,6 +70,13 @@ class EngineStats:
     resyncs: int = 0
     preemptions: int = 0
     accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_GAMMA)
+    # Decode steps split by whether any sequence had drafts: the controller's admission model compares
+    # tokens per step with and without speculation.
+    plain_steps: int = 0
+    plain_step_s: float = 0.0
+    plain_tokens: int = 0
+    spec_step_s: float = 0.0
+    spec_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -238,6 +245,13 @@ class TargetEngine:
         self.stats.verify_s += now - t0
         self.stats.decode_steps += 1
         self.stats.spec_steps += drafted > 0
+        if drafted:
+            self.stats.spec_step_s += now - step_start
+            self.stats.spec_tokens += tokens
+        else:
+            self.stats.plain_steps += 1
+            self.stats.plain_step_s += now - step_start
+            self.stats.plain_tokens += tokens
         self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += accepted
         # The policy sees the whole step, drafting included: that is what gamma trades off.
