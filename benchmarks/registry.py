@@ -15,7 +15,8 @@ import torch
 from starjar.errors import InvalidArgument
 
 BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "benchmarks.star",
-              "cluster": "benchmarks.cluster", "draft": "benchmarks.draft", "api": "benchmarks.api"}
+              "cluster": "benchmarks.cluster", "draft": "benchmarks.draft", "api": "benchmarks.api",
+              "nightjar": "benchmarks.nightjar"}
 
 
 def run_bench(args) -> int:
