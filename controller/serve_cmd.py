@@ -26,6 +26,8 @@ def add_serve_parsers(sub) -> None:
     d.add_argument("--max-sequences", type=int, default=256, help="live sequences per target")
     d.add_argument("--max-gamma", type=int, default=16)
     d.add_argument("--lease", type=float, default=60.0, help="seconds before unused sessions are reclaimed")
+    d.add_argument("--offload-after", type=float, default=None,
+                   help="offload the draft after this many seconds without rounds (default: never)")
     d.add_argument("--device", default="cpu")
     d.add_argument("--dtype", default="float32")
     d.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
@@ -71,7 +73,7 @@ def run_serve(args) -> int:
 
         cfg = DraftServerConfig(mode=args.mode, max_targets=args.max_targets,
                                 max_sequences_per_target=args.max_sequences, max_gamma=args.max_gamma,
-                                lease_s=args.lease)
+                                lease_s=args.lease, offload_after_s=args.offload_after)
         model = load_model(args.model or build_default_pair()["draft"], args.device, args.dtype, what="model")
         server = DraftServer(model, cfg, args.host, args.port)
         run_until_signalled(server.start, server.stop,

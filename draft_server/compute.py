@@ -24,6 +24,9 @@ class ComputeLoop(threading.Thread):
         self.engine = engine
         self.queue = queue
         self.stats = stats
+        # The engine is this thread's; the offload check (from the server's sweeper) takes this lock too.
+        self.lock = threading.Lock()
+        self.last_round_s = time.perf_counter()
 
     def run(self) -> None:
         while True:
@@ -33,7 +36,8 @@ class ComputeLoop(threading.Thread):
                 return
             self.stats.record_idle(time.perf_counter() - idle_from)
             try:
-                self._serve(items)
+                with self.lock:
+                    self._serve(items)
             except Exception:  # a bug here must not kill drafting for everyone
                 log.exception("draft batch failed; its rounds get resync answers")
                 for w in items:
@@ -55,8 +59,18 @@ class ComputeLoop(threading.Thread):
                     if w.done:
                         w.done(before - self.engine.num_sequences)
 
+    def offload_if_idle(self, idle_s: float) -> bool:
+        """Offload the draft when no round came for idle_s seconds (called off this thread)."""
+        with self.lock:
+            if self.engine.offloaded or time.perf_counter() - self.last_round_s < idle_s:
+                return False
+            self.engine.offload()
+            log.info("no rounds for %.0f s: draft offloaded, its KV dropped", idle_s)
+            return True
+
     def _draft(self, rounds: list[RoundWork]) -> None:
         start = time.perf_counter()
+        self.last_round_s = start
         flat = [r for w in rounds for r in w.requests]
         es = self.engine.stats
         passes0, pass_s0, drafted0 = es.passes, es.catchup_s + es.step_s, es.drafted_tokens

@@ -19,6 +19,9 @@ class DraftServerConfig:
     max_message_bytes: int = 4 << 20
     lease_s: float = 60.0  # unused sequences and stream-less tags are reclaimed after this
     max_batch_rounds: int = 64  # cap on rounds merged into one batch
+    # Offload (Nightjar section 6): after this many seconds without a round (every target speculation-free),
+    # move the draft weights to host memory and drop all draft KV; the next round reloads in the background.
+    offload_after_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -29,5 +32,7 @@ class DraftServerConfig:
             v = getattr(self, name)
             if not lo <= v <= hi:
                 raise InvalidArgument(name, f"must be in [{lo}, {hi}]", v)
+        if self.offload_after_s is not None and not self.offload_after_s > 0:
+            raise InvalidArgument("offload_after_s", "must be > 0 (or unset: never offload)", self.offload_after_s)
         if not self.lease_s > 0:
             raise InvalidArgument("lease_s", "must be > 0", self.lease_s)

@@ -11,9 +11,10 @@ every token generated meanwhile; its cost is Nightjar's switching cost, and
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 from starjar.models import LoadedModel
 from starjar.proposer import DraftReply, DraftRequest
@@ -41,18 +42,81 @@ class DraftStats:
 class DraftEngine:
     """Implements starjar.proposer.Proposer in process."""
 
-    def __init__(self, model: LoadedModel, max_sequences: int = 256):
+    def __init__(self, model: LoadedModel, max_sequences: int = 256, auto_reload: bool = True):
         self.model = model
         self.cache = model.new_cache()
         self.max_sequences = max_sequences
         self._seqs: dict[Hashable, _DraftSeq] = {}
         self.stats = DraftStats()
+        # Offload (Nightjar section 6): weights to host memory and all KV dropped while nobody speculates.
+        self.auto_reload = auto_reload  # propose() while offloaded starts the reload itself
+        self.on_reload: Callable[[float], None] | None = None  # seconds the reload took
+        self.offloads = 0
+        self.reloads: list[float] = []
+        self._offloaded = False
+        self._reloader: threading.Thread | None = None
 
     @property
     def num_sequences(self) -> int:
         return len(self._seqs)
 
+    # ---- offload --------------------------------------------------------------------------
+
+    @property
+    def offloaded(self) -> bool:
+        return self._offloaded
+
+    def weight_bytes(self) -> int:
+        m = self.model.model
+        return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+
+    def offload(self) -> None:
+        """Drop every sequence (their next rounds get resync answers) and move the weights to host memory
+        (on a CPU-only machine they are already there: only the KV is freed). Call from the thread that
+        runs propose()."""
+        if self._offloaded:
+            return
+        self._seqs.clear()
+        self.cache = self.model.new_cache()
+        if self.model.device.type != "cpu":
+            import torch
+
+            self.model.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._offloaded = True
+        self.offloads += 1
+
+    def start_reload(self) -> bool:
+        """Bring the weights back on a background thread; never blocks. True if a reload started."""
+        if not self._offloaded or (self._reloader is not None and self._reloader.is_alive()):
+            return False
+
+        def reload() -> None:
+            t0 = time.perf_counter()
+            self.model.model.to(self.model.device)
+            took = time.perf_counter() - t0
+            self.reloads.append(took)
+            self._offloaded = False  # last: propose() keeps answering resync until the weights are back
+            if self.on_reload is not None:
+                self.on_reload(took)
+
+        self._reloader = threading.Thread(target=reload, name="draft-reload", daemon=True)
+        self._reloader.start()
+        return True
+
+    def wait_reloaded(self, timeout: float = 60.0) -> bool:
+        if self._reloader is not None:
+            self._reloader.join(timeout)
+        return not self._offloaded
+
+    # ---- proposing ------------------------------------------------------------------------
+
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftReply]:
+        if self._offloaded:  # no drafts meanwhile: every sequence resyncs once the weights are back
+            if self.auto_reload:
+                self.start_reload()
+            self.stats.resyncs += len(requests)
+            return [None] * len(requests)
         self.stats.rounds += 1
         replies: list[DraftReply] = [None] * len(requests)
         drafting: list[tuple[int, _DraftSeq, int]] = []  # (request index, seq, gamma)

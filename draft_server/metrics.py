@@ -71,7 +71,9 @@ class _StateCollector:
         yield _gauge("live_sequences", "sequences with draft KV now", sum(len(x.seq_last_used) for x in sessions))
         yield _gauge("queue_depth", "rounds waiting for the compute loop", len(s.queue))
         yield _gauge("load_ratio", "busy fraction since the first round (GetStats' load)", snap["load"])
-        yield _gauge("offloaded", "1 while the draft weights are offloaded to host memory", 0)
+        yield _gauge("offloaded", "1 while the draft weights are offloaded to host memory and its KV dropped",
+                     1 if s.compute.engine.offloaded else 0)
+        yield _counter("offloads", "times the draft was offloaded", s.compute.engine.offloads)
         yield _counter("rounds", "rounds served", snap["rounds"])
         yield _counter("batches", "batches (compute-loop iterations that drafted)", snap["batches"])
         yield _counter("drafted_tokens", "draft tokens proposed", snap["drafted_tokens"])

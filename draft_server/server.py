@@ -47,6 +47,7 @@ class DraftServer:
 
         self.metrics = DraftMetrics(self, self.service.draft_name)
         self.stats.observer = self.metrics
+        engine.on_reload = self.metrics.reload_s.observe
         self._server: grpc.aio.Server | None = None
         self._health: HealthAndReflection | None = None
         self._sweeper: asyncio.Task | None = None
@@ -69,9 +70,13 @@ class DraftServer:
 
     async def _sweep(self) -> None:
         period = max(0.05, min(5.0, self.cfg.lease_s / 4))
+        if self.cfg.offload_after_s:
+            period = min(period, max(0.05, self.cfg.offload_after_s / 4))
         while True:
             await asyncio.sleep(period)
             self.service.reclaim_expired()
+            if self.cfg.offload_after_s:
+                await asyncio.to_thread(self.compute.offload_if_idle, self.cfg.offload_after_s)
 
     def set_max_targets(self, n: int) -> None:
         self.sessions.max_targets = n

@@ -112,6 +112,7 @@ class TargetEngine:
         self.max_seq_tokens = min(model.max_context, budget - self.config.max_gamma - 1)
         self.stats = EngineStats()
         self.step_listener: Callable[[int, int], None] | None = None  # (batch size, gamma) per decode step
+        self.elastic = None  # ElasticKV, for a co-located draft that lends its memory to the KV cache
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -167,6 +168,8 @@ class TargetEngine:
 
     def step(self) -> list[StepOutput]:
         self.stats.steps += 1
+        if self.elastic is not None:
+            self.elastic.before_step()
         joined = self.scheduler.admit(self.cache.tokens_used())
         outputs: dict[int, StepOutput] = {}
         if joined:
@@ -254,8 +257,11 @@ class TargetEngine:
             self.stats.plain_tokens += tokens
         self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += accepted
-        # The policy sees the whole step, drafting included: that is what gamma trades off.
-        self.policy.observe(len(batch), gamma, now - step_start, tokens, accepted, drafted)
+        # The policy sees the whole step, drafting included: that is what gamma trades off. A step whose
+        # drafts failed ran without speculation, and is reported as such.
+        self.policy.observe(len(batch), gamma if drafted else 0, now - step_start, tokens, accepted, drafted)
+        if self.elastic is not None:
+            self.elastic.after_decode(gamma)
 
     def _cap_gamma(self, req: Request, gamma: int) -> int:
         """No drafts past max_tokens or past the sequence's token limit."""

@@ -1,0 +1,66 @@
+"""Elastic KV for a co-located draft (Nightjar section 6.1): lend the draft's memory to the target's KV
+while nobody speculates, and take it back before the draft returns.
+
+Expansion, when all hold for T_persist consecutive steps: speculation is off
+(gamma 0 chosen) and free KV is under tau_low tokens. Then the draft is
+offloaded (weights to host memory, its KV dropped) and the target's KV budget
+grows by N_draft = ceil(S_draft / bytes per KV token). Contraction, when the
+waiting queue is empty and free KV exceeds N_draft + tau_low: the budget
+shrinks back first, then the draft reloads in the background; meanwhile steps
+run without drafts. The gap between the two thresholds is the hysteresis that
+keeps it from thrashing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+def kv_bytes_per_token(model) -> int:
+    cfg = model.model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * heads * head_dim * model.dtype.itemsize
+
+
+class ElasticKV:
+    def __init__(self, engine, draft_engine, t_persist: int = 16, tau_low_tokens: int = 64):
+        self.engine = engine
+        self.draft = draft_engine
+        self.draft.auto_reload = False  # reloads happen here, after the budget has shrunk back
+        self.t_persist = t_persist
+        self.tau_low = tau_low_tokens
+        self.n_draft = math.ceil(draft_engine.weight_bytes() / kv_bytes_per_token(engine.model))
+        self.base_budget = engine.scheduler.kv_budget_tokens
+        self.expanded = False
+        self.expansions = 0
+        self.contractions = 0
+        self.pressure_steps = 0
+        self.hook_s = 0.0  # time spent in before_step, the critical-path cost of all this
+        self.hook_calls = 0
+
+    def free_tokens(self) -> int:
+        return self.engine.scheduler.kv_budget_tokens - self.engine.cache.tokens_used()
+
+    def before_step(self) -> None:
+        t0 = time.perf_counter()
+        sched = self.engine.scheduler
+        if not self.expanded:
+            if self.pressure_steps >= self.t_persist and not self.draft.offloaded:
+                self.draft.offload()
+                sched.kv_budget_tokens = self.base_budget + self.n_draft
+                self.expanded, self.pressure_steps = True, 0
+                self.expansions += 1
+        elif not sched.waiting and self.free_tokens() > self.n_draft + self.tau_low:
+            sched.kv_budget_tokens = self.base_budget
+            self.expanded = False
+            self.contractions += 1
+            self.draft.start_reload()  # non-blocking; drafts resume when the weights are back
+        self.hook_s += time.perf_counter() - t0
+        self.hook_calls += 1
+
+    def after_decode(self, gamma: int) -> None:
+        """gamma: what the policy chose this step."""
+        under = self.free_tokens() < self.tau_low or bool(self.engine.scheduler.waiting)
+        self.pressure_steps = self.pressure_steps + 1 if gamma == 0 and under else 0
