@@ -16,7 +16,7 @@ from starjar.errors import InvalidArgument
 
 BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "benchmarks.star",
               "cluster": "benchmarks.cluster", "draft": "benchmarks.draft", "api": "benchmarks.api",
-              "nightjar": "benchmarks.nightjar"}
+              "nightjar": "benchmarks.nightjar", "offload": "benchmarks.offload"}
 
 
 def run_bench(args) -> int:

@@ -39,6 +39,7 @@ class ElasticKV:
         self.pressure_steps = 0
         self.hook_s = 0.0  # time spent in before_step, the critical-path cost of all this
         self.hook_calls = 0
+        self.reload_dispatch_s: float | None = None  # what starting the reload cost the step that did it
 
     def free_tokens(self) -> int:
         return self.engine.scheduler.kv_budget_tokens - self.engine.cache.tokens_used()
@@ -56,7 +57,9 @@ class ElasticKV:
             sched.kv_budget_tokens = self.base_budget
             self.expanded = False
             self.contractions += 1
+            t1 = time.perf_counter()
             self.draft.start_reload()  # non-blocking; drafts resume when the weights are back
+            self.reload_dispatch_s = time.perf_counter() - t1
         self.hook_s += time.perf_counter() - t0
         self.hook_calls += 1
 
