@@ -21,7 +21,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+DEFAULT_BUCKETS = tuple(range(1, 17)) + (24, 32, 48, 64, 96, 128)  # exact B while small, as in the paper
 
 
 class CSwitchTable:
