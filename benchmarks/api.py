@@ -77,7 +77,8 @@ def run(args) -> dict:
     del target
     if read_state() is not None:
         raise SystemExit("a local starjar cluster is running; `starjar down` first")
-    up = argparse.Namespace(target=target_dir, draft=draft_dir, no_draft=False, targets=2, gamma=1, policy="fixed", profile=None, batch_size=4,
+    up = argparse.Namespace(target=target_dir, draft=draft_dir, no_draft=False, targets=2, gamma=1, policy="fixed",
+                            profile=None, batch_size=4,
                             draft_mode="batched", max_targets=8, threads=1, device="auto", dtype="float32",
                             host="127.0.0.1", grpc_port=0, http_port=0, auth_token=None, no_metrics=False,
                             prometheus_sd=None, address=None)

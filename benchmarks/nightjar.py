@@ -114,12 +114,14 @@ def run(args) -> dict:
                           for r, t in static.items()}}
     plot = Path(args.out).with_suffix(".png")
     _plot(gamma_trace, dyn_arrivals, plot)
+    real = run_real(args, profile) if getattr(args, "real", False) else None
     return {"label": "simulated target worker on a measured cost model (not a real-model run)",
             "cost_model": str(profile_path), "acceptance_alphas": [round(a, 3) for a in alphas],
             "max_gamma": MAX_GAMMA, "max_batch": MAX_BATCH, "requests": n, "seeds": seeds,
             "capacity_requests_per_s": round(capacity, 3), "mean_output_tokens": round(mean_out, 1),
             "dynamic": dynamic, "static": static, "summary": summary, "plot": str(plot),
-            "offload": "not measured: draft offload is not implemented yet"}
+            "offload": "measured separately on real models: `starjar bench offload`",
+            "real": real}
 
 
 def _plot(trace, arrivals, path: Path) -> None:
@@ -141,3 +143,66 @@ def _plot(trace, arrivals, path: Path) -> None:
     bottom.set(xlabel="seconds", ylabel="arrivals per bin")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+# ---- real-model runs (a subset: they take minutes each on 2 cores) ------------------------------------
+
+REAL_POLICIES = ["nightjar", "none", "fixed_1", "fixed_2", "dsd"]
+
+
+def _real_run(target, draft, policy_name, profile, prompts, outs, arrivals, max_batch) -> dict:
+    import time
+
+    from controller.colocated import colocated_engine
+    from starjar.sampling import SamplingParams
+
+    policy = make_policy(policy_name, MAX_GAMMA, CSwitchTable.from_dict(profile["cswitch"]), profile, seed=0)
+    engine = colocated_engine(target, draft, MAX_GAMMA, max_batch, policy=policy)
+    reqs, i, t0 = [], 0, time.perf_counter()
+    while i < len(prompts) or engine.has_work():
+        now = time.perf_counter() - t0
+        while i < len(prompts) and arrivals[i] <= now:
+            reqs.append(engine.add_request(prompts[i], SamplingParams(max_tokens=outs[i], ignore_eos=True)))
+            i += 1
+        if engine.has_work():
+            engine.step()
+        else:
+            time.sleep(max(0.0, arrivals[i] - now))
+    tokens = sum(len(r.output_ids) for r in reqs)
+    span = max(r.finish_s for r in reqs) - t0
+    return {"tokens_per_s": round(tokens / span, 3),
+            "mean_e2e_s": round(sum(r.finish_s - r.arrival_s for r in reqs) / len(reqs), 3),
+            "outputs": [r.output_ids for r in reqs]}
+
+
+def run_real(args, profile: dict) -> dict:
+    """Greedy runs of the real default pair (co-located) at a low Poisson rate and with every request queued at
+    once; outputs compared across policies (all must equal the target alone's)."""
+    from benchmarks.common import pair_dirs
+    from controller.colocated import load_pair
+    from starjar.text import encode_prompt
+    from starjar.workloads import spec_bench_mix
+
+    target_dir, draft_dir, note = pair_dirs(args)
+    target, draft = load_pair(target_dir, draft_dir)
+    n = 12 if args.quick else 32
+    prompts = [encode_prompt(target.tokenizer, t, chat=True) for t in spec_bench_mix(n)]
+    _, trace_outs, _ = _trace(n)
+    outs = [min(64, o) for o in trace_outs]
+    loads = {"low (0.3 req/s)": poisson_arrivals(0.3, n, seed=3), "flood (all at t=0)": [0.0] * n}
+    out = {"label": "real models, co-located, greedy", "pair": {"target": target_dir, "draft": draft_dir,
+                                                                "note": note},
+           "requests": n, "max_batch": 8}
+    bar = tqdm(total=len(loads) * len(REAL_POLICIES), desc="nightjar bench (real)", file=sys.stderr)
+    for label, arrivals in loads.items():
+        table, ref = {}, None
+        for name in REAL_POLICIES:
+            res = _real_run(target, draft, name, profile, prompts, outs, arrivals, 8)
+            outputs = res.pop("outputs")
+            ref = ref if ref is not None else outputs  # nightjar first; all must agree
+            res["identical_to_first_policy"] = outputs == ref
+            table[name] = res
+            bar.update()
+        out[label] = table
+    bar.close()
+    return out

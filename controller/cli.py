@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("name", help="benchmark name: core, tax, star, cluster, draft, api, nightjar, offload")
     be.add_argument("--quick", action="store_true", help="a small version for smoke runs")
     be.add_argument("--replay", action="store_true", help="replay targets (bench star): simulated target compute")
+    be.add_argument("--real", action="store_true", help="bench nightjar: also run a subset on the real models")
     be.add_argument("--out", required=True, help="results JSON path")
     be.add_argument("--target", help="target model directory (default: the default pair)")
     be.add_argument("--draft", help="draft model directory (default: the default pair)")

@@ -118,7 +118,8 @@ def run_demo(args) -> int:
         raise InvalidArgument("--requests/--rate/--max-tokens", "must be positive")
     state, started = read_state(), False
     if state is None:
-        up = argparse.Namespace(target=None, draft=None, no_draft=False, targets=args.targets, gamma=args.gamma, policy="fixed", profile=None,
+        up = argparse.Namespace(target=None, draft=None, no_draft=False, targets=args.targets, gamma=args.gamma,
+                                policy="fixed", profile=None,
                                 batch_size=args.batch_size, draft_mode="batched", max_targets=8, threads=args.threads,
                                 device="auto", dtype="float32", host="127.0.0.1", grpc_port=0, http_port=0,
                                 auth_token=None, no_metrics=False, prometheus_sd=None, address=None)

@@ -35,7 +35,8 @@ def estimate_n_full(prev: dict, cur: dict) -> tuple[float, float, int] | None:
         return None
     service = (float(cur["mean_service_s"]) * int(cur["batches"])
                - float(prev["mean_service_s"]) * int(prev["batches"])) / d_batches
-    wait = (float(cur["mean_wait_s"]) * int(cur["rounds"]) - float(prev["mean_wait_s"]) * int(prev["rounds"])) / d_rounds
+    wait = (float(cur["mean_wait_s"]) * int(cur["rounds"])
+            - float(prev["mean_wait_s"]) * int(prev["rounds"])) / d_rounds
     before = {t["worker_id"]: int(t["rounds"]) for t in prev.get("targets", [])}
     returns = []
     for t in cur.get("targets", []):

@@ -208,7 +208,8 @@ class OpenAIServer:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             prompts: list = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             prompts = [prompt]  # one prompt as token ids
         elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             prompts = prompt

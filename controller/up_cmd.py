@@ -272,7 +272,8 @@ def keeper_main(spec_path: str, state_file: str) -> int:
         say(progress="starting Ray (local, loopback only)")
         ray.init(namespace=NAMESPACE, include_dashboard=False, num_cpus=os.cpu_count(), num_gpus=None,
                  resources={"starjar_draft": 1, "starjar_target": spec.targets}, _node_ip_address="127.0.0.1",
-                 log_to_driver=False)
+                 # starjar passes no large objects through Ray: a small object store spares memory and /dev/shm.
+                 object_store_memory=200 * 1024 * 1024, log_to_driver=False)
         say(progress=f"loading models: draft server {'on' if spec.draft else 'off'}, {spec.targets} target "
                      "worker(s), front end")
         ctl = ray.remote(Controller).options(**_options(CONTROLLER, HEAD)).remote(spec.to_dict())

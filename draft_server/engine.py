@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
+from starjar.batching import length_groups
 from starjar.models import LoadedModel
 from starjar.proposer import DraftReply, DraftRequest
 
@@ -171,12 +172,18 @@ class DraftEngine:
             self.cache.truncate(seq.slot, keep)
             del seq.cached[keep:]
             feeds.append(seq.verified[keep:])
-        t0 = time.perf_counter()
-        logits = self.model.forward(self.cache, [s.slot for s, _ in work], feeds, [[len(f) - 1] for f in feeds])
-        self.stats.catchup_s += time.perf_counter() - t0
-        self.stats.passes += 1
+        # Rows of very different lengths (a new sequence's whole prompt next to one-token deltas) go in
+        # separate passes: a padded pass costs as if every row were the longest.
+        drafts: list[list[int]] = [[] for _ in work]
+        for group in length_groups(list(range(len(work))), lambda i: len(feeds[i])):
+            t0 = time.perf_counter()
+            logits = self.model.forward(self.cache, [work[i][0].slot for i in group], [feeds[i] for i in group],
+                                        [[len(feeds[i]) - 1] for i in group])
+            self.stats.catchup_s += time.perf_counter() - t0
+            self.stats.passes += 1
+            for i, l in zip(group, logits):
+                drafts[i] = [int(l[0].argmax())]
         self.stats.catchup_tokens += sum(len(f) for f in feeds)
-        drafts = [[int(l[0].argmax())] for l in logits]
         for (seq, _), f in zip(work, feeds):
             seq.cached.extend(f)
         # One-token steps for the sequences that still want more drafts.

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
+from starjar.batching import length_groups
 from starjar.errors import InvalidArgument
 from starjar.models import LoadedModel
 from starjar.policy import FixedGamma, SpeculationPolicy
@@ -199,7 +200,7 @@ class TargetEngine:
             self.cache.allocate(req)
         # A readmitted (preempted) request already holds its pending token: feed all but it.
         feeds = {id(r): (r.all_ids()[:-1] if r.output_ids else r.prompt_ids) for r in joined}
-        for group in _length_groups(joined, lambda r: len(feeds[id(r)])):
+        for group in length_groups(joined, lambda r: len(feeds[id(r)])):
             group.sort(key=lambda r: r.slot)  # contiguous slots let the cache use views
             fs = [feeds[id(r)] for r in group]
             logits = self.model.forward(self.cache, [r.slot for r in group], fs, [[len(f) - 1] for f in fs])
@@ -362,24 +363,3 @@ class TargetEngine:
                 self.proposer.release([req.request_id])
             except Exception as exc:
                 log.warning("proposer release failed: %s", exc)
-
-
-def _length_groups(reqs: list[Request], length: Callable[[Request], int],
-                   max_padding: float = 0.25) -> list[list[Request]]:
-    """Split a prefill into passes of similar lengths.
-
-    A padded pass costs about as much as if every sequence had the longest length, and
-    prefill is compute-bound, so mixing a 20-token and a 200-token prompt wastes most of
-    the pass. Sorted by length, a group closes once padding would exceed max_padding of
-    its real tokens.
-    """
-    groups: list[list[Request]] = []
-    for r in sorted(reqs, key=length, reverse=True):
-        if groups:
-            g = groups[-1]
-            real = sum(length(x) for x in g) + length(r)
-            if length(g[0]) * (len(g) + 1) <= (1 + max_padding) * real:
-                g.append(r)
-                continue
-        groups.append([r])
-    return groups
