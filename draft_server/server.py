@@ -79,7 +79,9 @@ class DraftServer:
                 await asyncio.to_thread(self.compute.offload_if_idle, self.cfg.offload_after_s)
 
     def set_max_targets(self, n: int) -> None:
+        """N_max, set by the controller. Attached targets stay; the draft engine's sequence cap follows."""
         self.sessions.max_targets = n
+        self.compute.engine.max_sequences = max(1, n) * self.cfg.max_sequences_per_target
 
     async def stop(self, grace: float = 5.0) -> None:
         """Answer what is queued, refuse new rounds, then close."""

@@ -66,3 +66,24 @@ def test_eight_targets_at_n_max_four_twice(models, spec_prompts, reference):
             while len(server.server.sessions) and time.time() < deadline:
                 time.sleep(0.05)
             assert len(server.server.sessions) == 0
+
+
+def test_raising_n_max_admits_more_and_they_get_drafts(models, spec_prompts):
+    fp = models["llama"].fingerprint
+    cfg = DraftServerConfig(max_targets=1, max_sequences_per_target=2)
+    with BackgroundDraftServer(models["draft"], cfg) as server:
+        server.call(server.server.set_max_targets, 3)
+        assert server.server.compute.engine.max_sequences == 6
+        proposers = _attach_concurrently(server.address, fp, 3)
+        assert all(p.attached for p in proposers)
+        engines = [TargetEngine(models["llama"], p, FixedGamma(2), EngineConfig(max_batch_size=2)) for p in proposers]
+        # 3 targets x 2 live sequences at once: more than the cap the server started with (1 x 2).
+        params = SamplingParams(max_tokens=16)
+        threads = [threading.Thread(target=e.generate, args=(spec_prompts[2 * k:2 * k + 2], params))
+                   for k, e in enumerate(engines)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert all(e.stats.drafted_tokens > 0 for e in engines)
+        assert sum(p.stats.fallbacks["resync"] for p in proposers) == 0
+        for p in proposers:
+            p.close()
