@@ -20,14 +20,14 @@ from controller.cluster_spec import CONTROLLER, NAMESPACE, ClusterSpec
 log = logging.getLogger(__name__)
 
 
-def _prepare_process(spec: ClusterSpec) -> None:
+def _prepare_process(spec: ClusterSpec, threads: int | None = None) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # must precede the torch import
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch
 
-    torch.set_num_threads(spec.threads)
+    torch.set_num_threads(threads or spec.threads)
 
 
 def _device(spec: ClusterSpec) -> str:
@@ -45,7 +45,7 @@ def _start_metrics(registry, host: str) -> str:
 class DraftServerActor:
     def __init__(self, spec: dict):
         self.spec = ClusterSpec.from_dict(spec)
-        _prepare_process(self.spec)
+        _prepare_process(self.spec, self.spec.draft_threads)
         from draft_server.background import BackgroundDraftServer
         from draft_server.config import DraftServerConfig
         from starjar.models import load_model

@@ -44,7 +44,8 @@ class ClusterSpec:
     max_targets: int = 8  # N_max on the draft server (with admission "auto": its upper bound)
     admission: str = "fixed"  # fixed: N_max = max_targets | auto: the controller recomputes N_max (StarSD 4.2)
     draft_deadline_s: float = 0.5
-    threads: int = 1  # torch threads per model actor
+    threads: int = 1  # torch threads per target worker (and per draft server unless draft_threads is set)
+    draft_threads: int | None = None
     device: str = "auto"  # auto (cuda when the actor got a GPU) | cpu | cuda
     dtype: str = "float32"
     host: str = "127.0.0.1"  # where the front end listens
@@ -77,6 +78,8 @@ class ClusterSpec:
             raise InvalidArgument("--admission", "must be fixed or auto", self.admission)
         if self.max_targets < 1:
             raise InvalidArgument("--max-targets", "must be >= 1", self.max_targets)
+        if self.draft_threads is not None and self.draft_threads < 1:
+            raise InvalidArgument("--draft-threads", "must be >= 1", self.draft_threads)
         if self.threads < 1:
             raise InvalidArgument("--threads", "must be >= 1", self.threads)
         if self.device not in ("auto", "cpu", "cuda"):

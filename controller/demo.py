@@ -27,8 +27,9 @@ def add_demo_parser(sub) -> None:
     d.add_argument("--targets", type=int, default=1, help="target workers, if the demo starts the cluster")
     d.add_argument("--gamma", type=int, default=1, help="draft tokens per step when speculating (default 1)")
     d.add_argument("--batch-size", type=int, default=1, help="running requests per target (default 1)")
-    d.add_argument("--threads", type=int, default=2, help="torch threads per model actor (default 2: draft and "
-                   "target take turns, so each can use both cores of a small machine)")
+    d.add_argument("--threads", type=int, default=2, help="torch threads of the target worker (default 2: draft "
+                   "and target take turns, so it can use both cores of a small machine)")
+    d.add_argument("--draft-threads", type=int, default=1, help="torch threads of the draft server (default 1)")
     d.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     d.add_argument("--plot", default="starjar-demo.png", help="where to save the plot")
     d.add_argument("--keep", action="store_true", help="leave the cluster running afterwards")
@@ -120,7 +121,8 @@ def run_demo(args) -> int:
     if state is None:
         up = argparse.Namespace(target=None, draft=None, no_draft=False, targets=args.targets, gamma=args.gamma,
                                 policy="fixed", profile=None,
-                                batch_size=args.batch_size, draft_mode="batched", max_targets=8, threads=args.threads,
+                                batch_size=args.batch_size, draft_mode="batched", max_targets=8,
+                                threads=args.threads, draft_threads=args.draft_threads,
                                 device="auto", dtype="float32", host="127.0.0.1", grpc_port=0, http_port=0,
                                 auth_token=None, no_metrics=False, prometheus_sd=None, address=None)
         print("starting a local cluster (starjar up) ...", file=sys.stderr)

@@ -51,7 +51,9 @@ def add_up_parsers(sub) -> None:
     u.add_argument("--max-targets", type=int, default=8, help="N_max on the draft server (its cap with auto)")
     u.add_argument("--admission", default="fixed", choices=["fixed", "auto"],
                    help="auto: the controller recomputes N_max from measured Z, S and speeds (StarSD 4.2)")
-    u.add_argument("--threads", type=int, default=1, help="torch threads per model actor")
+    u.add_argument("--threads", type=int, default=1, help="torch threads per target worker (default 1)")
+    u.add_argument("--draft-threads", type=int, default=None, help="torch threads of the draft server "
+                   "(default: --threads)")
     u.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     u.add_argument("--dtype", default="float32")
     u.add_argument("--host", default="127.0.0.1", help="front end listen address (0.0.0.0 on a real cluster)")
@@ -82,6 +84,7 @@ def _spec(args) -> ClusterSpec:
                        profile=os.path.abspath(args.profile) if args.profile else None, batch_size=args.batch_size,
                        draft_mode=args.draft_mode, max_targets=args.max_targets,
                        admission=getattr(args, "admission", "fixed"), threads=args.threads,
+                       draft_threads=getattr(args, "draft_threads", None),
                        device=args.device, dtype=args.dtype, host=args.host, grpc_port=args.grpc_port,
                        http_port=args.http_port, auth_token=args.auth_token, metrics=not args.no_metrics,
                        prometheus_sd=_sd_path(args)).validate()
