@@ -1,0 +1,79 @@
+"""The front end in-process over real gRPC and HTTP: auth, routing around a dead worker, health."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+
+from controller.frontend import FrontEnd
+from starjar import Client, Unauthenticated
+from starjar.serving import BackgroundLoop
+from target_worker.server import TargetServer
+
+
+@pytest.fixture(scope="module")
+def worker(models):
+    loop = BackgroundLoop("test-target")
+    server = TargetServer(models["llama"], None, "w0")
+    loop.run(server.start())
+    yield f"127.0.0.1:{server.port}"
+    loop.run(server.stop(0.5))
+    loop.stop()
+
+
+def _dead_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
+
+
+def _http(url, body=None, token=None):
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body else None, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_bearer_token_guards_grpc_and_http(models, worker):
+    fe = FrontEnd("llama", models["llama"].tokenizer, auth_token="s3cret").start()
+    try:
+        fe.set_targets({"w0": worker})
+        grpc_addr, http = f"127.0.0.1:{fe.grpc_port}", f"http://127.0.0.1:{fe.http_port}"
+        with Client(grpc_addr, timeout=30) as c:
+            with pytest.raises(Unauthenticated):
+                c.generate("hi", max_tokens=4)
+        with Client(grpc_addr, timeout=30, auth_token="wrong") as c:
+            with pytest.raises(Unauthenticated):
+                c.generate("hi", max_tokens=4)
+        with Client(grpc_addr, timeout=30, auth_token="s3cret") as c:
+            assert c.generate("hi", max_tokens=4).finish_reason in ("stop", "length")
+        status, body = _http(f"{http}/v1/completions", {"prompt": "hi", "max_tokens": 4})
+        assert status == 401 and body["error"]["type"] == "authentication_error"
+        status, body = _http(f"{http}/v1/completions", {"prompt": "hi", "max_tokens": 4}, token="s3cret")
+        assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        fe.stop(0.5)
+
+
+def test_requests_route_around_a_dead_worker_and_health_follows(models, worker, spec_prompts, reference):
+    fe = FrontEnd("llama", models["llama"].tokenizer).start()
+    try:
+        http = f"http://127.0.0.1:{fe.http_port}"
+        assert _http(f"{http}/health")[0] == 503  # no worker yet
+        fe.set_targets({"dead": _dead_address(), "w0": worker})
+        assert _http(f"{http}/health")[0] == 200
+        with Client(f"127.0.0.1:{fe.grpc_port}", timeout=60) as c:
+            outs = [c.generate(prompt_token_ids=p, max_tokens=16).token_ids for p in spec_prompts[:6]]
+        assert outs == [r[:16] for r in reference("llama", 64)[:6]]
+        assert fe.in_flight() == {"dead": 0, "w0": 0}
+    finally:
+        fe.stop(0.5)
