@@ -4,7 +4,7 @@ This package is the shared library and the public SDK. It imports no other
 package of the project (controller, draft_server, target_worker).
 """
 
-__version__ = "0.1.0"
+from starjar.version import __version__
 
 from starjar.errors import InvalidArgument, StarjarError
 from starjar.sampling import SamplingParams

@@ -13,7 +13,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client import PLATFORM_COLLECTOR, PROCESS_COLLECTOR  # noqa: F401 - documented below
 
-import starjar
+from starjar.version import __version__
 
 # vLLM's bucket conventions, so dashboards built for vLLM read starjar the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -31,7 +31,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 def new_registry(component: str, **models: str) -> CollectorRegistry:
     """A registry holding `starjar_build_info` for this component."""
     registry = CollectorRegistry()
-    labels = {"version": starjar.__version__, "component": component,
+    labels = {"version": __version__, "component": component,
               "target_model": models.get("target_model", ""), "draft_model": models.get("draft_model", "")}
     info = Gauge("starjar_build_info", "starjar version, component and models (value is always 1)",
                  list(labels), registry=registry)
