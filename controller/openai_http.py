@@ -16,7 +16,7 @@ import logging
 import secrets
 import time
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import grpc
@@ -93,7 +93,6 @@ class Parsed:
     stream: bool
     include_usage: bool
     model: str
-    extra: dict = field(default_factory=dict)
 
 
 def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
@@ -272,11 +271,14 @@ class OpenAIServer:
     async def _pieces(self, req: pb.GenerateRequest, stops: list[str]) -> AsyncIterator[tuple[str, dict | None]]:
         """(text, None) while generating, then ("", {"finish_reason", "usage"}) once."""
         cut = StopStrings(stops)
+        generated = 0
         async with aclosing(self.router.generate(req)) as upstream:
             async for resp in upstream:
+                generated += len(resp.token_ids)
                 text = cut.push(resp.text)
                 if cut.stopped:
-                    yield text, {"finish_reason": "stop", "usage": None, "tokens": None}
+                    # Usage still counts what the worker generated (up to the chunk with the stop string).
+                    yield text, {"finish_reason": "stop", "usage": (await self._prompt_tokens(req), generated)}
                     return  # leaving the loop cancels the worker's sequence
                 if resp.finish_reason:
                     text += cut.flush()
@@ -285,6 +287,12 @@ class OpenAIServer:
                     return
                 if text:
                     yield text, None
+
+    async def _prompt_tokens(self, req: pb.GenerateRequest) -> int:
+        if req.prompt_token_ids:
+            return len(req.prompt_token_ids)
+        ids = await asyncio.to_thread(lambda: self.tokenizer(req.prompt)["input_ids"])
+        return len(ids)
 
     async def _respond(self, request: web.Request, parsed: Parsed, chat: bool) -> web.StreamResponse:
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)

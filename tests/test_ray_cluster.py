@@ -171,8 +171,10 @@ def test_stop_strings_cut_the_text(cluster):
             text = "".join(c["choices"][0]["text"] for c in chunks)
             finish = chunks[-1]["choices"][0]["finish_reason"]
         else:
-            choice = json.loads(raw)["choices"][0]
+            body = json.loads(raw)
+            choice = body["choices"][0]
             text, finish = choice["text"], choice["finish_reason"]
+            assert 0 < body["usage"]["completion_tokens"] <= MAX_TOKENS and body["usage"]["prompt_tokens"] > 0
         assert text == full[: full.index(stop)] and finish == "stop"
 
 
