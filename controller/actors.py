@@ -87,7 +87,7 @@ class TargetWorkerActor:
         self.name = name
         _prepare_process(self.spec)
         from starjar.models import load_model
-        from starjar.policies import serving_policy
+        from starjar.policies import parse_buckets, serving_policy
         from starjar.serving import BackgroundLoop
         from target_worker.engine import EngineConfig
         from target_worker.server import TargetServer
@@ -95,7 +95,8 @@ class TargetWorkerActor:
         self.host = ray.util.get_node_ip_address()
         model = load_model(self.spec.target, _device(self.spec), self.spec.dtype, what="target")
         draft = _resolve_draft_address if self.spec.draft else None
-        self.policy = serving_policy(self.spec.policy, self.spec.gamma, self.spec.profile, bool(self.spec.draft))
+        self.policy = serving_policy(self.spec.policy, self.spec.gamma, self.spec.profile, bool(self.spec.draft),
+                                     parse_buckets(self.spec.buckets))
         self.server = TargetServer(model, draft, name, self.policy,
                                    EngineConfig(max_batch_size=self.spec.batch_size,
                                                 max_gamma=max(8, self.spec.gamma)),

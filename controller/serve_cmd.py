@@ -43,6 +43,7 @@ def add_serve_parsers(sub) -> None:
     t.add_argument("--policy", default="fixed",
                    help="fixed, nightjar, dsd, banditspec, tide, vllm_table, sglang_ema, hf_heuristic, none")
     t.add_argument("--profile", default=None, help="latency tables from `starjar profile` (nightjar, tide)")
+    t.add_argument("--buckets", default=None, help="nightjar's batch-size buckets, e.g. 1,2,4,8,16")
     t.add_argument("--batch-size", type=int, default=16)
     t.add_argument("--draft-deadline", type=float, default=0.5, help="seconds to wait for drafts per step")
     t.add_argument("--device", default="cpu")
@@ -79,7 +80,7 @@ def run_serve(args) -> int:
         run_until_signalled(server.start, server.stop,
                             _announce("draft", args.host, server.metrics.registry, args.metrics_port))
         return 0
-    from starjar.policies import serving_policy
+    from starjar.policies import parse_buckets, serving_policy
     from target_worker.engine import EngineConfig
     from target_worker.server import TargetServer, serve_forever as serve_target
 
@@ -89,7 +90,7 @@ def run_serve(args) -> int:
         raise InvalidArgument("--draft-deadline", "must be > 0", args.draft_deadline)
     model = load_model(args.model or build_default_pair()["target"], args.device, args.dtype, what="model")
     worker_id = args.worker_id or f"{os.uname().nodename}:{os.getpid()}"
-    policy = serving_policy(args.policy, args.gamma, args.profile, bool(args.draft))
+    policy = serving_policy(args.policy, args.gamma, args.profile, bool(args.draft), parse_buckets(args.buckets))
     server = TargetServer(model, args.draft, worker_id, policy,
                           EngineConfig(max_batch_size=args.batch_size, max_gamma=max(8, args.gamma)),
                           args.host, args.port, args.draft_deadline)

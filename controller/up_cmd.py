@@ -46,6 +46,8 @@ def add_up_parsers(sub) -> None:
     u.add_argument("--policy", default="fixed",
                    help="fixed (default), nightjar, dsd, banditspec, tide, vllm_table, sglang_ema, hf_heuristic")
     u.add_argument("--profile", default=None, help="latency tables from `starjar profile` (nightjar, tide)")
+    u.add_argument("--buckets", default=None, help="nightjar's batch-size buckets, e.g. 1,2,4,8,16 "
+                   "(default: every batch size up to 16, then 24, 32, 48, 64, 96, 128)")
     u.add_argument("--batch-size", type=int, default=8, help="running requests per target (default 8)")
     u.add_argument("--draft-mode", default="batched", choices=["batched", "fifo"])
     u.add_argument("--max-targets", type=int, default=8, help="N_max on the draft server (its cap with auto)")
@@ -81,7 +83,8 @@ def _spec(args) -> ClusterSpec:
         draft = draft or pair["draft"]
     return ClusterSpec(target=os.path.abspath(target), draft=None if args.no_draft else os.path.abspath(draft),
                        targets=args.targets, gamma=args.gamma, policy=args.policy,
-                       profile=os.path.abspath(args.profile) if args.profile else None, batch_size=args.batch_size,
+                       profile=os.path.abspath(args.profile) if args.profile else None,
+                       buckets=getattr(args, "buckets", None), batch_size=args.batch_size,
                        draft_mode=args.draft_mode, max_targets=args.max_targets,
                        admission=getattr(args, "admission", "fixed"), threads=args.threads,
                        draft_threads=getattr(args, "draft_threads", None),

@@ -161,3 +161,15 @@ def test_greedy_output_is_the_target_alone_under_every_policy(name, models, spec
     prompts = spec_prompts[:8]
     reqs = engine.generate(prompts, SamplingParams(max_tokens=24))
     assert [r.output_ids for r in reqs] == [r[:24] for r in reference("llama", 64)[:8]]
+
+
+def test_buckets_are_configurable_and_checked():
+    from starjar.errors import InvalidArgument
+    from starjar.policies import parse_buckets, serving_policy
+
+    assert parse_buckets("8, 1,2,4") == (1, 2, 4, 8) and parse_buckets(None) is None
+    for bad in ("0,2", "a,b", "2,4"):
+        with pytest.raises(InvalidArgument, match="buckets"):
+            parse_buckets(bad)
+    p = serving_policy("nightjar", 3, None, True, parse_buckets("1,4,16"))
+    assert p.inner.buckets == (1, 4, 16) and p.inner.bucket(7) == 4 and p.inner.bucket(100) == 16

@@ -11,7 +11,8 @@ from starjar.policy import FixedGamma
 NAMES = ("nightjar", "none", "fixed_K", "dsd", "banditspec", "tide", "vllm_table", "sglang_ema", "hf_heuristic")
 
 
-def make_policy(name: str, max_gamma: int = 4, cswitch=None, profile: dict | None = None, seed: int | None = 0):
+def make_policy(name: str, max_gamma: int = 4, cswitch=None, profile: dict | None = None, seed: int | None = 0,
+                buckets: tuple[int, ...] | None = None):
     """profile: {"t_of_n": {n: seconds}, "d0_s": seconds} for tide (from the C_switch profiler's output)."""
     from starjar.policies.banditspec import BanditSpecUCB
     from starjar.policies.dsd import DSDPolicy
@@ -20,6 +21,8 @@ def make_policy(name: str, max_gamma: int = 4, cswitch=None, profile: dict | Non
     from starjar.policies.tide import TidePolicy
 
     if name == "nightjar":
+        if buckets:
+            return NightjarPlanner(max_gamma, cswitch, buckets=buckets, seed=seed)
         return NightjarPlanner(max_gamma, cswitch, seed=seed)
     if name == "none":
         return FixedGamma(0)
@@ -43,7 +46,8 @@ def make_policy(name: str, max_gamma: int = 4, cswitch=None, profile: dict | Non
     raise InvalidArgument("policy", f"one of {', '.join(NAMES)}", name)
 
 
-def load_policy(name: str, max_gamma: int = 4, profile_path: str | None = None, seed: int | None = 0):
+def load_policy(name: str, max_gamma: int = 4, profile_path: str | None = None, seed: int | None = 0,
+                buckets: tuple[int, ...] | None = None):
     """make_policy with the tables of a `starjar profile` JSON (C_switch for nightjar, T(n) and D0 for tide)."""
     import json
     from pathlib import Path
@@ -57,10 +61,24 @@ def load_policy(name: str, max_gamma: int = 4, profile_path: str | None = None, 
         except (OSError, ValueError) as exc:
             raise InvalidArgument("profile", f"a JSON file written by `starjar profile` ({exc})", profile_path)
     cswitch = CSwitchTable.from_dict(profile["cswitch"]) if profile and "cswitch" in profile else None
-    return make_policy(name, max_gamma, cswitch, profile, seed)
+    return make_policy(name, max_gamma, cswitch, profile, seed, buckets)
 
 
-def serving_policy(name: str, gamma: int, profile_path: str | None, has_draft: bool):
+def parse_buckets(text: str | None) -> tuple[int, ...] | None:
+    """'1,2,4,8' -> (1, 2, 4, 8): the batch sizes where the planner's per-batch-size states start."""
+    if not text:
+        return None
+    try:
+        values = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise InvalidArgument("buckets", "comma-separated positive integers", text) from None
+    if not values or values[0] != 1 or len(values) > 256:
+        raise InvalidArgument("buckets", "must start at 1, at most 256 values", text)
+    return values
+
+
+def serving_policy(name: str, gamma: int, profile_path: str | None, has_draft: bool,
+                   buckets: tuple[int, ...] | None = None):
     """What servers run: `fixed` = always `gamma`; any other name picks gamma in 0..`gamma`. Wrapped so the
     controller can override it. Without a draft, never speculate."""
     from starjar.policy import FixedGamma, Overridable
@@ -72,5 +90,5 @@ def serving_policy(name: str, gamma: int, profile_path: str | None, has_draft: b
     elif name == "fixed":
         inner = FixedGamma(gamma)
     else:
-        inner = load_policy(name, max_gamma=gamma, profile_path=profile_path)
+        inner = load_policy(name, max_gamma=gamma, profile_path=profile_path, buckets=buckets)
     return Overridable(inner)
