@@ -10,7 +10,6 @@ its draft session.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -25,24 +24,29 @@ from starjar.models import load_model
 from starjar.reference import hf_greedy
 
 
-def _clients(address: str, prompts: list[list[int]], max_new: int, bar) -> list:
+def mixed_clients(address: str, prompts: list[list[int]], max_tokens: int, on_done=None) -> list:
+    """Greedy results of every prompt, from 8 concurrent callers: 4 threads with a blocking Client each and
+    4 asyncio tasks with an AsyncClient each (prompt i goes to caller i % 8). on_done() after each one."""
     from starjar import AsyncClient, Client
 
     results = [None] * len(prompts)
     lanes = [list(range(k, len(prompts), 8)) for k in range(8)]
 
+    def done(i, result):
+        results[i] = result
+        if on_done is not None:
+            on_done()
+
     def sync_lane(idx):
         with Client(address, timeout=600) as c:
             for i in idx:
-                results[i] = c.generate(prompt_token_ids=prompts[i], max_tokens=max_new)
-                bar.update()
+                done(i, c.generate(prompt_token_ids=prompts[i], max_tokens=max_tokens))
 
     async def async_lanes():
         async def lane(idx):
             async with AsyncClient(address, timeout=600) as c:
                 for i in idx:
-                    results[i] = await c.generate(prompt_token_ids=prompts[i], max_tokens=max_new)
-                    bar.update()
+                    done(i, await c.generate(prompt_token_ids=prompts[i], max_tokens=max_tokens))
         await asyncio.gather(*(lane(idx) for idx in lanes[4:]))
 
     threads = [threading.Thread(target=sync_lane, args=(lanes[k],)) for k in range(4)]
@@ -52,21 +56,13 @@ def _clients(address: str, prompts: list[list[int]], max_new: int, bar) -> list:
     return results
 
 
-def _counts(controller) -> tuple[int, int]:
-    import ray
-
-    targets = ray.get(controller.target_stats.remote())
-    draft = ray.get(controller.draft_stats.remote())
-    return sum(s["running"] + s["waiting"] for s in targets.values()), int(draft["live_sequences"])
-
-
 def run(args) -> dict:
     from controller.cluster_spec import CONTROLLER, NAMESPACE, local_ray_env
 
     local_ray_env()
     import ray
 
-    from controller.up_cmd import _spec, read_state, start_local, stop_local
+    from controller.up_cmd import local_spec, read_state, start_local, stop_local
     from starjar import Client
 
     n_requests, max_new = (24, 16) if args.quick else (100, 32)
@@ -77,19 +73,15 @@ def run(args) -> dict:
     del target
     if read_state() is not None:
         raise SystemExit("a local starjar cluster is running; `starjar down` first")
-    up = argparse.Namespace(target=target_dir, draft=draft_dir, no_draft=False, targets=2, gamma=1, policy="fixed",
-                            profile=None, batch_size=4,
-                            draft_mode="batched", max_targets=8, threads=1, device="auto", dtype="float32",
-                            host="127.0.0.1", grpc_port=0, http_port=0, auth_token=None, no_metrics=False,
-                            prometheus_sd=None, address=None)
-    addrs = start_local(_spec(up))
+    addrs = start_local(local_spec(target_dir, draft_dir, targets=2, gamma=1, batch_size=4, grpc_port=0,
+                                   http_port=0))
     state = read_state()
     try:
         ray.init(address=state["ray_address"], namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
         bar = tqdm(total=len(prompts), desc="8 SDK clients", file=sys.stderr)
         t0 = time.perf_counter()
-        results = _clients(addrs["grpc"], prompts, max_new, bar)
+        results = mixed_clients(addrs["grpc"], prompts, max_new, bar.update)
         wall = time.perf_counter() - t0
         bar.close()
         identical = sum(r.token_ids == e for r, e in zip(results, ref))
@@ -113,13 +105,13 @@ def run(args) -> dict:
             stream = c.generate_stream(prompt_token_ids=prompts[0], max_tokens=400, ignore_eos=True)
             for _ in range(3):
                 next(stream)
-            busy = _counts(controller)
+            busy = ray.get(controller.live_counts.remote())
             t_cancel = time.perf_counter()
             stream.close()
-            while _counts(controller) != (0, 0) and time.perf_counter() - t_cancel < 10:
+            while ray.get(controller.live_counts.remote()) != (0, 0) and time.perf_counter() - t_cancel < 10:
                 time.sleep(0.02)
             freed_s = time.perf_counter() - t_cancel
-            freed = _counts(controller) == (0, 0)
+            freed = ray.get(controller.live_counts.remote()) == (0, 0)
     finally:
         ray.shutdown()
         stopped = stop_local()

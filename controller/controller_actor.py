@@ -226,6 +226,13 @@ class Controller:
     async def target_stats(self) -> dict:
         return dict(zip(self.targets, await asyncio.gather(*(h.stats.remote() for h in self.targets.values()))))
 
+    async def live_counts(self) -> tuple[int, int]:
+        """(requests running or waiting on all target workers, sequences live on the draft server)."""
+        stats = await self.target_stats()
+        draft = await self.draft_stats()
+        return (sum(s["running"] + s["waiting"] for s in stats.values()),
+                int(draft["live_sequences"]) if draft else 0)
+
     async def draft_stats(self) -> dict | None:
         return await self.draft.stats.remote() if self.draft is not None else None
 

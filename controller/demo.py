@@ -7,7 +7,6 @@ must be identical; the demo says so, and fails if they are not.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import statistics
@@ -112,21 +111,17 @@ def run_demo(args) -> int:
     local_ray_env()  # before Ray is imported: it reads these at import time
     import ray
 
-    from controller.up_cmd import _spec, read_state, start_local, stop_local
+    from controller.up_cmd import local_spec, read_state, start_local, stop_local
 
     if args.requests < 1 or args.rate <= 0 or args.max_tokens < 1:
         from starjar.errors import InvalidArgument
         raise InvalidArgument("--requests/--rate/--max-tokens", "must be positive")
     state, started = read_state(), False
     if state is None:
-        up = argparse.Namespace(target=None, draft=None, no_draft=False, targets=args.targets, gamma=args.gamma,
-                                policy="fixed", profile=None,
-                                batch_size=args.batch_size, draft_mode="batched", max_targets=8,
-                                threads=args.threads, draft_threads=args.draft_threads,
-                                device="auto", dtype="float32", host="127.0.0.1", grpc_port=0, http_port=0,
-                                auth_token=None, no_metrics=False, prometheus_sd=None, address=None)
+        spec = local_spec(targets=args.targets, gamma=args.gamma, batch_size=args.batch_size, threads=args.threads,
+                          draft_threads=args.draft_threads, grpc_port=0, http_port=0)
         print("starting a local cluster (starjar up) ...", file=sys.stderr)
-        start_local(_spec(up))
+        start_local(spec)
         state, started = read_state(), True
     else:
         print(f"using the running cluster at {state['addresses']['grpc']}", file=sys.stderr)

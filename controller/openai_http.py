@@ -297,11 +297,10 @@ class OpenAIServer:
     async def _respond(self, request: web.Request, parsed: Parsed, chat: bool) -> web.StreamResponse:
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
         try:
             if parsed.stream:
-                return await self._stream(request, parsed, chat, rid, created, kind)
-            return await self._whole(parsed, chat, rid, created, kind)
+                return await self._stream(request, parsed, chat, rid, created)
+            return await self._whole(parsed, chat, rid, created)
         except NoTargets as exc:
             raise HttpError(503, str(exc), None, "server_error") from None
         except grpc.aio.AioRpcError as exc:
@@ -315,7 +314,8 @@ class OpenAIServer:
                 end = fin
         return text, end
 
-    async def _whole(self, parsed: Parsed, chat: bool, rid: str, created: int, kind: str) -> web.Response:
+    async def _whole(self, parsed: Parsed, chat: bool, rid: str, created: int) -> web.Response:
+        kind = "chat.completion" if chat else "text_completion"
         results = await asyncio.gather(*(self._collect(r, parsed.stops) for r in parsed.requests))
         choices, prompt_toks, completion_toks = [], 0, 0
         for i, (text, end) in enumerate(results):
@@ -333,8 +333,8 @@ class OpenAIServer:
                                                                 "completion_tokens": completion_toks,
                                                                 "total_tokens": prompt_toks + completion_toks}})
 
-    async def _stream(self, request: web.Request, parsed: Parsed, chat: bool, rid: str, created: int,
-                      kind: str) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, parsed: Parsed, chat: bool, rid: str,
+                      created: int) -> web.StreamResponse:
         kind = "chat.completion.chunk" if chat else "text_completion"
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -344,8 +344,6 @@ class OpenAIServer:
                     await merged.put((i, piece, fin, None))
             except (grpc.aio.AioRpcError, NoTargets) as exc:
                 await merged.put((i, "", None, exc))
-            except asyncio.CancelledError:
-                raise
 
         first = await self._first(parsed, pump, merged)  # fail with a plain HTTP status if nothing started
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

@@ -73,30 +73,32 @@ def add_up_parsers(sub) -> None:
     d.add_argument("--address", help="the Ray cluster given to `starjar up --address`")
 
 
-def _spec(args) -> ClusterSpec:
-    target, draft = args.target, args.draft
-    if target is None or (draft is None and not args.no_draft):
+def local_spec(target: str | None = None, draft: str | None = None, no_draft: bool = False,
+               **fields) -> ClusterSpec:
+    """A validated ClusterSpec; a missing target or draft is the default pair's (built offline if needed)."""
+    if target is None or (draft is None and not no_draft):
         from starjar.default_pair import build_default_pair
 
         pair = build_default_pair()
         target = target or pair["target"]
         draft = draft or pair["draft"]
-    return ClusterSpec(target=os.path.abspath(target), draft=None if args.no_draft else os.path.abspath(draft),
-                       targets=args.targets, gamma=args.gamma, policy=args.policy,
-                       profile=os.path.abspath(args.profile) if args.profile else None,
-                       buckets=getattr(args, "buckets", None), batch_size=args.batch_size,
-                       draft_mode=args.draft_mode, max_targets=args.max_targets,
-                       admission=getattr(args, "admission", "fixed"), threads=args.threads,
-                       draft_threads=getattr(args, "draft_threads", None),
-                       device=args.device, dtype=args.dtype, host=args.host, grpc_port=args.grpc_port,
-                       http_port=args.http_port, auth_token=args.auth_token, metrics=not args.no_metrics,
-                       prometheus_sd=_sd_path(args)).validate()
+    fields.setdefault("prometheus_sd", str(run_dir() / "prometheus_sd.json"))
+    return ClusterSpec(target=os.path.abspath(target), draft=None if no_draft else os.path.abspath(draft),
+                       **fields).validate()
 
 
-def _sd_path(args) -> str | None:
-    if getattr(args, "prometheus_sd", None):
-        return os.path.abspath(args.prometheus_sd)
-    return None if args.address else str(run_dir() / "prometheus_sd.json")
+def _spec(args) -> ClusterSpec:
+    """`starjar up`'s flags as a ClusterSpec."""
+    sd = os.path.abspath(args.prometheus_sd) if args.prometheus_sd else None
+    return local_spec(args.target, args.draft, args.no_draft, targets=args.targets, gamma=args.gamma,
+                      policy=args.policy, profile=os.path.abspath(args.profile) if args.profile else None,
+                      buckets=args.buckets, batch_size=args.batch_size, draft_mode=args.draft_mode,
+                      max_targets=args.max_targets, admission=args.admission, threads=args.threads,
+                      draft_threads=args.draft_threads, device=args.device, dtype=args.dtype, host=args.host,
+                      grpc_port=args.grpc_port, http_port=args.http_port, auth_token=args.auth_token,
+                      metrics=not args.no_metrics,
+                      # On a cluster of someone else's (--address) there is no local file to keep current.
+                      prometheus_sd=sd if sd or not args.address else None)
 
 
 def _print_ready(addrs: dict, as_json: bool) -> None:

@@ -9,7 +9,6 @@ counts and gauges are read from the engine at scrape time.
 
 from __future__ import annotations
 
-import threading
 import time
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -47,7 +46,6 @@ class TargetMetrics:
                                       "serialization), queue (wait at the draft server), compute (drafting)",
                                       ["part"], buckets=FAST_BUCKETS, registry=r)
         self._last_token_s: dict[int, float] = {}
-        self._lock = threading.Lock()
         r.register(_EngineCollector(engine, proposer))
         engine.step_listener = self.on_step
         if proposer is not None:

@@ -8,13 +8,11 @@ kill the draft server.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from starjar import AsyncClient, Client
+from benchmarks.api import mixed_clients
+from starjar import Client
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
 
@@ -69,36 +68,12 @@ def _ref(reference, n):
     return (ref * (n // len(ref) + 1))[:n]
 
 
-def _run_mixed_clients(address, prompts):
-    """4 threads with a blocking Client each + 4 asyncio tasks with AsyncClients: 8 concurrent callers."""
-    results = [None] * len(prompts)
-    lanes = [list(range(k, len(prompts), 8)) for k in range(8)]
-
-    def sync_lane(idx):
-        with Client(address, timeout=120) as c:
-            for i in idx:
-                results[i] = c.generate(prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS)
-
-    async def async_lanes():
-        async def lane(idx):
-            async with AsyncClient(address, timeout=120) as c:
-                for i in idx:
-                    results[i] = await c.generate(prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS)
-        await asyncio.gather(*(lane(idx) for idx in lanes[4:]))
-
-    threads = [threading.Thread(target=sync_lane, args=(lanes[k],)) for k in range(4)]
-    threads.append(threading.Thread(target=lambda: asyncio.run(async_lanes())))
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    return results
-
-
 def test_hundred_requests_from_eight_sdk_clients_match_the_target_alone(cluster, controller, spec_prompts,
                                                                         reference):
     import ray
 
     prompts = (spec_prompts * 3)[:N_REQUESTS]
-    results = _run_mixed_clients(cluster["addrs"]["grpc"], prompts)
+    results = mixed_clients(cluster["addrs"]["grpc"], prompts, MAX_TOKENS)
     assert [r.token_ids for r in results] == _ref(reference, N_REQUESTS)
     assert all(r.finish_reason in ("stop", "length") for r in results)
     stats = ray.get(controller.target_stats.remote())
@@ -181,9 +156,7 @@ def test_stop_strings_cut_the_text(cluster):
 def _counts(controller) -> tuple[int, int]:
     import ray
 
-    targets = ray.get(controller.target_stats.remote())
-    draft = ray.get(controller.draft_stats.remote())
-    return sum(s["running"] + s["waiting"] for s in targets.values()), int(draft["live_sequences"])
+    return tuple(ray.get(controller.live_counts.remote()))
 
 
 def test_cancelling_a_stream_frees_the_target_sequence_and_the_draft_session(cluster, controller, spec_prompts):
