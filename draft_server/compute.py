@@ -29,12 +29,15 @@ class ComputeLoop(threading.Thread):
         self.last_round_s = time.perf_counter()
 
     def run(self) -> None:
+        idle_from = time.perf_counter()
         while True:
-            idle_from = time.perf_counter()
             items = self.queue.take()
             if items is None:
                 return
-            self.stats.record_idle(time.perf_counter() - idle_from)
+            # T_idle is the wait for rounds: a wake-up that only frees sequences does not end it.
+            has_rounds = any(isinstance(w, RoundWork) for w in items)
+            if has_rounds:
+                self.stats.record_idle(time.perf_counter() - idle_from)
             try:
                 with self.lock:
                     self._serve(items)
@@ -43,6 +46,8 @@ class ComputeLoop(threading.Thread):
                 for w in items:
                     if isinstance(w, RoundWork):
                         w.reply(w, [None] * len(w.requests), 0.0, 0.0, 0)
+            if has_rounds:
+                idle_from = time.perf_counter()
 
     def _serve(self, items) -> None:
         rounds = [w for w in items if isinstance(w, RoundWork)]
