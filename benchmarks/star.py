@@ -28,6 +28,7 @@ from target_worker.draft_client import RemoteProposer
 from target_worker.replay import ReplayTarget
 
 GAMMA = 4
+VERIFY_OVER_S = 2.6
 
 
 N_FULL_RULE = "smallest N at which the fifo draft server is fully busy (load >= 0.99), StarSD's N_full"
@@ -51,8 +52,9 @@ def _run_n(draft_dir, mode, n, scripts, verify_s, duration_s, fingerprint) -> di
             if not p.wait_attached(30):
                 raise RuntimeError("replay target could not attach")
         targets = [ReplayTarget(p, GAMMA, verify_s) for p in proposers]
-        # Each target serves one request at a time, as in StarSD; targets start staggered.
-        threads = [threading.Thread(target=t.run, args=([scripts[k % len(scripts)]], duration_s))
+        # Each target serves one request at a time, as in StarSD, going through every script in turn from
+        # its own starting point: every N sees the same prompt mix, so throughput ratios compare the server.
+        threads = [threading.Thread(target=t.run_in_turn, args=(scripts[k:] + scripts[:k], duration_s))
                    for k, t in enumerate(targets)]
         t0 = time.perf_counter()
         for th in threads:
@@ -106,17 +108,18 @@ def run(args) -> dict:
     duration = 6.0 if quick else 15.0
     target_dir, draft_dir, note = pair_dirs(args)
     target = load_model(target_dir)
-    prompts = prompt_ids(target.tokenizer, 8)
+    prompts = prompt_ids(target.tokenizer, 16)
     print("recording the target's greedy continuations ...", file=sys.stderr)
-    conts = target_continuations(target, prompts, 48 if quick else 96)
+    conts = target_continuations(target, prompts, 48)  # short: a target goes through several per run
     scripts = list(zip(prompts, conts))
     fingerprint = target.fingerprint
     del target
 
-    # Calibrate: S from fifo at N = 1 with no verification time; then Z = 3.5 S gives N_full = 5.
+    # Calibrate: S from fifo at N = 1 with no verification time; Z = VERIFY_OVER_S * S puts StarSD's
+    # N_full = ceil(Z/S) + 1 at 4 (S measured with idle gaps, at N = 1, runs a little longer).
     calib = _run_n(draft_dir, "fifo", 1, scripts, 0.0, 4.0, fingerprint)
     s_round = calib["s_ms"] / 1000
-    verify_s = 3.5 * s_round
+    verify_s = VERIFY_OVER_S * s_round
     modes = {}
     bar = tqdm(total=2 * len(ns), desc="star scaling (replay)", file=sys.stderr)
     for mode in ("batched", "fifo"):

@@ -3,6 +3,13 @@
 It owns the draft engine (no other thread touches it) and never waits on
 I/O: replies go back through a callback that only schedules a write on the
 gRPC event loop.
+
+Batched mode schedules per forward pass, not per round: every iteration
+takes whatever rounds arrived, starts them, and runs one pass over all
+unfinished jobs, so a round that arrives while others are mid-way joins the
+next pass (it waits at most one pass, not a whole batch). A round is
+answered as soon as its own drafts are done. Fifo mode takes one round and
+finishes it before looking at the queue again, as StarSD does.
 """
 
 from __future__ import annotations
@@ -10,83 +17,152 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
-from draft_server.engine import DraftEngine
+from draft_server.engine import DraftEngine, DraftJob
 from draft_server.stats import ServerStats
 from draft_server.work_queue import ReleaseWork, RoundWork, WorkQueue
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
+class _Active:
+    work: RoundWork
+    replies: list
+    jobs: list[tuple[int, DraftJob]]
+    started_s: float
+
+    @property
+    def done(self) -> bool:
+        return all(j.done for _, j in self.jobs)
+
+
 class ComputeLoop(threading.Thread):
-    def __init__(self, engine: DraftEngine, queue: WorkQueue, stats: ServerStats):
+    def __init__(self, engine: DraftEngine, queue: WorkQueue, stats: ServerStats, continuous: bool = True,
+                 max_active_rounds: int = 64):
         super().__init__(name="draft-compute", daemon=True)
         self.engine = engine
         self.queue = queue
         self.stats = stats
+        self.continuous = continuous
+        self.max_active_rounds = max_active_rounds
         # The engine is this thread's; the offload check (from the server's sweeper) takes this lock too.
         self.lock = threading.Lock()
         self.last_round_s = time.perf_counter()
+        self._active: list[_Active] = []
+        self._held: list[RoundWork] = []  # rounds whose sequence still has a job in flight
+        self._releases: list[ReleaseWork] = []  # releases waiting for in-flight jobs of their sequences
 
     def run(self) -> None:
-        idle_from = time.perf_counter()
+        # StarSD's idle time is time with no round to serve: only the waits on an empty queue count.
+        # Everything else the loop does (drafting, replies, bookkeeping) is busy time.
+        idle = 0.0
         while True:
-            items = self.queue.take()
+            busy = bool(self._active or self._held)
+            waited = 0.0
+            if busy and not self.continuous:
+                items = []
+            else:
+                room = self.max_active_rounds - len(self._active) if self.continuous else 1
+                items = self.queue.take(block=not busy, max_rounds=max(0, room))
+                waited = self.queue.last_wait_s
             if items is None:
                 return
-            # T_idle is the wait for rounds: a wake-up that only frees sequences does not end it.
-            has_rounds = any(isinstance(w, RoundWork) for w in items)
-            if has_rounds:
-                self.stats.record_idle(time.perf_counter() - idle_from)
+            got = time.perf_counter()
+            idle += waited
+            if any(isinstance(w, RoundWork) for w in items):  # a wake-up that only frees sequences: still idle
+                self.stats.record_idle(idle)
+                idle = 0.0
             try:
                 with self.lock:
-                    self._serve(items)
+                    self._iterate(items)
             except Exception:  # a bug here must not kill drafting for everyone
-                log.exception("draft batch failed; its rounds get resync answers")
-                for w in items:
-                    if isinstance(w, RoundWork):
-                        w.reply(w, [None] * len(w.requests), 0.0, 0.0, 0)
-            if has_rounds:
-                idle_from = time.perf_counter()
+                log.exception("draft pass failed; its rounds get resync answers")
+                self._fail_all()
+            self.stats.record_busy(time.perf_counter() - got)
 
-    def _serve(self, items) -> None:
-        rounds = [w for w in items if isinstance(w, RoundWork)]
+    def _iterate(self, items) -> None:
+        now = time.perf_counter()
+        self._held += [w for w in items if isinstance(w, RoundWork)]
+        self._releases += [w for w in items if isinstance(w, ReleaseWork)]
+        in_flight = {j.seq_id for a in self._active for _, j in a.jobs if not j.done}
+        held, starting = [], []
+        for w in self._held:
+            keys = {r.seq_id for r in w.requests}
+            # A target that gave up on a round (deadline) may send the next one for the same sequence
+            # before the first is done: it waits, one job per sequence at a time.
+            if keys & in_flight or (not self.continuous and starting):
+                held.append(w)
+            else:
+                starting.append(w)
+                in_flight |= keys
+        self._held = held
+        for w in starting:
+            self.last_round_s = now
+            replies, jobs = self.engine.start(w.requests)
+            self._active.append(_Active(w, replies, jobs, now))
+        if self._active:
+            self._pass()
+        self._apply_releases()
+
+    def _pass(self) -> None:
+        es = self.engine.stats
+        passes0, pass_s0, drafted0 = es.passes, es.catchup_s + es.step_s, es.drafted_tokens
+        jobs = [j for a in self._active for _, j in a.jobs if not j.done]
+        if jobs:
+            self.engine.advance(jobs)
+        self.stats.record_pass(len(self._active), len(jobs), es.passes - passes0,
+                               es.catchup_s + es.step_s - pass_s0, es.drafted_tokens - drafted0)
+        finished = [a for a in self._active if a.done]
+        self._active = [a for a in self._active if not a.done]
+        now = time.perf_counter()
+        for a in finished:
+            for i, job in a.jobs:
+                a.replies[i] = job.drafts
+            wait, service = a.started_s - a.work.enqueued_s, now - a.started_s
+            self.stats.record_round(wait, service, a.work.worker_id)
+            a.work.reply(a.work, a.replies, wait, service, len(finished) + len(self._active))
+
+    def _apply_releases(self) -> None:
+        # Releases go after the rounds taken with them (a stream that ends with a round in flight must not
+        # see that round recreate the sequence), and wait while a job of the sequence is unfinished.
+        busy = {j.seq_id for a in self._active for _, j in a.jobs} | {
+            r.seq_id for w in self._held for r in w.requests}
+        waiting = []
+        for w in self._releases:
+            if busy.intersection(w.keys):
+                waiting.append(w)
+                continue
+            before = self.engine.num_sequences
+            self.engine.release(w.keys)
+            if w.done:
+                w.done(before - self.engine.num_sequences)
+        self._releases = waiting
+
+    def _fail_all(self) -> None:
+        """After a failed pass the cache of the rounds in flight is suspect: drop those sequences (their next
+        rounds resync) and answer every round in flight or held with resync."""
+        rounds = [a.work for a in self._active] + self._held
+        self._active, self._held = [], []
+        for w in rounds:
+            try:
+                self.engine.release([r.seq_id for r in w.requests])
+            except Exception:
+                log.exception("could not drop the sequences of a failed round")
+            w.reply(w, [None] * len(w.requests), 0.0, 0.0, 0)
         try:
-            if rounds:
-                self._draft(rounds)
-        finally:
-            # Releases go last: a release queued after a round of the same sequence (a stream
-            # that ends with a round in flight) must not be undone by that round recreating it.
-            for w in items:
-                if isinstance(w, ReleaseWork):
-                    before = self.engine.num_sequences
-                    self.engine.release(w.keys)
-                    if w.done:
-                        w.done(before - self.engine.num_sequences)
+            self._apply_releases()
+        except Exception:
+            log.exception("could not apply releases after a failed pass")
+            self._releases = []
 
     def offload_if_idle(self, idle_s: float) -> bool:
         """Offload the draft when no round came for idle_s seconds (called off this thread)."""
         with self.lock:
-            if self.engine.offloaded or time.perf_counter() - self.last_round_s < idle_s:
+            if (self.engine.offloaded or self._active or self._held
+                    or time.perf_counter() - self.last_round_s < idle_s):
                 return False
             self.engine.offload()
             log.info("no rounds for %.0f s: draft offloaded, its KV dropped", idle_s)
             return True
-
-    def _draft(self, rounds: list[RoundWork]) -> None:
-        start = time.perf_counter()
-        self.last_round_s = start
-        flat = [r for w in rounds for r in w.requests]
-        es = self.engine.stats
-        passes0, pass_s0, drafted0 = es.passes, es.catchup_s + es.step_s, es.drafted_tokens
-        replies = self.engine.propose(flat)
-        service = time.perf_counter() - start
-        passes = es.passes - passes0
-        self.stats.record_batch(start, service, [start - w.enqueued_s for w in rounds],
-                                [w.worker_id for w in rounds], es.drafted_tokens - drafted0, passes,
-                                es.catchup_s + es.step_s - pass_s0, sequences=len(flat))
-        i = 0
-        for w in rounds:
-            n = len(w.requests)
-            w.reply(w, replies[i:i + n], start - w.enqueued_s, service, len(rounds))
-            i += n

@@ -7,6 +7,13 @@ accepted keep their KV) and extended with the verified tokens not yet cached:
 the catch-up prefill. After speculation-free steps that catch-up covers
 every token generated meanwhile; its cost is Nightjar's switching cost, and
 `stats` records it.
+
+Drafting is split into jobs (one per sequence and round) that advance one
+forward pass at a time: `start()` records a round's deltas and returns its
+jobs, `advance()` runs one pass over any set of jobs. The compute loop uses
+this to let a round that arrives mid-way join the very next pass instead of
+waiting for the rounds already in flight to finish (iteration-level
+batching); `propose()` is start + advance until done.
 """
 
 from __future__ import annotations
@@ -21,11 +28,29 @@ from starjar.models import LoadedModel
 from starjar.proposer import DraftReply, DraftRequest
 
 
+SHORT_FEED = 8  # feeds up to this many tokens share one pass whatever their padding
+
+
 @dataclass(eq=False)
 class _DraftSeq:
     slot: int
     verified: list[int] = field(default_factory=list)
     cached: list[int] = field(default_factory=list)  # tokens whose KV is in the cache, in order
+
+
+@dataclass(eq=False)
+class DraftJob:
+    """One sequence's drafting for one round: feed `feed`, take the argmax, until `gamma` drafts."""
+    seq_id: Hashable
+    seq: _DraftSeq
+    gamma: int
+    feed: list[int]  # the catch-up tokens first, then the last draft
+    drafts: list[int] = field(default_factory=list)
+    passes: int = 0
+
+    @property
+    def done(self) -> bool:
+        return len(self.drafts) >= self.gamma
 
 
 @dataclass
@@ -113,14 +138,27 @@ class DraftEngine:
     # ---- proposing ------------------------------------------------------------------------
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftReply]:
+        replies, jobs = self.start(requests)
+        live = [j for _, j in jobs]
+        while live:
+            self.advance(live)
+            live = [j for j in live if not j.done]
+        for i, job in jobs:
+            replies[i] = job.drafts
+        return replies
+
+    def start(self, requests: Sequence[DraftRequest]) -> tuple[list[DraftReply], list[tuple[int, DraftJob]]]:
+        """Record a round's deltas. Returns the replies known now (None = resync, [] = nothing to draft) and
+        (request index, job) for the sequences that want drafts; their replies are the jobs' drafts once done.
+        A sequence must not be started again while a job of it is unfinished."""
         if self._offloaded:  # no drafts meanwhile: every sequence resyncs once the weights are back
             if self.auto_reload:
                 self.start_reload()
             self.stats.resyncs += len(requests)
-            return [None] * len(requests)
+            return [None] * len(requests), []
         self.stats.rounds += 1
         replies: list[DraftReply] = [None] * len(requests)
-        drafting: list[tuple[int, _DraftSeq, int]] = []  # (request index, seq, gamma)
+        jobs: list[tuple[int, DraftJob]] = []
         for i, req in enumerate(requests):
             seq = self._record(req)
             if seq is None:
@@ -129,11 +167,37 @@ class DraftEngine:
             replies[i] = []
             gamma = min(req.gamma, self.model.max_context - len(seq.verified))
             if gamma > 0 and seq.verified:
-                drafting.append((i, seq, gamma))
-        if drafting:
-            for (i, _, _), drafts in zip(drafting, self._draft([(s, g) for _, s, g in drafting])):
-                replies[i] = drafts
-        return replies
+                # Catch-up: roll back to the common prefix (at least one token must be fed to get logits).
+                keep = min(_common_prefix(seq.cached, seq.verified), len(seq.verified) - 1)
+                self.cache.truncate(seq.slot, keep)
+                del seq.cached[keep:]
+                jobs.append((i, DraftJob(req.seq_id, seq, gamma, seq.verified[keep:])))
+                self.stats.catchup_tokens += len(seq.verified) - keep
+        return replies, jobs
+
+    def advance(self, jobs: Sequence[DraftJob]) -> None:
+        """One forward pass for every unfinished job: each gains one draft token."""
+        live = [j for j in jobs if not j.done]
+        # Rows of very different lengths (a new sequence's whole prompt next to one-token deltas) go in
+        # separate passes: a padded pass costs as if every row were the longest. A usual round's catch-up
+        # (accepted drafts + the bonus token) is short enough to ride with the one-token steps.
+        for group in length_groups(live, lambda j: len(j.feed), short=SHORT_FEED):
+            t0 = time.perf_counter()
+            logits = self.model.forward(self.cache, [j.seq.slot for j in group], [j.feed for j in group],
+                                        [[len(j.feed) - 1] for j in group])
+            took = time.perf_counter() - t0
+            if all(j.passes == 0 for j in group):
+                self.stats.catchup_s += took
+            else:
+                self.stats.step_s += took
+                self.stats.steps += 1
+            self.stats.passes += 1
+            for j, l in zip(group, logits):
+                j.seq.cached.extend(j.feed)
+                j.drafts.append(int(l[0].argmax()))
+                j.feed = [j.drafts[-1]]
+                j.passes += 1
+                self.stats.drafted_tokens += 1
 
     def release(self, seq_ids: Sequence[Hashable]) -> None:
         for sid in seq_ids:
@@ -162,45 +226,6 @@ class DraftEngine:
             self.release([req.seq_id])
             return None
         return seq
-
-    def _draft(self, work: list[tuple[_DraftSeq, int]]) -> list[list[int]]:
-        # Catch-up: roll back to the common prefix (at least one token must be fed to get logits).
-        feeds = []
-        for seq, _ in work:
-            keep = _common_prefix(seq.cached, seq.verified)
-            keep = min(keep, len(seq.verified) - 1)
-            self.cache.truncate(seq.slot, keep)
-            del seq.cached[keep:]
-            feeds.append(seq.verified[keep:])
-        # Rows of very different lengths (a new sequence's whole prompt next to one-token deltas) go in
-        # separate passes: a padded pass costs as if every row were the longest.
-        drafts: list[list[int]] = [[] for _ in work]
-        for group in length_groups(list(range(len(work))), lambda i: len(feeds[i])):
-            t0 = time.perf_counter()
-            logits = self.model.forward(self.cache, [work[i][0].slot for i in group], [feeds[i] for i in group],
-                                        [[len(feeds[i]) - 1] for i in group])
-            self.stats.catchup_s += time.perf_counter() - t0
-            self.stats.passes += 1
-            for i, l in zip(group, logits):
-                drafts[i] = [int(l[0].argmax())]
-        self.stats.catchup_tokens += sum(len(f) for f in feeds)
-        for (seq, _), f in zip(work, feeds):
-            seq.cached.extend(f)
-        # One-token steps for the sequences that still want more drafts.
-        max_gamma = max(g for _, g in work)
-        for step in range(1, max_gamma):
-            live = [b for b, (_, g) in enumerate(work) if g > step]
-            t0 = time.perf_counter()
-            logits = self.model.forward(self.cache, [work[b][0].slot for b in live],
-                                        [[drafts[b][-1]] for b in live], [[0]] * len(live))
-            self.stats.step_s += time.perf_counter() - t0
-            self.stats.steps += 1
-            self.stats.passes += 1
-            for b, l in zip(live, logits):
-                work[b][0].cached.append(drafts[b][-1])
-                drafts[b].append(int(l[0].argmax()))
-        self.stats.drafted_tokens += sum(len(d) for d in drafts)
-        return drafts
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

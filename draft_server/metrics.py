@@ -24,15 +24,15 @@ class DraftMetrics:
         self.registry = new_registry("draft_server", draft_model=draft_model)
         r = self.registry
         self.step_s = Histogram(P + "step_seconds", "one draft forward pass (t_s)", buckets=FAST_BUCKETS, registry=r)
-        self.service_s = Histogram(P + "service_seconds", "service time of one batch of rounds, all its passes (S)",
+        self.service_s = Histogram(P + "service_seconds", "service time of a round, from its first pass to its reply (S)",
                                    buckets=FAST_BUCKETS, registry=r)
-        self.wait_s = Histogram(P + "queue_wait_seconds", "time a round waits before its batch starts (T_wait)",
+        self.wait_s = Histogram(P + "queue_wait_seconds", "time a round waits before its first pass (T_wait)",
                                 buckets=FAST_BUCKETS, registry=r)
         self.idle_s = Histogram(P + "idle_gap_seconds", "idle gap of the compute loop between batches (T_idle)",
                                 buckets=FAST_BUCKETS, registry=r)
-        self.batch_rounds = Histogram(P + "batch_rounds", "rounds (targets) served by one batch",
+        self.batch_rounds = Histogram(P + "batch_rounds", "rounds (targets) in flight in one compute-loop iteration",
                                       buckets=BATCH_BUCKETS, registry=r)
-        self.batch_sequences = Histogram(P + "batch_sequences", "sequences drafted by one batch",
+        self.batch_sequences = Histogram(P + "batch_sequences", "sequences drafted by one compute-loop iteration",
                                          buckets=BATCH_BUCKETS, registry=r)
         self.reload_s = Histogram(P + "reload_seconds", "time to bring offloaded draft weights back",
                                   buckets=FAST_BUCKETS, registry=r)
@@ -40,17 +40,17 @@ class DraftMetrics:
 
     # Called by the compute loop (its thread) -------------------------------------------------------
 
-    def observe_batch(self, rounds: int, sequences: int, service_s: float, waits: list[float], passes: int,
-                      pass_s: float) -> None:
+    def observe_pass(self, rounds: int, sequences: int, passes: int, pass_s: float) -> None:
         self.batch_rounds.observe(rounds)
         self.batch_sequences.observe(sequences)
-        self.service_s.observe(service_s)
-        for w in waits:
-            self.wait_s.observe(w)
         if passes:
             mean = pass_s / passes
             for _ in range(passes):
                 self.step_s.observe(mean)
+
+    def observe_round(self, wait_s: float, service_s: float) -> None:
+        self.service_s.observe(service_s)
+        self.wait_s.observe(wait_s)
 
     def observe_idle(self, gap_s: float) -> None:
         self.idle_s.observe(gap_s)
@@ -75,9 +75,9 @@ class _StateCollector:
                      1 if s.compute.engine.offloaded else 0)
         yield _counter("offloads", "times the draft was offloaded", s.compute.engine.offloads)
         yield _counter("rounds", "rounds served", snap["rounds"])
-        yield _counter("batches", "batches (compute-loop iterations that drafted)", snap["batches"])
+        yield _counter("batches", "compute-loop iterations that drafted (one pass per length group)", snap["batches"])
         yield _counter("drafted_tokens", "draft tokens proposed", snap["drafted_tokens"])
-        yield _counter("busy_time_seconds", "compute-loop time spent drafting", s.stats.busy_s)
+        yield _counter("busy_time_seconds", "compute-loop time not waiting on an empty queue (drafting, replies, bookkeeping)", s.stats.busy_s)
         yield _counter("idle_time_seconds", "compute-loop time spent waiting for rounds (after the first one)",
                        s.stats.idle_s)
         yield _counter("reclaimed_sequences", "sequences freed because their lease expired",

@@ -39,7 +39,8 @@ class DraftServer:
         self.queue = make_queue(self.cfg.mode, self.cfg.max_batch_rounds)
         self.sessions = SessionTable(self.cfg.max_targets)
         engine = DraftEngine(model, max_sequences=self.cfg.max_targets * self.cfg.max_sequences_per_target)
-        self.compute = ComputeLoop(engine, self.queue, self.stats)
+        self.compute = ComputeLoop(engine, self.queue, self.stats, continuous=self.cfg.mode == "batched",
+                                   max_active_rounds=self.cfg.max_batch_rounds)
         vocab_size, tok_hash = model.fingerprint.split(":", 1)
         self.service = DraftService(self.cfg, self.sessions, self.queue, self.stats, (int(vocab_size), tok_hash),
                                     draft_name=model.path.rstrip("/").split("/")[-1], vocab_size=model.vocab_size)

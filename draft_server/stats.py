@@ -1,10 +1,12 @@
 """StarSD's server-side quantities, filled by the compute loop.
 
   t_s      mean draft forward-pass time
-  S        mean service time of one batch (all its passes)
-  T_wait   mean time a round waits in the queue before its batch starts
-  T_idle   mean idle gap of the compute loop between batches
-  load     busy time / (busy + idle) since the first round
+  S        mean service time of a round: from its first pass to its reply
+  T_wait   mean time a round waits before its first pass
+  T_idle   mean idle gap: time the compute loop waited on an empty queue
+           before a batch (waits after the last round are not counted yet)
+  load     busy / (busy + idle) since the first round; busy is all the
+           loop's time outside those waits (drafting, replies, bookkeeping)
   R_q      rounds per second, all targets; R_p per target
 """
 
@@ -25,6 +27,7 @@ class ServerStats:
         self.drafted_tokens = 0
         self.passes = 0
         self.pass_s = 0.0
+        self.service_s = 0.0  # sum of S over rounds
         self.busy_s = 0.0
         self.idle_s = 0.0
         self.idle_gaps = 0
@@ -42,21 +45,33 @@ class ServerStats:
         if self.observer is not None:
             self.observer.observe_idle(gap_s)
 
-    def record_batch(self, started_s: float, service_s: float, waits: list[float], workers: list[str],
-                     drafted: int, passes: int, pass_s: float, sequences: int = 0) -> None:
+    def record_busy(self, busy_s: float) -> None:
+        with self._lock:
+            if self.first_round_s is not None:
+                self.busy_s += busy_s
+
+    def record_pass(self, rounds: int, sequences: int, passes: int, pass_s: float, drafted: int) -> None:
+        """One compute-loop iteration: `passes` forward passes (one per length group) over `sequences`
+        sequences of `rounds` rounds in flight."""
         with self._lock:
             if self.first_round_s is None:
-                self.first_round_s = started_s
+                self.first_round_s = time.perf_counter() - pass_s
             self.batches += 1
-            self.rounds += len(waits)
-            self.busy_s += service_s
-            self.wait_s += sum(waits)
             self.drafted_tokens += drafted
             self.passes += passes
             self.pass_s += pass_s
-            self.rounds_by_worker.update(workers)
         if self.observer is not None:
-            self.observer.observe_batch(len(waits), sequences, service_s, waits, passes, pass_s)
+            self.observer.observe_pass(rounds, sequences, passes, pass_s)
+
+    def record_round(self, wait_s: float, service_s: float, worker: str) -> None:
+        """A round answered: it waited wait_s for its first pass and took service_s from there to its reply."""
+        with self._lock:
+            self.rounds += 1
+            self.wait_s += wait_s
+            self.service_s += service_s
+            self.rounds_by_worker[worker] += 1
+        if self.observer is not None:
+            self.observer.observe_round(wait_s, service_s)
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -66,7 +81,7 @@ class ServerStats:
                 "rounds": self.rounds, "batches": self.batches, "drafted_tokens": self.drafted_tokens,
                 "draft_steps": self.passes,
                 "mean_step_s": self.pass_s / self.passes if self.passes else 0.0,
-                "mean_service_s": self.busy_s / self.batches if self.batches else 0.0,
+                "mean_service_s": self.service_s / self.rounds if self.rounds else 0.0,
                 "mean_wait_s": self.wait_s / self.rounds if self.rounds else 0.0,
                 "mean_idle_s": self.idle_s / self.idle_gaps if self.idle_gaps else 0.0,
                 "load": self.busy_s / (self.busy_s + self.idle_s) if self.busy_s + self.idle_s else 0.0,

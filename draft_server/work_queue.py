@@ -4,6 +4,7 @@ Stream readers put work; the compute loop takes it. The two modes differ only
 in how much one take returns: `batched` drains every pending round (up to a
 cap) so one draft pass serves all targets; `fifo` returns one round, as in
 StarSD. Releases ride the same queue so they are ordered with the rounds.
+(How rounds are then scheduled onto forward passes is the compute loop's.)
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ Work = RoundWork | ReleaseWork
 class WorkQueue(Protocol):
     def put(self, item: Work) -> None: ...
 
-    def take(self) -> list[Work] | None: ...  # blocks; None once closed and drained
+    def take(self, block: bool = True, max_rounds: int | None = None) -> list[Work] | None: ...
+    # up to max_rounds rounds (and the releases before the next one); blocks while empty if `block`,
+    # else returns []; None once closed and drained (blocking only)
+
+    @property
+    def last_wait_s(self) -> float: ...  # how long the last take() was blocked on an empty queue
 
     def close(self) -> None: ...
 
@@ -52,24 +58,30 @@ class _DequeQueue:
         self._cv = threading.Condition()
         self._closed = False
         self._max_rounds = max_rounds
+        self.last_wait_s = 0.0
 
     def put(self, item: Work) -> None:
         with self._cv:
             self._items.append(item)
             self._cv.notify()
 
-    def take(self) -> list[Work] | None:
+    def take(self, block: bool = True, max_rounds: int | None = None) -> list[Work] | None:
+        cap = self._max_rounds if max_rounds is None else min(max_rounds, self._max_rounds)
         with self._cv:
-            while not self._items and not self._closed:
+            waited_from = time.perf_counter() if block and not self._items else None
+            while block and not self._items and not self._closed:
                 self._cv.wait()
+            self.last_wait_s = time.perf_counter() - waited_from if waited_from is not None else 0.0
             if not self._items:
-                return None
+                return None if block else []
             out: list[Work] = []
             rounds = 0
-            while self._items and rounds < self._max_rounds:
-                item = self._items.popleft()
-                out.append(item)
-                rounds += isinstance(item, RoundWork)
+            while self._items:
+                if isinstance(self._items[0], RoundWork):
+                    if rounds >= cap:
+                        break
+                    rounds += 1
+                out.append(self._items.popleft())
             return out
 
     def close(self) -> None:

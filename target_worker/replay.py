@@ -65,6 +65,21 @@ class ReplayTarget:
             batch = [] if expired else [s for s in batch if not s.done]
         return self.stats
 
+    def run_in_turn(self, scripts: Sequence[tuple[list[int], list[int]]], until_s: float) -> ReplayStats:
+        """One request at a time, as StarSD's targets serve: the scripts in turn, from the first, round and
+        round until the time is up."""
+        stop_at = time.perf_counter() + until_s
+        k = 0
+        while True:
+            p, c = scripts[k % len(scripts)]
+            seq = ReplaySequence(list(p), list(c))
+            while not seq.done and time.perf_counter() < stop_at:
+                self._round([seq])
+            self.proposer.release([id(seq)])
+            if not seq.done:
+                return self.stats
+            k += 1
+
     def _round(self, batch: list[ReplaySequence]) -> None:
         t0 = time.perf_counter()
         reqs = []
