@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_NAME = "smollm2-135m-instruct"
 DRAFT_NAME = "smollm2-135m-instruct-int8"
-DRAFT_NOTE = "int8 (per-channel, dynamic) copy of the target, quantized at load; no training"
+DRAFT_NOTE = ("int8 copy of the target (weights per channel, activations per row, dynamic), quantized at load; "
+              "no training")
 
 
 def models_home() -> Path:
@@ -99,7 +100,7 @@ def build_target(home: Path | None = None, force: bool = False) -> Path:
 
 
 def build_int8_draft(target_dir: Path, home: Path | None = None, force: bool = False) -> Path:
-    """The default draft: an int8 (per-channel, dynamic) copy of the target, quantized at load.
+    """The default draft: an int8 copy of the target (starjar.quantized), quantized at load.
 
     Only the tokenizer, the config and the recipe are written; the weights are the target's.
     """
@@ -116,7 +117,7 @@ def build_int8_draft(target_dir: Path, home: Path | None = None, force: bool = F
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "starjar.json":
             shutil.copy(f, tmp / f.name)
     (tmp / "starjar.json").write_text(json.dumps({"kind": KIND, "weights_from": f"../{target_dir.name}",
-                                                  "weights": "int8 per output channel, activations dynamic"}))
+                                                  "weights": "int8 per output channel, activations int8 per row, dynamic"}))
     _publish(tmp, final)
     return final
 

@@ -1,0 +1,59 @@
+"""The int8 draft: per-row activation scales keep a row's output close to float whatever its batch, and speculative
+decoding with an int8 copy of the target stays lossless."""
+
+import copy
+
+import torch
+
+from controller.colocated import colocated_engine
+from draft_server.engine import DraftEngine
+from starjar.models import LoadedModel
+from starjar.proposer import DraftRequest
+from starjar.quantized import RowInt8Linear, quantize_int8
+from starjar.sampling import SamplingParams
+
+
+def int8_copy(m: LoadedModel) -> LoadedModel:
+    return LoadedModel(m.path, quantize_int8(copy.deepcopy(m.model)), m.tokenizer, m.device, m.dtype, m.vocab_size,
+                       m.max_context, m.eos_token_ids, m.fingerprint)
+
+
+def test_every_linear_is_int8_and_close_to_float(models):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    q = quantize_int8(torch.nn.Sequential(lin))[0]
+    assert isinstance(q, RowInt8Linear)
+    x = torch.randn(5, 7, 64)
+    x[0, 0] *= 300  # an outlier token, as the first tokens of a prompt are
+    ref = lin(x)
+    err = (q(x) - ref).abs().amax(-1) / ref.abs().amax(-1)
+    assert err.max() < 0.05  # per row, even next to the outlier (one scale per tensor would lose them)
+    assert (q(x[2:3, 4:5]) - ref[2:3, 4:5]).abs().max() / ref[2:3, 4:5].abs().max() < 0.05  # the one-row path
+    m = int8_copy(models["llama"])
+    assert not any(isinstance(x, torch.nn.Linear) for x in m.model.modules())
+
+
+def test_a_rows_output_barely_depends_on_its_batch():
+    torch.manual_seed(1)
+    q = quantize_int8(torch.nn.Sequential(torch.nn.Linear(32, 16)))[0]
+    x = torch.randn(6, 32)
+    alone = q(x[1:3])
+    x[4] *= 1000  # another sequence's outlier in the same pass
+    moved = (q(x)[1:3] - alone).abs().max() / alone.abs().max()
+    assert moved < 0.03  # one activation range per tensor would move these rows by about half their range
+
+
+def test_batched_drafts_equal_drafts_alone(models):
+    d = int8_copy(models["draft"])
+    prompts = [[5, 6, 7, 8], [100, 101, 102], [42] * 9, [300, 7]]
+    together = DraftEngine(d).propose([DraftRequest(i, 0, p, 4) for i, p in enumerate(prompts)])
+    alone = [DraftEngine(d).propose([DraftRequest(0, 0, p, 4)])[0] for p in prompts]
+    assert together == alone
+
+
+def test_greedy_output_with_an_int8_draft_is_the_targets(models, spec_prompts, reference):
+    draft = int8_copy(models["llama"])  # the default pair's recipe on the tiny target
+    eng = colocated_engine(models["llama"], draft, 3, 8)
+    outs = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=64))]
+    assert outs == reference("llama")[:8]
+    assert eng.stats.acceptance_rate > 0.5  # a copy of the target predicts it
