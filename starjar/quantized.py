@@ -28,30 +28,44 @@ import torch
 KIND = "dynamic-int8"
 
 
+WIDE = 8192  # output features from which torch._int_mm on a few rows is slower than the fused kernel
+
+
 class RowInt8Linear(torch.nn.Module):
     """An int8 linear with per-output-channel weight scales and per-row dynamic activation scales.
 
-    torch's fused dynamic kernel picks one activation range per tensor; dividing every row by its own
-    absolute maximum first gives each row the full range (within a factor of two: the kernel's range is
-    asymmetric), and multiplying back restores the scale. Three cheap ops, and the fast kernel for any
-    number of rows (torch._int_mm is 3-4x slower on a few rows of a wide layer such as the vocabulary).
+    One row (a batch-1 decode step) goes through torch's fused dynamic kernel, where one range per tensor
+    is one range per row. Several rows are quantized symmetrically per row (8 bits) and multiplied with
+    torch._int_mm, except in a layer as wide as a vocabulary, where _int_mm on a few rows is 3-4x slower:
+    there each row is divided by its absolute maximum before the fused kernel (which then gives every row
+    most of its range) and multiplied back.
     """
 
     def __init__(self, qlinear: torch.nn.Module):
         super().__init__()
         self.fused = qlinear  # torch's dynamic int8 linear (per-channel weights, one activation range)
         self.in_features, self.out_features = qlinear.in_features, qlinear.out_features
+        w = qlinear.weight()
+        self.wide = self.out_features >= WIDE
+        # The same int8 weights, laid out for _int_mm (not kept for wide layers, which never use them).
+        self.register_buffer("w_t", None if self.wide else w.int_repr().t().contiguous())
+        self.register_buffer("w_scale", w.q_per_channel_scales().float()[None, :].contiguous())
         b = qlinear.bias()
         self.register_buffer("bias", None if b is None else b.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() == self.in_features:  # one row: per tensor is per row
+        if x.numel() == self.in_features:
             return self.fused(x)
-        peak = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)
-        y = self.fused(x / peak)
-        if self.bias is None:
-            return y * peak
-        return (y - self.bias) * peak + self.bias
+        if self.wide:
+            peak = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)
+            y = self.fused(x / peak)
+            return y * peak if self.bias is None else (y - self.bias) * peak + self.bias
+        rows = x.reshape(-1, self.in_features)
+        scale = rows.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
+        y = torch._int_mm(torch.round(rows / scale).to(torch.int8), self.w_t).float() * (scale * self.w_scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
 
 
 def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
