@@ -18,19 +18,12 @@ from collections import defaultdict
 from tqdm import tqdm
 
 from benchmarks.common import pair_dirs
+from controller.pair_check import OWN_PROMPTS
 from controller.colocated import colocated_engine, load_pair
 from starjar.sampling import SamplingParams
 from starjar.text import encode_prompt
 from starjar.workloads import spec_bench_questions
 
-OWN_PROMPTS = [
-    "Explain how a hash map handles collisions, with a short Python example.",
-    "Write a haiku about autumn rain, then explain its imagery.",
-    "List five tips for a first job interview and say why each matters.",
-    "What is the difference between weather and climate? Answer for a ten-year-old.",
-    "Summarize the plot of Romeo and Juliet in four sentences.",
-    "Convert 72 degrees Fahrenheit to Celsius and show the formula.",
-]
 
 
 def _step_ms(model, prompt, q: int = 1, reps: int = 15) -> float:

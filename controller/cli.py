@@ -128,14 +128,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _models_build(args) -> int:
+    from controller.pair_check import measured_acceptance
     from starjar.default_pair import build_default_pair
 
     t0 = time.time()
     pair = build_default_pair(force=args.force)
+    check = measured_acceptance(pair["target"], pair["draft"], force=args.force)
     if args.json:
-        print(json.dumps(pair))
+        print(json.dumps({**pair, "acceptance": check}))
     else:
-        print(f"target: {pair['target']}\ndraft:  {pair['draft']}\n({time.time() - t0:.1f} s)")
+        print(f"target: {pair['target']}\ndraft:  {pair['draft']}\n"
+              f"acceptance at gamma {check['gamma']}: {check['acceptance_rate']:.2f} "
+              f"({check['prompts']} prompts of our own, greedy)\n({time.time() - t0:.1f} s)")
     return 0
 
 

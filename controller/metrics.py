@@ -28,13 +28,13 @@ P = "starjar_controller_"
 
 def estimate_n_full(prev: dict, cur: dict) -> tuple[float, float, int] | None:
     """(Z, S, N_full) from two draft GetStats snapshots (dicts), or None without traffic in between."""
-    d_batches = int(cur["batches"]) - int(prev["batches"])
     d_rounds = int(cur["rounds"]) - int(prev["rounds"])
     dt = float(cur["uptime_s"]) - float(prev["uptime_s"])
-    if d_batches <= 0 or d_rounds <= 0 or dt <= 0:
+    if d_rounds <= 0 or dt <= 0:
         return None
-    service = (float(cur["mean_service_s"]) * int(cur["batches"])
-               - float(prev["mean_service_s"]) * int(prev["batches"])) / d_batches
+    # S and T_wait are means per round (S: from a round's first pass to its reply).
+    service = (float(cur["mean_service_s"]) * int(cur["rounds"])
+               - float(prev["mean_service_s"]) * int(prev["rounds"])) / d_rounds
     wait = (float(cur["mean_wait_s"]) * int(cur["rounds"])
             - float(prev["mean_wait_s"]) * int(prev["rounds"])) / d_rounds
     before = {t["worker_id"]: int(t["rounds"]) for t in prev.get("targets", [])}
@@ -65,7 +65,7 @@ class _Collector:
         yield GaugeMetricFamily(P + "n_max", "N_max: targets the draft server admits", value=c.n_max)
         n_full = GaugeMetricFamily(P + "n_full", "N_full = ceil(Z/S)+1 from recent draft-server traffic")
         z = GaugeMetricFamily(P + "return_time_seconds", "Z: a target's time from drafts received to next round")
-        s = GaugeMetricFamily(P + "draft_service_seconds", "S: draft service time per batch, recent traffic")
+        s = GaugeMetricFamily(P + "draft_service_seconds", "S: draft service time per round, recent traffic")
         if c.n_full_estimate is not None:
             z.add_metric([], c.n_full_estimate[0])
             s.add_metric([], c.n_full_estimate[1])

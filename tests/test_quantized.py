@@ -57,3 +57,18 @@ def test_greedy_output_with_an_int8_draft_is_the_targets(models, spec_prompts, r
     outs = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=64))]
     assert outs == reference("llama")[:8]
     assert eng.stats.acceptance_rate > 0.5  # a copy of the target predicts it
+
+
+def test_the_pair_check_measures_once_and_keeps_the_figure(tmp_path, model_dirs, monkeypatch):
+    import json
+    import shutil
+
+    from controller import pair_check
+
+    draft_dir = tmp_path / "draft"
+    shutil.copytree(model_dirs["draft"], draft_dir)
+    first = pair_check.measured_acceptance(model_dirs["llama"], str(draft_dir), max_new=8)
+    assert 0 <= first["acceptance_rate"] <= 1 and first["gamma"] == 3 and first["drafted_tokens"] > 0
+    assert json.loads((draft_dir / "starjar.json").read_text())["measured"] == first
+    monkeypatch.setattr("controller.colocated.colocated_engine", None)  # a second measurement would fail
+    assert pair_check.measured_acceptance(model_dirs["llama"], str(draft_dir)) == first
