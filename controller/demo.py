@@ -24,7 +24,8 @@ def add_demo_parser(sub) -> None:
     d.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate, requests/s (default 1)")
     d.add_argument("--max-tokens", type=int, default=48, help="new tokens per request (default 48)")
     d.add_argument("--targets", type=int, default=1, help="target workers, if the demo starts the cluster")
-    d.add_argument("--gamma", type=int, default=1, help="draft tokens per step when speculating (default 1)")
+    d.add_argument("--gamma", type=int, default=3, help="draft tokens per step when speculating (default 3, the best "
+                   "at batch 1 in `starjar bench draft`)")
     d.add_argument("--batch-size", type=int, default=1, help="running requests per target (default 1)")
     d.add_argument("--threads", type=int, default=2, help="torch threads of the target worker (default 2: draft "
                    "and target take turns, so it can use both cores of a small machine)")
