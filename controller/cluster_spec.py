@@ -44,6 +44,7 @@ class ClusterSpec:
     draft_mode: str = "batched"  # batched | fifo
     max_targets: int = 8  # N_max on the draft server (with admission "auto": its upper bound)
     admission: str = "fixed"  # fixed: N_max = max_targets | auto: the controller recomputes N_max (StarSD 4.2)
+    saturation_guard: bool = True  # the controller forces gamma = 0 while a saturated draft makes steps slower
     draft_deadline_s: float = 0.5
     threads: int = 1  # torch threads per target worker (and per draft server unless draft_threads is set)
     draft_threads: int | None = None

@@ -58,7 +58,12 @@ class Controller:
         self.n_full_estimate: tuple[float, float, int] | None = None
         self._draft_snap: dict | None = None
         self._polls = 0
-        self.override: int | None = None
+        self.override: int | None = None  # a user's forced gamma (set_gamma)
+        from controller.saturation import SaturationGuard
+
+        self.guard = SaturationGuard() if self.spec.saturation_guard and self.spec.draft else None
+        self._target_snap: dict | None = None
+        self._plain_rate: float | None = None
         self.metrics_address = None
         self._sd_written: dict | None = None
         if self.spec.metrics:
@@ -72,7 +77,8 @@ class Controller:
             self.metrics_address = f"{host}:{serve(self._metrics.registry, host)}"
 
     def policy_name(self) -> str:
-        if not self.spec.draft or self.override == 0:
+        guard_off = self.override is None and self.guard is not None and self.guard.forcing
+        if not self.spec.draft or self.override == 0 or guard_off:
             return "none"
         if self.override is not None:
             return f"fixed_{self.override}"
@@ -141,6 +147,35 @@ class Controller:
                 self.n_full_estimate = est
                 if self.spec.admission == "auto":
                     await self._readmit(est[0], est[1])
+            if self.guard is not None:
+                await self._guard_saturation(prev, snap)
+        elif prev is not None and self.guard is not None:  # a restarted draft server: start a new window
+            self._target_snap = None
+
+    async def _guard_saturation(self, prev: dict, snap: dict) -> None:
+        from controller.saturation import Window, draft_window_load, window_rates
+
+        try:
+            stats = await asyncio.wait_for(self.target_stats(), INFO_TIMEOUT_S)
+        except Exception:
+            return
+        before, self._target_snap = self._target_snap, stats
+        if before is None or self.override is not None:  # a user's gamma wins; the guard stays out
+            return
+        spec_rate, plain_rate = window_rates(before, stats)
+        if plain_rate is not None:
+            self._plain_rate = plain_rate
+        load = draft_window_load(prev, snap)
+        action = self.guard.decide(time.time(), Window(load, spec_rate, self._plain_rate))
+        if action is None:
+            return
+        if action == "force":
+            log.warning("draft server saturated (load %.2f): speculative steps make %.1f tokens/s, plain %.1f; "
+                        "speculation off for %.0f s", load, spec_rate, self._plain_rate, self.guard.hold_s)
+        else:
+            log.info("saturation hold over: gamma back to the policies")
+        gamma = 0 if action == "force" else None
+        await asyncio.gather(*(h.set_gamma.remote(gamma) for h in self.targets.values()), return_exceptions=True)
 
     async def _readmit(self, z: float, s: float) -> None:
         """N_max from the star model with measured Z, S, tokens per speculative round and alone speed."""
@@ -239,6 +274,8 @@ class Controller:
     async def set_gamma(self, gamma: int | None) -> None:
         """Force every target's gamma (0 = speculation off); None = back to the configured policy."""
         self.override = gamma
+        if self.guard is not None:
+            self.guard.cancel()
         await asyncio.gather(*(h.set_gamma.remote(gamma) for h in self.targets.values()))
 
     async def describe(self) -> dict:

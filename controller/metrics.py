@@ -77,6 +77,11 @@ class _Collector:
                                    labels=["policy"])
         policy.add_metric([c.policy_name()], 1)
         yield policy
+        g = c.guard
+        yield GaugeMetricFamily(P + "saturation_forced", "1 while the controller forces gamma = 0 because the "
+                                "draft server is saturated", value=1 if g is not None and g.forcing else 0)
+        yield CounterMetricFamily(P + "saturation_holds", "times the controller turned speculation off for a "
+                                  "saturated draft server", value=g.times_forced if g is not None else 0)
         restarts = CounterMetricFamily(P + "actor_restarts", "actor restarts seen, by actor", labels=["actor"])
         for name in c.actor_names():
             restarts.add_metric([name], c.restarts.get(name, 0))

@@ -53,6 +53,9 @@ def add_up_parsers(sub) -> None:
     u.add_argument("--max-targets", type=int, default=8, help="N_max on the draft server (its cap with auto)")
     u.add_argument("--admission", default="fixed", choices=["fixed", "auto"],
                    help="auto: the controller recomputes N_max from measured Z, S and speeds (StarSD 4.2)")
+    u.add_argument("--no-saturation-guard", action="store_true",
+                   help="never force gamma = 0 when the draft server is saturated (default: the controller does, "
+                   "for 30 s at a time, while speculative steps make fewer tokens/s than plain ones)")
     u.add_argument("--threads", type=int, default=1, help="torch threads per target worker (default 1)")
     u.add_argument("--draft-threads", type=int, default=None, help="torch threads of the draft server "
                    "(default: --threads)")
@@ -93,7 +96,8 @@ def _spec(args) -> ClusterSpec:
     return local_spec(args.target, args.draft, args.no_draft, targets=args.targets, gamma=args.gamma,
                       policy=args.policy, profile=os.path.abspath(args.profile) if args.profile else None,
                       buckets=args.buckets, batch_size=args.batch_size, draft_mode=args.draft_mode,
-                      max_targets=args.max_targets, admission=args.admission, threads=args.threads,
+                      max_targets=args.max_targets, admission=args.admission,
+                      saturation_guard=not args.no_saturation_guard, threads=args.threads,
                       draft_threads=args.draft_threads, device=args.device, dtype=args.dtype, host=args.host,
                       grpc_port=args.grpc_port, http_port=args.http_port, auth_token=args.auth_token,
                       metrics=not args.no_metrics,

@@ -251,7 +251,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
             mean_wait_s=snap["mean_wait_s"], mean_idle_s=snap["mean_idle_s"], load=snap["load"],
             rounds_per_s=snap["rounds_per_s"], uptime_s=snap["uptime_s"],
             refused_admission=self.sessions.refused_admission, reclaimed_sequences=snap["reclaimed_sequences"],
-            max_targets=self.sessions.max_targets)
+            max_targets=self.sessions.max_targets, busy_s=snap["busy_s"], idle_s=snap["idle_s"])
         for worker, (n, rate) in sorted(snap["per_worker"].items()):
             msg.targets.add(worker_id=worker, rounds=n, rounds_per_s=rate)
         return msg

@@ -87,5 +87,6 @@ class ServerStats:
                 "load": self.busy_s / (self.busy_s + self.idle_s) if self.busy_s + self.idle_s else 0.0,
                 "rounds_per_s": self.rounds / span if span else 0.0,
                 "per_worker": {w: (n, n / span if span else 0.0) for w, n in self.rounds_by_worker.items()},
+                "busy_s": self.busy_s, "idle_s": self.idle_s,
                 "uptime_s": now - self.start_s, "reclaimed_sequences": self.reclaimed_sequences,
             }

@@ -129,7 +129,7 @@ class TargetRate(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rounds_per_s: _Optional[float] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("attached_targets", "live_sequences", "queue_depth", "mode", "rounds", "batches", "drafted_tokens", "draft_steps", "mean_step_s", "mean_service_s", "mean_wait_s", "mean_idle_s", "load", "rounds_per_s", "targets", "uptime_s", "refused_admission", "reclaimed_sequences", "max_targets")
+    __slots__ = ("attached_targets", "live_sequences", "queue_depth", "mode", "rounds", "batches", "drafted_tokens", "draft_steps", "mean_step_s", "mean_service_s", "mean_wait_s", "mean_idle_s", "load", "rounds_per_s", "targets", "uptime_s", "refused_admission", "reclaimed_sequences", "max_targets", "busy_s", "idle_s")
     ATTACHED_TARGETS_FIELD_NUMBER: _ClassVar[int]
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,8 @@ class DraftStats(_message.Message):
     REFUSED_ADMISSION_FIELD_NUMBER: _ClassVar[int]
     RECLAIMED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
     attached_targets: int
     live_sequences: int
     queue_depth: int
@@ -168,4 +170,6 @@ class DraftStats(_message.Message):
     refused_admission: int
     reclaimed_sequences: int
     max_targets: int
-    def __init__(self, attached_targets: _Optional[int] = ..., live_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., mode: _Optional[str] = ..., rounds: _Optional[int] = ..., batches: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_service_s: _Optional[float] = ..., mean_wait_s: _Optional[float] = ..., mean_idle_s: _Optional[float] = ..., load: _Optional[float] = ..., rounds_per_s: _Optional[float] = ..., targets: _Optional[_Iterable[_Union[TargetRate, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused_admission: _Optional[int] = ..., reclaimed_sequences: _Optional[int] = ..., max_targets: _Optional[int] = ...) -> None: ...
+    busy_s: float
+    idle_s: float
+    def __init__(self, attached_targets: _Optional[int] = ..., live_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., mode: _Optional[str] = ..., rounds: _Optional[int] = ..., batches: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_service_s: _Optional[float] = ..., mean_wait_s: _Optional[float] = ..., mean_idle_s: _Optional[float] = ..., load: _Optional[float] = ..., rounds_per_s: _Optional[float] = ..., targets: _Optional[_Iterable[_Union[TargetRate, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused_admission: _Optional[int] = ..., reclaimed_sequences: _Optional[int] = ..., max_targets: _Optional[int] = ..., busy_s: _Optional[float] = ..., idle_s: _Optional[float] = ...) -> None: ...
