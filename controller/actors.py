@@ -118,7 +118,8 @@ class TargetWorkerActor:
                "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
                "decode_steps": s.decode_steps, "spec_steps": s.spec_steps, "spec_step_s": s.spec_step_s,
                "spec_tokens": s.spec_tokens, "plain_steps": s.plain_steps, "plain_step_s": s.plain_step_s,
-               "plain_tokens": s.plain_tokens}
+               "plain_tokens": s.plain_tokens, "fallback_steps": s.fallback_steps,
+               "fallback_step_s": s.fallback_step_s, "fallback_tokens": s.fallback_tokens}
         if self.server.proposer:
             out["fallbacks"] = dict(self.server.proposer.stats.fallbacks)
             out["draft_address"] = self.server.proposer.address

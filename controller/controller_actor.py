@@ -24,6 +24,7 @@ from controller.cluster_spec import DRAFT, FRONTEND, NAMESPACE, ClusterSpec, tar
 log = logging.getLogger(__name__)
 POLL_S = 0.5
 INFO_TIMEOUT_S = 2.0
+STATS_TIMEOUT_S = 4.0  # stats samples: a loaded machine answers slowly, and a sample is due only every 5 s
 
 
 HEAD = {"node:__internal_head__": 0.001}  # the controller and front end live on the head node
@@ -64,6 +65,7 @@ class Controller:
         self.guard = SaturationGuard() if self.spec.saturation_guard and self.spec.draft else None
         self._target_snap: dict | None = None
         self._plain_rate: float | None = None
+        self._last_window = None  # the guard's last evidence (status)
         self.metrics_address = None
         self._sd_written: dict | None = None
         if self.spec.metrics:
@@ -137,8 +139,9 @@ class Controller:
         from controller.metrics import estimate_n_full
 
         try:
-            snap = await asyncio.wait_for(self.draft.stats.remote(), INFO_TIMEOUT_S)
-        except Exception:
+            snap = await asyncio.wait_for(self.draft.stats.remote(), STATS_TIMEOUT_S)
+        except Exception as exc:
+            log.info("draft stats sample skipped: %r", exc)
             return
         prev, self._draft_snap = self._draft_snap, snap
         if prev is not None and float(snap["uptime_s"]) > float(prev["uptime_s"]):
@@ -156,8 +159,9 @@ class Controller:
         from controller.saturation import Window, draft_window_load, window_rates
 
         try:
-            stats = await asyncio.wait_for(self.target_stats(), INFO_TIMEOUT_S)
-        except Exception:
+            stats = await asyncio.wait_for(self.target_stats(), STATS_TIMEOUT_S)
+        except Exception as exc:
+            log.info("target stats sample skipped: %r", exc)
             return
         before, self._target_snap = self._target_snap, stats
         if before is None or self.override is not None:  # a user's gamma wins; the guard stays out
@@ -166,10 +170,16 @@ class Controller:
         if plain_rate is not None:
             self._plain_rate = plain_rate
         load = draft_window_load(prev, snap)
-        action = self.guard.decide(time.time(), Window(load, spec_rate, self._plain_rate))
+        log.debug("saturation window: draft load %s, speculative %s tokens/s, plain %s", load, spec_rate,
+                  self._plain_rate)
+        self._last_window = Window(load, spec_rate, self._plain_rate)
+        action = self.guard.decide(time.time(), self._last_window)
         if action is None:
             return
-        if action == "force":
+        if action == "force" and self._plain_rate is None:
+            log.info("draft server saturated (load %.2f) and no plain steps seen: %.0f s of plain steps to compare",
+                     load, self.guard.probe_s)
+        elif action == "force":
             log.warning("draft server saturated (load %.2f): speculative steps make %.1f tokens/s, plain %.1f; "
                         "speculation off for %.0f s", load, spec_rate, self._plain_rate, self.guard.hold_s)
         else:
@@ -239,8 +249,13 @@ class Controller:
 
     async def status(self) -> dict:
         self._ensure_monitor()
+        g = self.guard
         return {"actors": {n: {"live": self.live.get(n, False), **self.info.get(n, {})} for n in self._names()},
-                "restarts": dict(self.restarts), "uptime_s": time.time() - self.started_s}
+                "restarts": dict(self.restarts), "uptime_s": time.time() - self.started_s,
+                "n_max": self.n_max, "n_full_estimate": self.n_full_estimate, "policy": self.policy_name(),
+                "saturation_guard": None if g is None else {
+                    "forcing": g.forcing, "holds": g.times_forced, "probes": g.probes,
+                    "last_window": None if self._last_window is None else vars(self._last_window)}}
 
     def _names(self) -> list[str]:
         return ([DRAFT] if self.draft is not None else []) + list(self.targets) + [FRONTEND]

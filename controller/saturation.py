@@ -22,8 +22,8 @@ from dataclasses import dataclass
 class Window:
     """What the controller saw between two samples."""
     draft_load: float | None  # busy / (busy + idle) of the draft's compute loop in the window
-    spec_tokens_per_s: float | None  # tokens per second of speculative step time, all targets
-    plain_tokens_per_s: float | None  # the same for plain steps (the latest window that had any)
+    spec_tokens_per_s: float | None  # tokens per second of step time in steps that asked for drafts, all targets
+    plain_tokens_per_s: float | None  # the same for steps that did not (the latest window that had any)
 
 
 class SaturationGuard:
@@ -65,13 +65,17 @@ class SaturationGuard:
 
 
 def window_rates(prev: dict, cur: dict) -> tuple[float | None, float | None]:
-    """(speculative, plain) tokens per second of step time between two sets of target stats."""
-    def rate(tokens: str, secs: str) -> float | None:
-        dt = sum(c[secs] - prev.get(n, {}).get(secs, 0.0) for n, c in cur.items())
-        dn = sum(c[tokens] - prev.get(n, {}).get(tokens, 0) for n, c in cur.items())
+    """(speculative, plain) tokens per second of step time between two sets of target stats. Steps that asked
+    for drafts and got none (a missed deadline, say) count as speculative: they are what trying costs."""
+    def delta(key: str) -> float:
+        return sum(c.get(key, 0) - prev.get(n, {}).get(key, 0) for n, c in cur.items())
+
+    def rate(kinds: tuple[str, ...]) -> float | None:
+        dt = sum(delta(f"{k}_step_s") for k in kinds)
+        dn = sum(delta(f"{k}_tokens") for k in kinds)
         return dn / dt if dt > 0 and dn > 0 else None
 
-    return rate("spec_tokens", "spec_step_s"), rate("plain_tokens", "plain_step_s")
+    return rate(("spec", "fallback")), rate(("plain",))
 
 
 def draft_window_load(prev: dict, cur: dict) -> float | None:

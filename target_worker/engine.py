@@ -71,12 +71,17 @@ class EngineStats:
     resyncs: int = 0
     preemptions: int = 0
     accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_GAMMA)
-    # Decode steps split by whether any sequence had drafts: the controller's admission model compares
-    # tokens per step with and without speculation.
+    # Decode steps split three ways: drafts verified (spec), none asked for (plain), asked for and none came
+    # (fallback). The controller's admission model and saturation guard compare tokens per second of step
+    # time with and without speculation; plain is decoding alone, untouched by a failed draft round.
     plain_steps: int = 0
     plain_step_s: float = 0.0
     plain_tokens: int = 0
     spec_step_s: float = 0.0
+    # Steps that asked for drafts and got none (refusal, deadline, resync): neither plain nor speculative.
+    fallback_steps: int = 0
+    fallback_step_s: float = 0.0
+    fallback_tokens: int = 0
     spec_tokens: int = 0
 
     @property
@@ -252,6 +257,10 @@ class TargetEngine:
         if drafted:
             self.stats.spec_step_s += now - step_start
             self.stats.spec_tokens += tokens
+        elif any(gammas):  # drafts were asked for and none came: the cost of trying, not plain decoding
+            self.stats.fallback_steps += 1
+            self.stats.fallback_step_s += now - step_start
+            self.stats.fallback_tokens += tokens
         else:
             self.stats.plain_steps += 1
             self.stats.plain_step_s += now - step_start

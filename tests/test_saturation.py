@@ -32,10 +32,13 @@ def test_a_users_override_cancels_the_hold():
 
 
 def test_windows_come_from_cumulative_counters():
-    prev = {"t0": {"spec_tokens": 100, "spec_step_s": 10.0, "plain_tokens": 50, "plain_step_s": 2.0}}
-    cur = {"t0": {"spec_tokens": 160, "spec_step_s": 13.0, "plain_tokens": 50, "plain_step_s": 2.0},
-           "t1": {"spec_tokens": 40, "spec_step_s": 2.0, "plain_tokens": 30, "plain_step_s": 1.0}}  # t1 is new
+    prev = {"t0": {"spec_tokens": 100, "spec_step_s": 10.0, "plain_tokens": 50, "plain_step_s": 2.0,
+                   "fallback_tokens": 0, "fallback_step_s": 0.0}}
+    cur = {"t0": {"spec_tokens": 160, "spec_step_s": 13.0, "plain_tokens": 50, "plain_step_s": 2.0,
+                  "fallback_tokens": 2, "fallback_step_s": 1.0},  # a missed deadline: time spent trying
+           "t1": {"spec_tokens": 40, "spec_step_s": 2.0, "plain_tokens": 30, "plain_step_s": 1.0,
+                  "fallback_tokens": 0, "fallback_step_s": 0.0}}  # t1 is new
     spec, plain = window_rates(prev, cur)
-    assert spec == (60 + 40) / (3.0 + 2.0) and plain == 30 / 1.0
+    assert spec == (60 + 2 + 40) / (3.0 + 1.0 + 2.0) and plain == 30 / 1.0
     assert draft_window_load({"busy_s": 10, "idle_s": 10}, {"busy_s": 19, "idle_s": 11}) == 0.9
     assert draft_window_load({"busy_s": 10, "idle_s": 10}, {"busy_s": 10, "idle_s": 10}) is None
