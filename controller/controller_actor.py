@@ -145,7 +145,9 @@ class Controller:
             return
         prev, self._draft_snap = self._draft_snap, snap
         if prev is not None and float(snap["uptime_s"]) > float(prev["uptime_s"]):
-            est = estimate_n_full(prev, snap)
+            # While the guard holds speculation off, the few rounds in the window say nothing about Z or S.
+            holding = self.guard is not None and self.guard.forcing
+            est = None if holding else estimate_n_full(prev, snap)
             if est is not None:
                 self.n_full_estimate = est
                 if self.spec.admission == "auto":
