@@ -6,6 +6,8 @@ arrives "mid-way" is exact instead of timed.
 
 import threading
 
+import pytest
+
 from draft_server.compute import ComputeLoop
 from draft_server.engine import DraftEngine
 from draft_server.stats import ServerStats
@@ -52,28 +54,19 @@ def rnd(reply, round_id, seq, start, tokens, gamma, worker="t"):
     return RoundWork(b"tag", worker, round_id, [DraftRequest((b"tag", seq), start, tokens, gamma)], reply)
 
 
-def test_a_round_arriving_mid_way_joins_the_next_pass_and_leaves_first(models):
+@pytest.mark.parametrize("mode,order", [("batched", [2, 1]), ("fifo", [1, 2])])
+def test_a_round_arriving_mid_way_joins_the_next_pass_in_batched_mode(models, mode, order):
+    """Round 2 (one pass) comes during round 1's first pass (eight passes). Batched: it joins the next pass and
+    is answered while round 1 still drafts. Fifo: it waits for round 1, as in StarSD."""
     replies = Replies()
     late = rnd(replies, 2, 2, 0, [7, 8], 1)
-    _, queue, loop = run_loop(models, "batched", {1: lambda: queue.put(late)})
+    _, queue, loop = run_loop(models, mode, {1: lambda: queue.put(late)})
     queue.put(rnd(replies, 1, 1, 0, [5, 6, 7], 8))
     replies.wait(2)
-    # Round 2 came during round 1's first pass, took one pass and was answered while round 1 still drafted.
-    assert replies.order == [2, 1]
+    assert replies.order == order
     d = models["draft"]
     assert replies.got[1] == [hf_greedy(d, [5, 6, 7], 8)[:8]]
     assert replies.got[2] == [hf_greedy(d, [7, 8], 1)[:1]]
-    queue.close()
-    loop.join(10)
-
-
-def test_fifo_finishes_a_round_before_the_next(models):
-    replies = Replies()
-    late = rnd(replies, 2, 2, 0, [7, 8], 1)
-    _, queue, loop = run_loop(models, "fifo", {1: lambda: queue.put(late)})
-    queue.put(rnd(replies, 1, 1, 0, [5, 6, 7], 8))
-    replies.wait(2)
-    assert replies.order == [1, 2]
     queue.close()
     loop.join(10)
 
