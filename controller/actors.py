@@ -116,10 +116,7 @@ class TargetWorkerActor:
         out = {"running": engine.num_running, "waiting": engine.num_waiting, "policy": self.policy.name,
                "override": self.policy.override,
                "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
-               "decode_steps": s.decode_steps, "spec_steps": s.spec_steps, "spec_step_s": s.spec_step_s,
-               "spec_tokens": s.spec_tokens, "plain_steps": s.plain_steps, "plain_step_s": s.plain_step_s,
-               "plain_tokens": s.plain_tokens, "fallback_steps": s.fallback_steps,
-               "fallback_step_s": s.fallback_step_s, "fallback_tokens": s.fallback_tokens}
+               "decode_steps": s.decode_steps, **s.step_kinds()}
         if self.server.proposer:
             out["fallbacks"] = dict(self.server.proposer.stats.fallbacks)
             out["draft_address"] = self.server.proposer.address

@@ -150,21 +150,24 @@ class Controller:
             est = None if holding else estimate_n_full(prev, snap)
             if est is not None:
                 self.n_full_estimate = est
-                if self.spec.admission == "auto":
-                    await self._readmit(est[0], est[1])
+            readmit = est is not None and self.spec.admission == "auto"
+            if not readmit and self.guard is None:
+                return
+            try:  # one sample of the targets serves both admission and the guard
+                stats = await asyncio.wait_for(self.target_stats(), STATS_TIMEOUT_S)
+            except Exception as exc:
+                log.info("target stats sample skipped: %r", exc)
+                return
+            if readmit:
+                await self._readmit(est[0], est[1], stats)
             if self.guard is not None:
-                await self._guard_saturation(prev, snap)
+                await self._guard_saturation(prev, snap, stats)
         elif prev is not None and self.guard is not None:  # a restarted draft server: start a new window
             self._target_snap = None
 
-    async def _guard_saturation(self, prev: dict, snap: dict) -> None:
+    async def _guard_saturation(self, prev: dict, snap: dict, stats: dict) -> None:
         from controller.saturation import Window, draft_window_load, window_rates
 
-        try:
-            stats = await asyncio.wait_for(self.target_stats(), STATS_TIMEOUT_S)
-        except Exception as exc:
-            log.info("target stats sample skipped: %r", exc)
-            return
         before, self._target_snap = self._target_snap, stats
         if before is None or self.override is not None:  # a user's gamma wins; the guard stays out
             return
@@ -189,14 +192,10 @@ class Controller:
         gamma = 0 if action == "force" else None
         await asyncio.gather(*(h.set_gamma.remote(gamma) for h in self.targets.values()), return_exceptions=True)
 
-    async def _readmit(self, z: float, s: float) -> None:
+    async def _readmit(self, z: float, s: float, stats: dict) -> None:
         """N_max from the star model with measured Z, S, tokens per speculative round and alone speed."""
         from controller.admission import n_max
 
-        try:
-            stats = await asyncio.wait_for(self.target_stats(), INFO_TIMEOUT_S)
-        except Exception:
-            return
         spec_steps = sum(t["spec_steps"] for t in stats.values())
         plain_s = sum(t["plain_step_s"] for t in stats.values())
         if not spec_steps or plain_s <= 0:

@@ -23,19 +23,18 @@ class DraftMetrics:
         self.server = server
         self.registry = new_registry("draft_server", draft_model=draft_model)
         r = self.registry
-        self.step_s = Histogram(P + "step_seconds", "one draft forward pass (t_s)", buckets=FAST_BUCKETS, registry=r)
-        self.service_s = Histogram(P + "service_seconds", "service time of a round, from its first pass to its reply (S)",
-                                   buckets=FAST_BUCKETS, registry=r)
-        self.wait_s = Histogram(P + "queue_wait_seconds", "time a round waits before its first pass (T_wait)",
-                                buckets=FAST_BUCKETS, registry=r)
-        self.idle_s = Histogram(P + "idle_gap_seconds", "idle gap of the compute loop between batches (T_idle)",
-                                buckets=FAST_BUCKETS, registry=r)
-        self.batch_rounds = Histogram(P + "batch_rounds", "rounds (targets) in flight in one compute-loop iteration",
-                                      buckets=BATCH_BUCKETS, registry=r)
-        self.batch_sequences = Histogram(P + "batch_sequences", "sequences drafted by one compute-loop iteration",
-                                         buckets=BATCH_BUCKETS, registry=r)
-        self.reload_s = Histogram(P + "reload_seconds", "time to bring offloaded draft weights back",
-                                  buckets=FAST_BUCKETS, registry=r)
+
+        def hist(name: str, doc: str, buckets=FAST_BUCKETS) -> Histogram:
+            return Histogram(P + name, doc, buckets=buckets, registry=r)
+
+        self.step_s = hist("step_seconds", "one draft forward pass (t_s)")
+        self.service_s = hist("service_seconds", "service time of a round, from its first pass to its reply (S)")
+        self.wait_s = hist("queue_wait_seconds", "time a round waits before its first pass (T_wait)")
+        self.idle_s = hist("idle_gap_seconds", "idle gap of the compute loop between batches (T_idle)")
+        self.batch_rounds = hist("batch_rounds", "rounds (targets) in flight in one compute-loop iteration",
+                                 BATCH_BUCKETS)
+        self.batch_sequences = hist("batch_sequences", "sequences drafted by one compute-loop iteration", BATCH_BUCKETS)
+        self.reload_s = hist("reload_seconds", "time to bring offloaded draft weights back")
         r.register(_StateCollector(server))
 
     # Called by the compute loop (its thread) -------------------------------------------------------
@@ -77,7 +76,9 @@ class _StateCollector:
         yield _counter("rounds", "rounds served", snap["rounds"])
         yield _counter("batches", "compute-loop iterations that drafted (one pass per length group)", snap["batches"])
         yield _counter("drafted_tokens", "draft tokens proposed", snap["drafted_tokens"])
-        yield _counter("busy_time_seconds", "compute-loop time not waiting on an empty queue (drafting, replies, bookkeeping)", s.stats.busy_s)
+        yield _counter("busy_time_seconds",
+                       "compute-loop time not waiting on an empty queue (drafting, replies, bookkeeping)",
+                       s.stats.busy_s)
         yield _counter("idle_time_seconds", "compute-loop time spent waiting for rounds (after the first one)",
                        s.stats.idle_s)
         yield _counter("reclaimed_sequences", "sequences freed because their lease expired",

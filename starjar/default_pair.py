@@ -116,8 +116,9 @@ def build_int8_draft(target_dir: Path, home: Path | None = None, force: bool = F
     for f in target_dir.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "starjar.json":
             shutil.copy(f, tmp / f.name)
-    (tmp / "starjar.json").write_text(json.dumps({"kind": KIND, "weights_from": f"../{target_dir.name}",
-                                                  "weights": "int8 per output channel, activations int8 per row, dynamic"}))
+    recipe = {"kind": KIND, "weights_from": f"../{target_dir.name}",
+              "weights": "int8 per output channel, activations int8 per row, dynamic"}
+    (tmp / "starjar.json").write_text(json.dumps(recipe))
     _publish(tmp, final)
     return final
 

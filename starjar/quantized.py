@@ -47,9 +47,9 @@ class RowInt8Linear(torch.nn.Module):
         self.in_features, self.out_features = qlinear.in_features, qlinear.out_features
         w = qlinear.weight()
         self.wide = self.out_features >= WIDE
-        # The same int8 weights, laid out for _int_mm (not kept for wide layers, which never use them).
+        # The same int8 weights and scales, laid out for _int_mm (not kept for wide layers, which never use them).
         self.register_buffer("w_t", None if self.wide else w.int_repr().t().contiguous())
-        self.register_buffer("w_scale", w.q_per_channel_scales().float()[None, :].contiguous())
+        self.register_buffer("w_scale", None if self.wide else w.q_per_channel_scales().float()[None, :].contiguous())
         b = qlinear.bias()
         self.register_buffer("bias", None if b is None else b.detach().float())
 

@@ -56,10 +56,22 @@ class EngineConfig:
 
 
 @dataclass
+class StepTally:
+    """Decode steps of one kind: how many, their time and the tokens they emitted."""
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        self.tokens += tokens
+
+
+@dataclass
 class EngineStats:
     steps: int = 0
     decode_steps: int = 0
-    spec_steps: int = 0  # decode steps where at least one sequence had drafts
     spec_rounds: int = 0  # sequence-rounds that carried drafts
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -72,17 +84,22 @@ class EngineStats:
     preemptions: int = 0
     accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_GAMMA)
     # Decode steps split three ways: drafts verified (spec), none asked for (plain), asked for and none came
-    # (fallback). The controller's admission model and saturation guard compare tokens per second of step
-    # time with and without speculation; plain is decoding alone, untouched by a failed draft round.
-    plain_steps: int = 0
-    plain_step_s: float = 0.0
-    plain_tokens: int = 0
-    spec_step_s: float = 0.0
-    # Steps that asked for drafts and got none (refusal, deadline, resync): neither plain nor speculative.
-    fallback_steps: int = 0
-    fallback_step_s: float = 0.0
-    fallback_tokens: int = 0
-    spec_tokens: int = 0
+    # (fallback: refusal, deadline, resync). The controller's admission model and saturation guard compare
+    # tokens per second of step time with and without speculation; plain is decoding alone, untouched by a
+    # failed draft round.
+    spec: StepTally = field(default_factory=StepTally)
+    plain: StepTally = field(default_factory=StepTally)
+    fallback: StepTally = field(default_factory=StepTally)
+
+    @property
+    def spec_steps(self) -> int:  # decode steps where at least one sequence had drafts
+        return self.spec.steps
+
+    def step_kinds(self) -> dict:
+        """The three tallies as flat fields: spec_steps, spec_step_s, spec_tokens, plain_..., fallback_..."""
+        return {f"{kind}_{key}": value for kind in ("spec", "plain", "fallback")
+                for key, value in (("steps", getattr(self, kind).steps), ("step_s", getattr(self, kind).seconds),
+                                   ("tokens", getattr(self, kind).tokens))}
 
     @property
     def acceptance_rate(self) -> float:
@@ -253,18 +270,9 @@ class TargetEngine:
         now = time.perf_counter()
         self.stats.verify_s += now - t0
         self.stats.decode_steps += 1
-        self.stats.spec_steps += drafted > 0
-        if drafted:
-            self.stats.spec_step_s += now - step_start
-            self.stats.spec_tokens += tokens
-        elif any(gammas):  # drafts were asked for and none came: the cost of trying, not plain decoding
-            self.stats.fallback_steps += 1
-            self.stats.fallback_step_s += now - step_start
-            self.stats.fallback_tokens += tokens
-        else:
-            self.stats.plain_steps += 1
-            self.stats.plain_step_s += now - step_start
-            self.stats.plain_tokens += tokens
+        # Drafts asked for and none came: the cost of trying, not plain decoding.
+        kind = self.stats.spec if drafted else self.stats.fallback if any(gammas) else self.stats.plain
+        kind.add(now - step_start, tokens)
         self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += accepted
         # The policy sees the whole step, drafting included: that is what gamma trades off. A step whose
