@@ -2,11 +2,13 @@
 
 Every policy runs through the same interface as in the engine (choose before a
 step, observe after it). Step times come from `starjar profile` on this machine:
-T(n) for the target (n tokens in one pass), D0 for a draft step (scaled with
-the batch like the target), C_switch(L_max, B) when speculation resumes after
-L_max tokens without it. Acceptance is per request, i.i.d. per draft position,
-at the rate measured for its Spec-Bench category with the default pair. Runs are
-labelled simulated wherever they are reported.
+the measured decode step with B sequences at each gamma (step_s, interpolated
+between profiled batch sizes), T(n) for prefill, and C_switch(L_max, B) when
+the draft catches up on L_max tokens it has not seen (a new prompt, or steps
+taken without speculation). Profiles without step_s fall back to composing a
+step from T(n) and D0. Acceptance is per request, i.i.d. per draft position,
+at the rate measured for its Spec-Bench category with the default pair. Runs
+are labelled simulated wherever they are reported.
 """
 
 from __future__ import annotations
@@ -25,19 +27,31 @@ class CostModel:
         self.ns, self.ts = [n for n, _ in pts], [t for _, t in pts]
         self.d0 = profile["d0_s"]
         self.cswitch = CSwitchTable.from_dict(profile["cswitch"])
+        grid = profile.get("step_s")
+        self.step_grid = (grid["batch_sizes"], grid["gammas"], grid["seconds"]) if grid else None
 
     def t(self, n: float) -> float:
         i = min(max(bisect_left(self.ns, n), 1), len(self.ns) - 1)
         n0, n1, t0, t1 = self.ns[i - 1], self.ns[i], self.ts[i - 1], self.ts[i]
         return max(self.ts[0] * 0.5, t0 + (t1 - t0) * (n - n0) / (n1 - n0))
 
-    def step(self, batch: int, gamma: int, switch_from_zero: bool, l_max: int) -> float:
-        if gamma == 0:
+    def _measured(self, batch: int, gamma: int) -> float | None:
+        bs, gs, secs = self.step_grid
+        if gamma not in gs:
+            return None
+        col = [row[gs.index(gamma)] for row in secs]
+        i = min(max(bisect_left(bs, batch), 1), len(bs) - 1)
+        b0, b1 = bs[i - 1], bs[i]
+        return col[i - 1] + (col[i] - col[i - 1]) * (batch - b0) / (b1 - b0)
+
+    def step(self, batch: int, gamma: int) -> float:
+        measured = self._measured(batch, gamma) if self.step_grid else None
+        if measured is not None:
+            cost = measured
+        elif gamma == 0:
             return self.t(batch)
-        draft = gamma * self.d0 * self.t(batch) / self.t(1)
-        cost = self.t(batch * (gamma + 1)) + draft
-        if switch_from_zero:
-            cost += self.cswitch.lookup(l_max, batch)
+        else:
+            cost = self.t(batch * (gamma + 1)) + gamma * self.d0 * self.t(batch) / self.t(1)
         return cost
 
     def prefill(self, prompt_tokens: int) -> float:
@@ -52,7 +66,7 @@ class SimRequest:
     prompt_len: int
     done: int = 0
     finish: float | None = None
-    behind: int = 0  # tokens produced while speculation was off (what the draft must catch up)
+    behind: int = 0  # tokens the draft has not seen (the prompt, then steps without speculation)
 
 
 @dataclass
@@ -70,7 +84,7 @@ def simulate(policy, requests: list[SimRequest], cost: CostModel, max_batch: int
         r.done, r.finish, r.behind = 0, None, 0
     waiting: list[SimRequest] = []
     running: list[SimRequest] = []
-    now, i, prev_gamma = 0.0, 0, 0
+    now, i = 0.0, 0
     gammas = []
     while i < len(pending) or waiting or running:
         while i < len(pending) and pending[i].arrival <= now:
@@ -87,6 +101,7 @@ def simulate(policy, requests: list[SimRequest], cost: CostModel, max_batch: int
             running += joined
             for r in joined:
                 r.done = 1  # prefill yields the first token
+                r.behind = r.prompt_len + 1  # the draft has not seen the prompt yet
             running, finished = [r for r in running if r.done < r.output_len], \
                 [r for r in running if r.done >= r.output_len]
             for r in finished:
@@ -94,8 +109,10 @@ def simulate(policy, requests: list[SimRequest], cost: CostModel, max_batch: int
             continue
         b = len(running)
         gamma = policy.choose(b)
-        l_max = max(r.behind for r in running)
-        dt = cost.step(b, gamma, prev_gamma == 0 and gamma > 0, l_max)
+        behind = [r.behind for r in running if r.behind]
+        dt = cost.step(b, gamma)
+        if gamma and behind:  # the draft first catches up on what it has not seen, as the engine's does
+            dt += cost.cswitch.lookup(max(behind), len(behind))
         tokens = accepted = 0
         for r in running:
             if gamma:
@@ -114,7 +131,6 @@ def simulate(policy, requests: list[SimRequest], cost: CostModel, max_batch: int
         policy.observe(b, gamma, dt, tokens, accepted, gamma * b)
         if record:
             gammas.append((now, b, gamma))
-        prev_gamma = gamma
         for r in running:
             if r.done >= r.output_len:
                 r.finish = now

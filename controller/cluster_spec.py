@@ -39,7 +39,7 @@ class ClusterSpec:
     gamma: int = 1  # draft tokens per step; with a planner policy, the largest gamma it may pick
     policy: str = "fixed"  # fixed | nightjar | dsd | banditspec | tide | vllm_table | sglang_ema | hf_heuristic
     profile: str | None = None  # `starjar profile` JSON (C_switch, T(n), D0) for nightjar and tide
-    buckets: str | None = None  # nightjar's batch-size buckets, "1,2,4,8" (default: exact up to 16)
+    buckets: str | None = None  # nightjar's batch-size buckets, "1,2,4,8" (default: octaves 1,2,4,...,128)
     batch_size: int = 8  # running requests per target worker
     draft_mode: str = "batched"  # batched | fifo
     max_targets: int = 8  # N_max on the draft server (with admission "auto": its upper bound)

@@ -7,8 +7,13 @@
   steady-state round (one new token per sequence), both proposing one token.
 - T(n) and D0 (TIDE section 4.1): the target's decode step with n sequences,
   and one draft step at batch 1.
+- step_s[B][gamma]: a whole co-located decode step (drafting, verifying and
+  rolling back) with B sequences, measured rather than composed from T(n) and
+  D0: at B > 1 the draft's small-batch passes cost more than the target's
+  scaling suggests. The simulated benchmark uses it.
 
-Output JSON: {"cswitch": {"lengths", "batch_sizes", "cost_s"}, "t_of_n": {n: s}, "d0_s": s, ...}.
+Output JSON: {"cswitch": {"lengths", "batch_sizes", "cost_s"}, "t_of_n": {n: s}, "d0_s": s,
+"step_s": {"batch_sizes", "gammas", "seconds"}, ...}.
 """
 
 from __future__ import annotations
@@ -83,13 +88,39 @@ def profile_target(target, ns, repeats: int = 4, bar=None) -> dict[int, float]:
     return out
 
 
+def profile_steps(target, draft, batch_sizes, gammas, repeats: int = 4, bar=None) -> dict:
+    """Median decode-step time with B sequences at a fixed gamma, drafting included."""
+    from controller.colocated import colocated_engine
+    from starjar.sampling import SamplingParams
+
+    vocab = min(target.vocab_size, 32000)
+    rows = []
+    for b in batch_sizes:
+        row = []
+        for g in gammas:
+            engine = colocated_engine(target, draft if g else None, g, b)
+            params = SamplingParams(max_tokens=(repeats + 3) * (g + 1) + 2, ignore_eos=True)
+            for i in range(b):
+                engine.add_request([(13 * j + 7 * i) % vocab for j in range(CONTEXT)], params)
+            engine.step()  # prefill
+            engine.step()  # warm: the draft catches up on the prompt here
+            row.append(_median_time(engine.step, repeats))
+            if bar is not None:
+                bar.update()
+        rows.append(row)
+    return {"batch_sizes": list(batch_sizes), "gammas": list(gammas), "seconds": rows}
+
+
 def run_profile(target, draft, quick: bool = False) -> dict:
     lengths = [1, 16, 64] if quick else [1, 16, 64, 256]
     batch_sizes = [1, 2, 4] if quick else [1, 2, 4, 8, 16]
     ns = [1, 2, 4, 8] if quick else [1, 2, 4, 8, 16, 32, 64]
-    bar = tqdm(total=len(lengths) * len(batch_sizes) + len(ns), desc="profiling", unit="cell", file=sys.stderr)
+    gammas = [0, 1, 2] if quick else [0, 1, 2, 3, 4]
+    bar = tqdm(total=len(lengths) * len(batch_sizes) + len(ns) + len(batch_sizes) * len(gammas),
+               desc="profiling", unit="cell", file=sys.stderr)
     cswitch = profile_cswitch(draft, lengths, batch_sizes, bar=bar)
     t_of_n = profile_target(target, ns, bar=bar)
+    steps = profile_steps(target, draft, batch_sizes, gammas, bar=bar)
     bar.close()
     from draft_server.engine import DraftEngine
 
@@ -103,5 +134,5 @@ def run_profile(target, draft, quick: bool = False) -> dict:
         engine.propose([DraftRequest("d0", CONTEXT + k, [5], 1)])
 
     d0 = _median_time(one_step, 8)
-    return {"cswitch": cswitch, "t_of_n": {str(k): v for k, v in t_of_n.items()}, "d0_s": d0,
+    return {"cswitch": cswitch, "t_of_n": {str(k): v for k, v in t_of_n.items()}, "d0_s": d0, "step_s": steps,
             "context_tokens": CONTEXT, "target": target.path, "draft": draft.path}

@@ -41,9 +41,9 @@ def add_serve_parsers(sub) -> None:
     t.add_argument("--gamma", type=int, default=4,
                    help="draft tokens per step (with --policy other than fixed: the largest gamma it may pick)")
     t.add_argument("--policy", default="fixed",
-                   help="fixed, nightjar, dsd, banditspec, tide, vllm_table, sglang_ema, hf_heuristic, none")
+                   help="fixed, nightjar, nightjar_paper, dsd, banditspec, tide, vllm_table, sglang_ema, hf_heuristic, none")
     t.add_argument("--profile", default=None, help="latency tables from `starjar profile` (nightjar, tide)")
-    t.add_argument("--buckets", default=None, help="nightjar's batch-size buckets, e.g. 1,2,4,8,16")
+    t.add_argument("--buckets", default=None, help="nightjar's batch-size buckets, e.g. 1,2,4,8,16 (default: octaves up to 128)")
     t.add_argument("--batch-size", type=int, default=16)
     t.add_argument("--draft-deadline", type=float, default=0.5, help="seconds to wait for drafts per step")
     t.add_argument("--device", default="cpu")

@@ -44,10 +44,10 @@ def add_up_parsers(sub) -> None:
     u.add_argument("--gamma", type=int, default=1,
                    help="draft tokens per step (default 1); with --policy other than fixed: the largest gamma")
     u.add_argument("--policy", default="fixed",
-                   help="fixed (default), nightjar, dsd, banditspec, tide, vllm_table, sglang_ema, hf_heuristic")
+                   help="fixed (default), nightjar, nightjar_paper, dsd, banditspec, tide, vllm_table, sglang_ema, hf_heuristic")
     u.add_argument("--profile", default=None, help="latency tables from `starjar profile` (nightjar, tide)")
     u.add_argument("--buckets", default=None, help="nightjar's batch-size buckets, e.g. 1,2,4,8,16 "
-                   "(default: every batch size up to 16, then 24, 32, 48, 64, 96, 128)")
+                   "(default: octaves 1,2,4,...,128)")
     u.add_argument("--batch-size", type=int, default=8, help="running requests per target (default 8)")
     u.add_argument("--draft-mode", default="batched", choices=["batched", "fifo"])
     u.add_argument("--max-targets", type=int, default=8, help="N_max on the draft server (its cap with auto)")

@@ -150,7 +150,7 @@ def test_make_policy_knows_every_name():
         make_policy("magic")
 
 
-@pytest.mark.parametrize("name", ["nightjar", "none", "fixed_2", "dsd", "banditspec", "tide", "vllm_table",
+@pytest.mark.parametrize("name", ["nightjar", "nightjar_paper", "none", "fixed_2", "dsd", "banditspec", "tide", "vllm_table",
                                   "sglang_ema", "hf_heuristic"])
 def test_greedy_output_is_the_target_alone_under_every_policy(name, models, spec_prompts, reference):
     from controller.colocated import colocated_engine
@@ -161,6 +161,27 @@ def test_greedy_output_is_the_target_alone_under_every_policy(name, models, spec
     prompts = spec_prompts[:8]
     reqs = engine.generate(prompts, SamplingParams(max_tokens=24))
     assert [r.output_ids for r in reqs] == [r[:24] for r in reference("llama", 64)[:8]]
+
+
+def test_arm_limits_keep_each_batch_size_to_the_arms_that_could_pay():
+    from starjar.policies.nightjar import arm_limits
+
+    # Measured steps (s): at B=1 every gamma could pay; at B=16 even gamma 4 with every draft accepted
+    # (5 tokens per sequence) costs more per token than plain decoding.
+    grid = {"batch_sizes": [1, 4, 16], "gammas": [0, 1, 2, 3, 4],
+            "seconds": [[0.035, 0.05, 0.068, 0.08, 0.10], [0.034, 0.073, 0.115, 0.124, 0.18],
+                        [0.059, 0.132, 0.189, 0.246, 0.31]]}
+    limits = arm_limits(grid, 4)
+    assert limits == {1: 4, 4: 3, 16: 0}
+    assert arm_limits(grid, 2) == {1: 2, 4: 0, 16: 0}  # at B=4 only gamma 3 could pay
+    p = make_policy("nightjar", 4, profile={"step_s": grid}, seed=0)
+    assert p.gmax(16) == 0 and p.gmax(40) == 0 and p.gmax(1) == 4
+    assert p.gmax(8) == 3  # between profiled sizes: the larger limit of the two neighbours
+    seen = {p.choose(16) for _ in range(2000)}
+    assert seen == {0}  # no exploration of arms that cannot pay
+    assert {p.choose(1) for _ in range(2000)} == {0, 1, 2, 3, 4}
+    paper = make_policy("nightjar_paper", 4, profile={"step_s": grid}, seed=0)
+    assert {paper.choose(16) for _ in range(2000)} == {0, 1, 2, 3, 4} and paper.bucket(13) == 13
 
 
 def test_buckets_are_configurable_and_checked():

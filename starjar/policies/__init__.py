@@ -1,6 +1,6 @@
 """Speculation policies behind one interface (`starjar.policy.SpeculationPolicy`): Nightjar and the
 baselines it is compared with. `make_policy(name, ...)` builds one by the name benchmarks and the CLI use:
-nightjar, none, fixed_K, dsd, banditspec, tide, vllm_table, sglang_ema, hf_heuristic.
+nightjar, nightjar_paper, none, fixed_K, dsd, banditspec, tide, vllm_table, sglang_ema, hf_heuristic.
 """
 
 from __future__ import annotations
@@ -8,22 +8,29 @@ from __future__ import annotations
 from starjar.errors import InvalidArgument
 from starjar.policy import FixedGamma
 
-NAMES = ("nightjar", "none", "fixed_K", "dsd", "banditspec", "tide", "vllm_table", "sglang_ema", "hf_heuristic")
+NAMES = ("nightjar", "nightjar_paper", "none", "fixed_K", "dsd", "banditspec", "tide", "vllm_table", "sglang_ema",
+         "hf_heuristic")
 
 
 def make_policy(name: str, max_gamma: int = 4, cswitch=None, profile: dict | None = None, seed: int | None = 0,
                 buckets: tuple[int, ...] | None = None):
-    """profile: {"t_of_n": {n: seconds}, "d0_s": seconds} for tide (from the C_switch profiler's output)."""
+    """profile: `starjar profile`'s output: T(n) and D0 for tide, the step grid for nightjar's per-batch-size
+    Gmax."""
     from starjar.policies.banditspec import BanditSpecUCB
     from starjar.policies.dsd import DSDPolicy
     from starjar.policies.heuristics import HfHeuristic, SglangEma, VllmTable
-    from starjar.policies.nightjar import NightjarPlanner
+    from starjar.policies.nightjar import PAPER_BUCKETS, NightjarPlanner, arm_limits
     from starjar.policies.tide import TidePolicy
 
     if name == "nightjar":
-        if buckets:
-            return NightjarPlanner(max_gamma, cswitch, buckets=buckets, seed=seed)
-        return NightjarPlanner(max_gamma, cswitch, seed=seed)
+        # With a measured step grid, each batch size explores only the arms that could pay there.
+        limits = arm_limits(profile["step_s"], max_gamma) if profile and profile.get("step_s") else None
+        extra = {"buckets": buckets} if buckets else {}
+        return NightjarPlanner(max_gamma, cswitch, seed=seed, limits=limits, **extra)
+    if name == "nightjar_paper":  # Algorithm 1 exactly as printed: every gamma at every exact B
+        planner = NightjarPlanner(max_gamma, cswitch, seed=seed, buckets=buckets or PAPER_BUCKETS)
+        planner.name = name
+        return planner
     if name == "none":
         return FixedGamma(0)
     if name.startswith("fixed_") and name[6:].isdigit():
