@@ -12,27 +12,40 @@ every policy's throughput was then the arrival rate, 47.08 +- 0.02 tok/s.) Outpu
 lengths come from the trace (8 to 256 tokens), prompt lengths from Spec-Bench.
 Capacity is what the target alone sustains when every request is queued at
 once. Each figure is the mean over seeds.
+
+Two devices. "dynamic"/"static": an emulated device whose KV pool is short, as
+on a GPU: with the draft resident it holds a full batch of average requests,
+and the draft's weights are worth N_draft more tokens. There serving without speculation loads no draft, Nightjar offloads
+the draft with the engine's own rule (ElasticRule) while it speculates not,
+and every other policy keeps the draft resident ("nightjar_no_offload" is
+Nightjar without the offload). "unlimited_kv": this machine as it is, where
+memory never binds and only compute matters.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.nightjar_sim import (CostModel, SimRequest, alpha_from_mean_accepted, poisson_arrivals,
+from benchmarks.nightjar_sim import (CostModel, Memory, SimRequest, alpha_from_mean_accepted, poisson_arrivals,
                                      rise_and_fall, simulate, warp_trace)
 from starjar.policies import make_policy
 from starjar.policies.nightjar import CSwitchTable
 from starjar.workloads import data_dir
+from target_worker.elastic_kv import ElasticRule
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_GAMMA = 4
 MAX_BATCH = 16
 DYNAMIC_LOW, DYNAMIC_PEAK = 0.5, 1.5  # fractions of capacity
+STATIC_FRACTIONS = (0.1, 0.3, 0.6, 0.9, 1.3)
+T_PERSIST, TAU_LOW = 16, 64  # ElasticKV's defaults
+RELOAD_S = 0.006  # a draft reload on this machine (`starjar bench offload`)
 POLICIES = ["nightjar", "nightjar_paper", "none"] + [f"fixed_{g}" for g in range(1, MAX_GAMMA + 1)] + \
     ["dsd", "banditspec", "tide", "vllm_table", "sglang_ema", "hf_heuristic"]
 
@@ -61,30 +74,67 @@ def _requests(arrivals, outs, prompts, alphas) -> list[SimRequest]:
     return [SimRequest(a, o, alphas[k % len(alphas)], p) for k, (a, o, p) in enumerate(zip(arrivals, outs, prompts))]
 
 
-def _run_all(requests, cost, profile, seeds, record=False) -> tuple[dict, list]:
+def _memory(name: str, device: dict | None) -> Memory | None:
+    """The emulated device each policy runs on: serving without speculation loads no draft; Nightjar lends
+    the draft's memory to the KV pool with the engine's own rule; everything else keeps the draft resident."""
+    if device is None:
+        return None
+    if name == "none":
+        return Memory(device["kv_tokens"], device["draft_tokens"], draft_loaded=False)
+    elastic = ElasticRule(device["draft_tokens"], T_PERSIST, TAU_LOW) if name == "nightjar" else None
+    return Memory(device["kv_tokens"], device["draft_tokens"], elastic=elastic, reload_s=RELOAD_S)
+
+
+def _run_all(requests, cost, profile, seeds, device=None, record=False) -> tuple[dict, list]:
     out, trace = {}, []
-    for name in POLICIES:
-        tps, e2e = [], []
+    names = POLICIES + (["nightjar_no_offload"] if device else [])
+    for name in names:
+        runs = []
         for s in seeds:
-            policy = make_policy(name, MAX_GAMMA, CSwitchTable.from_dict(profile["cswitch"]), profile, seed=s)
-            res = simulate(policy, requests, cost, MAX_BATCH, seed=s, record=record and name == "nightjar")
-            tps.append(res.tokens_per_s)
-            e2e.append(res.mean_e2e_s)
-            if res.gammas and not trace:
-                trace = res.gammas
-        out[name] = {"tokens_per_s": round(sum(tps) / len(tps), 3), "mean_e2e_s": round(sum(e2e) / len(e2e), 3)}
+            policy = make_policy("nightjar" if name == "nightjar_no_offload" else name, MAX_GAMMA,
+                                 CSwitchTable.from_dict(profile["cswitch"]), profile, seed=s)
+            runs.append(simulate(policy, requests, cost, MAX_BATCH, seed=s, record=record and name == "nightjar",
+                                 memory=_memory(name, device)))
+            if runs[-1].gammas and not trace:
+                trace = runs[-1].gammas
+
+        def mean(attr: str) -> float:
+            return round(sum(getattr(r, attr) for r in runs) / len(runs), 3)
+
+        out[name] = {"tokens_per_s": mean("tokens_per_s"), "mean_e2e_s": mean("mean_e2e_s"),
+                     "speculating_step_share": mean("spec_share")}
+        if device:
+            out[name].update(peak_running=max(r.peak_running for r in runs), preemptions=mean("preemptions"),
+                             offloads=mean("offloads"))
     return out, trace
 
 
 def _ratios(table: dict) -> dict:
+    table = {k: v for k, v in table.items() if k != "load_fraction"}
     fixed = {k: v["tokens_per_s"] for k, v in table.items() if k.startswith("fixed_")}
     best_fixed = max(fixed, key=fixed.get)
     nj = table["nightjar"]["tokens_per_s"]
-    return {"best_fixed": best_fixed, "nightjar_over_best_fixed": round(nj / fixed[best_fixed], 3),
-            "nightjar_over_none": round(nj / table["none"]["tokens_per_s"], 3),
-            "nightjar_over_dsd": round(nj / table["dsd"]["tokens_per_s"], 3),
-            "nightjar_over_banditspec": round(nj / table["banditspec"]["tokens_per_s"], 3),
-            "best_overall": max(table, key=lambda k: table[k]["tokens_per_s"])}
+    out = {"best_fixed": best_fixed, "nightjar_over_best_fixed": round(nj / fixed[best_fixed], 3)}
+    for other in ("none", "dsd", "banditspec", "nightjar_no_offload"):
+        if other in table:
+            out[f"nightjar_over_{other}"] = round(nj / table[other]["tokens_per_s"], 3)
+    out["best_overall"] = max(table, key=lambda k: table[k]["tokens_per_s"])
+    return out
+
+
+def _tables(device, gaps, outs, prompts, alphas, cost, profile, capacity, n, seeds, bar) -> dict:
+    dyn_arrivals = warp_trace(gaps, rise_and_fall(n, DYNAMIC_LOW * capacity, DYNAMIC_PEAK * capacity))
+    dynamic, gamma_trace = _run_all(_requests(dyn_arrivals, outs, prompts, alphas), cost, profile, seeds,
+                                    device, record=True)
+    bar.update()
+    static = {}
+    for frac in STATIC_FRACTIONS:
+        rate = frac * capacity
+        reqs = _requests(poisson_arrivals(rate, n, seed=7), outs, prompts, alphas)
+        static[f"{rate:.3f}"] = dict(_run_all(reqs, cost, profile, seeds, device)[0], load_fraction=frac)
+        bar.update()
+    return {"dynamic": dynamic, "static": static, "gamma_trace": gamma_trace, "arrivals": dyn_arrivals,
+            "summary": {"dynamic": _ratios(dynamic), "static": {r: _ratios(t) for r, t in static.items()}}}
 
 
 def run(args) -> dict:
@@ -99,33 +149,30 @@ def run(args) -> dict:
     # Capacity: requests/s the target alone sustains, from a simulated run with every request queued at once.
     flood = _requests([0.0] * n, outs, prompts, alphas)
     capacity = simulate(make_policy("none"), flood, cost, MAX_BATCH).tokens_per_s / mean_out
+    # The emulated device: with the draft resident, its KV pool holds a full batch of average requests (the
+    # mildest pressure that still binds: long requests and draft lookahead overflow it).
+    draft_tokens = math.ceil(profile["draft_weight_bytes"] / profile["kv_bytes_per_token"])
+    full_batch = round(MAX_BATCH * (sum(outs) + sum(prompts)) / n)
+    device = {"kv_tokens": full_batch, "draft_tokens": draft_tokens,
+              "rule": "kv_tokens (draft resident) = max_batch x mean (prompt + output) tokens",
+              "t_persist_steps": T_PERSIST, "tau_low_tokens": TAU_LOW, "reload_s": RELOAD_S}
 
-    bar = tqdm(total=6, desc="nightjar bench (simulated)", file=sys.stderr)
-    dyn_arrivals = warp_trace(gaps, rise_and_fall(n, DYNAMIC_LOW * capacity, DYNAMIC_PEAK * capacity))
-    dynamic, gamma_trace = _run_all(_requests(dyn_arrivals, outs, prompts, alphas), cost, profile, seeds,
-                                    record=True)
-    bar.update()
-    static = {}
-    for frac in (0.1, 0.3, 0.6, 0.9, 1.3):
-        rate = frac * capacity
-        reqs = _requests(poisson_arrivals(rate, n, seed=7), outs, prompts, alphas)
-        static[f"{rate:.3f}"] = dict(_run_all(reqs, cost, profile, seeds)[0], load_fraction=frac)
-        bar.update()
+    bar = tqdm(total=2 * (1 + len(STATIC_FRACTIONS)), desc="nightjar bench (simulated)", file=sys.stderr)
+    limited = _tables(device, gaps, outs, prompts, alphas, cost, profile, capacity, n, seeds, bar)
+    unlimited = _tables(None, gaps, outs, prompts, alphas, cost, profile, capacity, n, seeds, bar)
     bar.close()
-    summary = {"dynamic": _ratios(dynamic),
-               "static": {r: _ratios({k: v for k, v in t.items() if k != "load_fraction"})
-                          for r, t in static.items()}}
     plot = Path(args.out).with_suffix(".png")
-    _plot(gamma_trace, dyn_arrivals, plot)
+    _plot(limited["gamma_trace"], limited["arrivals"], plot)
     real = run_real(args, profile) if getattr(args, "real", False) else None
     return {"label": "simulated target worker on a measured cost model (not a real-model run)",
             "cost_model": str(profile_path), "acceptance_alphas": [round(a, 3) for a in alphas],
             "max_gamma": MAX_GAMMA, "max_batch": MAX_BATCH, "requests": n, "seeds": seeds,
             "capacity_requests_per_s": round(capacity, 3), "mean_output_tokens": round(mean_out, 1),
             "dynamic_rate_fractions": {"base": DYNAMIC_LOW, "peak": DYNAMIC_PEAK},
-            "dynamic": dynamic, "static": static, "summary": summary, "plot": str(plot),
-            "offload": "measured separately on real models: `starjar bench offload`",
-            "real": real}
+            "device": device,
+            "dynamic": limited["dynamic"], "static": limited["static"], "summary": limited["summary"],
+            "unlimited_kv": {k: unlimited[k] for k in ("dynamic", "static", "summary")},
+            "plot": str(plot), "real": real}
 
 
 def _plot(trace, arrivals, path: Path) -> None:

@@ -19,6 +19,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from starjar.policies.nightjar import CSwitchTable
+from target_worker.elastic_kv import ElasticRule
 
 
 class CostModel:
@@ -68,23 +69,46 @@ class SimRequest:
     finish: float | None = None
     behind: int = 0  # tokens the draft has not seen (the prompt, then steps without speculation)
 
+    def kv_tokens(self) -> int:
+        return self.prompt_len + self.done
+
+
+@dataclass
+class Memory:
+    """An emulated device whose KV pool is short. kv_tokens: the pool with the draft's weights resident;
+    draft_tokens: what those weights are worth in KV tokens (N_draft). draft_loaded=False: no draft on the
+    device at all (serving without speculation), so the pool holds both. elastic: Nightjar's offload rule
+    (section 6.1, the engine's own ElasticRule), lending the draft's memory to the pool while it is off."""
+    kv_tokens: int
+    draft_tokens: int
+    draft_loaded: bool = True
+    elastic: ElasticRule | None = None
+    reload_s: float = 0.0
+
 
 @dataclass
 class SimResult:
     tokens_per_s: float
     mean_e2e_s: float
     gammas: list[tuple[float, int, int]] = field(default_factory=list)  # (time, batch, gamma)
+    spec_share: float = 0.0  # decode steps that speculated / all decode steps
+    peak_running: int = 0
+    preemptions: int = 0
+    offloads: int = 0
 
 
 def simulate(policy, requests: list[SimRequest], cost: CostModel, max_batch: int = 16, seed: int = 0,
-             record: bool = False) -> SimResult:
+             record: bool = False, memory: Memory | None = None) -> SimResult:
     rng = random.Random(seed)
     pending = sorted(requests, key=lambda r: r.arrival)
     for r in pending:
         r.done, r.finish, r.behind = 0, None, 0
     waiting: list[SimRequest] = []
     running: list[SimRequest] = []
-    now, i = 0.0, 0
+    now, i, steps, spec_steps, peak, preemptions = 0.0, 0, 0, 0, 0, 0
+    budget = math.inf if memory is None else memory.kv_tokens + (0 if memory.draft_loaded else memory.draft_tokens)
+    elastic = memory.elastic if memory is not None else None
+    offloaded, reload_done = False, 0.0
     gammas = []
     while i < len(pending) or waiting or running:
         while i < len(pending) and pending[i].arrival <= now:
@@ -93,42 +117,71 @@ def simulate(policy, requests: list[SimRequest], cost: CostModel, max_batch: int
         if not running and not waiting:
             now = pending[i].arrival
             continue
+        used = sum(r.kv_tokens() for r in running)
+        if offloaded and not elastic.expanded and now >= reload_done:
+            offloaded = False  # the background reload has finished
+        if elastic is not None:
+            action = elastic.before_step(int(budget - used) if budget < math.inf else 1 << 30, bool(waiting),
+                                         draft_loaded=not offloaded)
+            if action == "expand":  # the draft goes to host memory and its KV is dropped
+                budget += memory.draft_tokens
+                offloaded = True
+                for r in running:
+                    r.behind = r.kv_tokens()
+            elif action == "contract":  # the budget shrinks first; the weights come back meanwhile
+                budget -= memory.draft_tokens
+                reload_done = now + memory.reload_s
         joined = []
-        while waiting and len(running) + len(joined) < max_batch:
+        while waiting and len(running) + len(joined) < max_batch and \
+                (not running and not joined or used + waiting[0].kv_tokens() + 1 <= budget):
+            used += waiting[0].kv_tokens() + 1
             joined.append(waiting.pop(0))
         if joined:
-            now += cost.prefill(sum(r.prompt_len for r in joined))
+            now += cost.prefill(sum(r.kv_tokens() for r in joined))
             running += joined
             for r in joined:
-                r.done = 1  # prefill yields the first token
-                r.behind = r.prompt_len + 1  # the draft has not seen the prompt yet
+                r.done = r.done or 1  # prefill yields the first token (a readmitted request has its own)
+                r.behind = r.kv_tokens()  # the draft has not seen this context yet
+            peak = max(peak, len(running))
             running, finished = [r for r in running if r.done < r.output_len], \
                 [r for r in running if r.done >= r.output_len]
             for r in finished:
                 r.finish = now
             continue
+        chosen = policy.choose(len(running))
+        gamma = 0 if offloaded else chosen  # an offloaded draft proposes nothing: the step runs plain
+        while used + len(running) * (gamma + 1) > budget and len(running) > 1:
+            victim = running.pop()  # the newest gives its KV back and is recomputed later, as in the engine
+            used -= victim.kv_tokens()
+            waiting.insert(0, victim)
+            preemptions += 1
+        if used + len(running) * (gamma + 1) > budget:
+            gamma = 0
         b = len(running)
-        gamma = policy.choose(b)
         behind = [r.behind for r in running if r.behind]
         dt = cost.step(b, gamma)
         if gamma and behind:  # the draft first catches up on what it has not seen, as the engine's does
             dt += cost.cswitch.lookup(max(behind), len(behind))
         tokens = accepted = 0
         for r in running:
+            a = 0
             if gamma:
-                a = 0
                 while a < gamma and rng.random() < r.alpha:
                     a += 1
                 accepted += a
                 r.behind = 0
             else:
-                a = 0
                 r.behind += 1
             n = min(a + 1, r.output_len - r.done)
             r.done += n
             tokens += n
         now += dt
         policy.observe(b, gamma, dt, tokens, accepted, gamma * b)
+        if elastic is not None:
+            used = sum(r.kv_tokens() for r in running)
+            elastic.after_decode(chosen if not offloaded else 0, int(budget - used), bool(waiting))
+        steps += 1
+        spec_steps += gamma > 0
         if record:
             gammas.append((now, b, gamma))
         for r in running:
@@ -137,7 +190,8 @@ def simulate(policy, requests: list[SimRequest], cost: CostModel, max_batch: int
         running = [r for r in running if r.done < r.output_len]
     total = sum(r.output_len for r in requests)
     span = max(r.finish for r in requests) - min(r.arrival for r in requests)
-    return SimResult(total / span, sum(r.finish - r.arrival for r in requests) / len(requests), gammas)
+    return SimResult(total / span, sum(r.finish - r.arrival for r in requests) / len(requests), gammas,
+                     spec_steps / max(1, steps), peak, preemptions, elastic.expansions if elastic else 0)
 
 
 def alpha_from_mean_accepted(mean_accepted_len: float, gamma: int = 3) -> float:

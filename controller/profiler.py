@@ -13,7 +13,7 @@
   scaling suggests. The simulated benchmark uses it.
 
 Output JSON: {"cswitch": {"lengths", "batch_sizes", "cost_s"}, "t_of_n": {n: s}, "d0_s": s,
-"step_s": {"batch_sizes", "gammas", "seconds"}, ...}.
+"step_s": {"batch_sizes", "gammas", "seconds"}, "kv_bytes_per_token": B, "draft_weight_bytes": B, ...}.
 """
 
 from __future__ import annotations
@@ -134,5 +134,7 @@ def run_profile(target, draft, quick: bool = False) -> dict:
         engine.propose([DraftRequest("d0", CONTEXT + k, [5], 1)])
 
     d0 = _median_time(one_step, 8)
-    return {"cswitch": cswitch, "t_of_n": {str(k): v for k, v in t_of_n.items()}, "d0_s": d0, "step_s": steps,
+    from target_worker.elastic_kv import kv_bytes_per_token
+
+    return {"kv_bytes_per_token": kv_bytes_per_token(target), "draft_weight_bytes": engine.weight_bytes(),"cswitch": cswitch, "t_of_n": {str(k): v for k, v in t_of_n.items()}, "d0_s": d0, "step_s": steps,
             "context_tokens": CONTEXT, "target": target.path, "draft": draft.path}

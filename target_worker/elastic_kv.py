@@ -24,22 +24,58 @@ def kv_bytes_per_token(model) -> int:
     return 2 * cfg.num_hidden_layers * heads * head_dim * model.dtype.itemsize
 
 
+class ElasticRule:
+    """The trigger rule alone, in plain Python, so the simulated benchmark runs the engine's own rule."""
+
+    def __init__(self, n_draft: int, t_persist: int = 16, tau_low_tokens: int = 64):
+        self.n_draft = n_draft
+        self.t_persist = t_persist
+        self.tau_low = tau_low_tokens
+        self.expanded = False
+        self.expansions = 0
+        self.contractions = 0
+        self.pressure_steps = 0
+
+    def before_step(self, free_tokens: int, waiting: bool, draft_loaded: bool = True) -> str | None:
+        """"expand", "contract" or None; the caller acts on it (budget first, then the draft).
+        draft_loaded: False while a reload is still under way (nothing to lend yet)."""
+        if not self.expanded:
+            if self.pressure_steps >= self.t_persist and draft_loaded:
+                self.expanded, self.pressure_steps = True, 0
+                self.expansions += 1
+                return "expand"
+        elif not waiting and free_tokens > self.n_draft + self.tau_low:
+            self.expanded = False
+            self.contractions += 1
+            return "contract"
+        return None
+
+    def after_decode(self, gamma: int, free_tokens: int, waiting: bool) -> None:
+        """gamma: what the policy chose this step."""
+        under = free_tokens < self.tau_low or waiting
+        self.pressure_steps = self.pressure_steps + 1 if gamma == 0 and under else 0
+
+
 class ElasticKV:
     def __init__(self, engine, draft_engine, t_persist: int = 16, tau_low_tokens: int = 64):
         self.engine = engine
         self.draft = draft_engine
         self.draft.auto_reload = False  # reloads happen here, after the budget has shrunk back
-        self.t_persist = t_persist
-        self.tau_low = tau_low_tokens
-        self.n_draft = math.ceil(draft_engine.weight_bytes() / kv_bytes_per_token(engine.model))
+        self.rule = ElasticRule(math.ceil(draft_engine.weight_bytes() / kv_bytes_per_token(engine.model)),
+                                t_persist, tau_low_tokens)
+        self.n_draft = self.rule.n_draft
         self.base_budget = engine.scheduler.kv_budget_tokens
-        self.expanded = False
-        self.expansions = 0
-        self.contractions = 0
-        self.pressure_steps = 0
         self.hook_s = 0.0  # time spent in before_step, the critical-path cost of all this
         self.hook_calls = 0
         self.reload_dispatch_s: float | None = None  # what starting the reload cost the step that did it
+
+    @property
+    def expansions(self) -> int:
+        return self.rule.expansions
+
+    @property
+    def contractions(self) -> int:
+        return self.rule.contractions
 
     def free_tokens(self) -> int:
         return self.engine.scheduler.kv_budget_tokens - self.engine.cache.tokens_used()
@@ -47,16 +83,12 @@ class ElasticKV:
     def before_step(self) -> None:
         t0 = time.perf_counter()
         sched = self.engine.scheduler
-        if not self.expanded:
-            if self.pressure_steps >= self.t_persist and not self.draft.offloaded:
-                self.draft.offload()
-                sched.kv_budget_tokens = self.base_budget + self.n_draft
-                self.expanded, self.pressure_steps = True, 0
-                self.expansions += 1
-        elif not sched.waiting and self.free_tokens() > self.n_draft + self.tau_low:
+        action = self.rule.before_step(self.free_tokens(), bool(sched.waiting), not self.draft.offloaded)
+        if action == "expand":
+            self.draft.offload()
+            sched.kv_budget_tokens = self.base_budget + self.n_draft
+        elif action == "contract":
             sched.kv_budget_tokens = self.base_budget
-            self.expanded = False
-            self.contractions += 1
             t1 = time.perf_counter()
             self.draft.start_reload()  # non-blocking; drafts resume when the weights are back
             self.reload_dispatch_s = time.perf_counter() - t1
@@ -65,5 +97,4 @@ class ElasticKV:
 
     def after_decode(self, gamma: int) -> None:
         """gamma: what the policy chose this step."""
-        under = self.free_tokens() < self.tau_low or bool(self.engine.scheduler.waiting)
-        self.pressure_steps = self.pressure_steps + 1 if gamma == 0 and under else 0
+        self.rule.after_decode(gamma, self.free_tokens(), bool(self.engine.scheduler.waiting))

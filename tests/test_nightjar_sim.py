@@ -1,0 +1,78 @@
+"""The simulated target worker behind `starjar bench nightjar`: its measured step costs, the draft's
+catch-up, and the KV pool with Nightjar's offload rule (the engine's own ElasticRule)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.nightjar_sim import CostModel, Memory, SimRequest, simulate
+from starjar.policy import FixedGamma
+from target_worker.elastic_kv import ElasticRule
+
+PROFILE = {
+    "t_of_n": {"1": 0.03, "8": 0.045, "64": 0.13, "512": 0.9},
+    "d0_s": 0.012,
+    "cswitch": {"lengths": [1, 64, 256], "batch_sizes": [1, 16], "cost_s": [[0, 0], [0.02, 0.2], [0.1, 1.0]]},
+    "step_s": {"batch_sizes": [1, 4, 16], "gammas": [0, 1, 2],
+               "seconds": [[0.034, 0.05, 0.07], [0.036, 0.077, 0.12], [0.06, 0.13, 0.19]]},
+}
+
+
+def test_steps_come_from_the_measured_grid_and_interpolate_between_batch_sizes():
+    cost = CostModel(PROFILE)
+    assert cost.step(4, 1) == pytest.approx(0.077)
+    assert cost.step(10, 2) == pytest.approx(0.12 + (0.19 - 0.12) * 6 / 12)
+    # A gamma the grid lacks falls back to T(n) and D0.
+    assert cost.step(1, 3) == pytest.approx(cost.t(4) + 3 * 0.012)
+    old = CostModel({k: v for k, v in PROFILE.items() if k != "step_s"})
+    assert old.step(8, 0) == pytest.approx(0.045)
+
+
+def test_the_draft_catches_up_on_a_new_prompt_before_its_first_speculative_step():
+    cost = CostModel(PROFILE)
+
+    def run(gamma):
+        reqs = [SimRequest(0.0, 2, 0.0, 200)]  # prefill gives token 1, one decode step gives token 2
+        return simulate(FixedGamma(gamma), reqs, cost, max_batch=1)
+
+    plain, spec = run(0), run(1)
+    prefill = cost.prefill(200)
+    assert plain.mean_e2e_s == pytest.approx(prefill + 0.034)
+    assert spec.mean_e2e_s == pytest.approx(prefill + 0.05 + 0.1)  # catch-up of 201 tokens: the 256 row
+
+
+def test_elastic_rule_expands_after_persistent_pressure_and_contracts_with_hysteresis():
+    rule = ElasticRule(n_draft=100, t_persist=3, tau_low_tokens=10)
+    for _ in range(2):
+        assert rule.before_step(free_tokens=5, waiting=True) is None
+        rule.after_decode(0, 5, True)
+    rule.after_decode(1, 5, True)  # a speculative step resets the count
+    for _ in range(3):
+        assert rule.before_step(5, True) is None
+        rule.after_decode(0, 5, True)
+    assert rule.before_step(5, True, draft_loaded=False) is None  # a reload still under way: nothing to lend
+    assert rule.before_step(5, True) == "expand" and rule.expanded
+    assert rule.before_step(105, False) is None  # free must exceed N_draft + tau_low
+    assert rule.before_step(200, True) is None  # and nobody may be waiting
+    assert rule.before_step(111, False) == "contract" and not rule.expanded
+    assert (rule.expansions, rule.contractions) == (1, 1)
+
+
+def test_offload_lends_the_draft_memory_under_pressure_in_the_simulator():
+    cost = CostModel(PROFILE)
+    reqs = [SimRequest(0.0, 60, 0.7, 40) for _ in range(24)]
+
+    def run(elastic):
+        rule = ElasticRule(n_draft=600, t_persist=4, tau_low_tokens=32) if elastic else None
+        return simulate(FixedGamma(0), reqs, cost, max_batch=16, memory=Memory(500, 600, elastic=rule))
+
+    off, on = run(False), run(True)
+    assert on.offloads == 1 and off.offloads == 0
+    assert on.peak_running > off.peak_running
+    assert on.tokens_per_s > 1.05 * off.tokens_per_s
+    assert off.preemptions > 2 * on.preemptions
+    # Serving without speculation loads no draft: its pool holds both from the start, with no wait for
+    # T_persist steps of pressure first.
+    bare = simulate(FixedGamma(0), reqs, cost, max_batch=16, memory=Memory(500, 600, draft_loaded=False))
+    assert bare.peak_running == 16 and bare.preemptions < on.preemptions
+    assert bare.tokens_per_s >= on.tokens_per_s
