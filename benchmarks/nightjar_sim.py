@@ -55,6 +55,27 @@ class CostModel:
             cost = self.t(batch * (gamma + 1)) + gamma * self.d0 * self.t(batch) / self.t(1)
         return cost
 
+    def catch_up(self, behind: list[int]) -> float:
+        """The draft's catch-up pass over `behind` tokens per sequence: C_switch interpolated (bilinearly,
+        at the mean length; clamped to the grid) rather than the planner's conservative grid point above,
+        which would charge a 257-token prompt as 1024."""
+        t = self.cswitch
+        length, n = sum(behind) / len(behind), len(behind)
+
+        def interp(grid: list[int], x: float) -> tuple[int, int, float]:
+            i = min(max(bisect_left(grid, x), 1), len(grid) - 1)
+            lo, hi = grid[i - 1], grid[i]
+            return i - 1, i, min(1.0, max(0.0, (x - lo) / (hi - lo)))
+
+        if len(t.lengths) < 2 or len(t.batch_sizes) < 2:
+            return t.lookup(length, n)
+        li, lj, lf = interp(t.lengths, length)
+        bi, bj, bf = interp(t.batch_sizes, n)
+        c = t.cost_s
+        row_i = c[li][bi] + (c[li][bj] - c[li][bi]) * bf
+        row_j = c[lj][bi] + (c[lj][bj] - c[lj][bi]) * bf
+        return max(0.0, row_i + (row_j - row_i) * lf)
+
     def prefill(self, prompt_tokens: int) -> float:
         return self.t(prompt_tokens) if prompt_tokens else 0.0
 
@@ -161,7 +182,7 @@ def simulate(policy, requests: list[SimRequest], cost: CostModel, max_batch: int
         behind = [r.behind for r in running if r.behind]
         dt = cost.step(b, gamma)
         if gamma and behind:  # the draft first catches up on what it has not seen, as the engine's does
-            dt += cost.cswitch.lookup(max(behind), len(behind))
+            dt += cost.catch_up(behind)
         tokens = accepted = 0
         for r in running:
             a = 0

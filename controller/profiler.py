@@ -28,6 +28,9 @@ from tqdm import tqdm
 from starjar.proposer import DraftRequest
 
 CONTEXT = 64  # prompt tokens per profiled sequence
+# The step grid's context: about a Spec-Bench request's mean mid-decode (a 190-token prompt plus half of
+# the Azure trace's 174 output tokens). At B=8, gamma 1 a step costs 25% more here than at 64 tokens.
+STEP_CONTEXT = 256
 _ids = itertools.count()
 
 
@@ -101,7 +104,7 @@ def profile_steps(target, draft, batch_sizes, gammas, repeats: int = 4, bar=None
             engine = colocated_engine(target, draft if g else None, g, b)
             params = SamplingParams(max_tokens=(repeats + 3) * (g + 1) + 2, ignore_eos=True)
             for i in range(b):
-                engine.add_request([(13 * j + 7 * i) % vocab for j in range(CONTEXT)], params)
+                engine.add_request([(13 * j + 7 * i) % vocab for j in range(STEP_CONTEXT)], params)
             engine.step()  # prefill
             engine.step()  # warm: the draft catches up on the prompt here
             row.append(_median_time(engine.step, repeats))
@@ -112,7 +115,7 @@ def profile_steps(target, draft, batch_sizes, gammas, repeats: int = 4, bar=None
 
 
 def run_profile(target, draft, quick: bool = False) -> dict:
-    lengths = [1, 16, 64] if quick else [1, 16, 64, 256]
+    lengths = [1, 16, 64] if quick else [1, 16, 64, 256, 1024]
     batch_sizes = [1, 2, 4] if quick else [1, 2, 4, 8, 16]
     ns = [1, 2, 4, 8] if quick else [1, 2, 4, 8, 16, 32, 64]
     gammas = [0, 1, 2] if quick else [0, 1, 2, 3, 4]
@@ -136,5 +139,6 @@ def run_profile(target, draft, quick: bool = False) -> dict:
     d0 = _median_time(one_step, 8)
     from target_worker.elastic_kv import kv_bytes_per_token
 
-    return {"kv_bytes_per_token": kv_bytes_per_token(target), "draft_weight_bytes": engine.weight_bytes(),"cswitch": cswitch, "t_of_n": {str(k): v for k, v in t_of_n.items()}, "d0_s": d0, "step_s": steps,
-            "context_tokens": CONTEXT, "target": target.path, "draft": draft.path}
+    return {"cswitch": cswitch, "t_of_n": {str(k): v for k, v in t_of_n.items()}, "d0_s": d0, "step_s": steps,
+            "kv_bytes_per_token": kv_bytes_per_token(target), "draft_weight_bytes": engine.weight_bytes(),
+            "context_tokens": CONTEXT, "step_context_tokens": STEP_CONTEXT, "target": target.path, "draft": draft.path}
