@@ -10,7 +10,8 @@
 - step_s[B][gamma]: a whole co-located decode step (drafting, verifying and
   rolling back) with B sequences, measured rather than composed from T(n) and
   D0: at B > 1 the draft's small-batch passes cost more than the target's
-  scaling suggests. The simulated benchmark uses it.
+  scaling suggests, and ragged contexts pad to the longest. The simulated
+  benchmark uses it.
 
 Output JSON: {"cswitch": {"lengths", "batch_sizes", "cost_s"}, "t_of_n": {n: s}, "d0_s": s,
 "step_s": {"batch_sizes", "gammas", "seconds"}, "kv_bytes_per_token": B, "draft_weight_bytes": B, ...}.
@@ -28,9 +29,19 @@ from tqdm import tqdm
 from starjar.proposer import DraftRequest
 
 CONTEXT = 64  # prompt tokens per profiled sequence
-# The step grid's context: about a Spec-Bench request's mean mid-decode (a 190-token prompt plus half of
-# the Azure trace's 174 output tokens). At B=8, gamma 1 a step costs 25% more here than at 64 tokens.
-STEP_CONTEXT = 256
+# The step grid's contexts: a batch as serving sees it, ragged. Sequence k of B is at the (k + 0.5)/B
+# quantile of Spec-Bench prompt lengths (chat template) plus half of a mean Azure output (87 tokens).
+# Padding to the longest makes a speculative step at B=8 cost 146 ms with contexts 64..512 against 105 ms
+# with all at 256 (same mean); a plain step 56 vs 51 ms.
+MID_DECODE_TOKENS = 87
+
+
+def workload_contexts(target, batch_size: int) -> list[int]:
+    from starjar.text import encode_prompt
+    from starjar.workloads import spec_bench_mix
+
+    lengths = sorted(len(encode_prompt(target.tokenizer, t, chat=True)) for t in spec_bench_mix(80))
+    return [lengths[int((k + 0.5) / batch_size * len(lengths))] + MID_DECODE_TOKENS for k in range(batch_size)]
 _ids = itertools.count()
 
 
@@ -103,8 +114,8 @@ def profile_steps(target, draft, batch_sizes, gammas, repeats: int = 4, bar=None
         for g in gammas:
             engine = colocated_engine(target, draft if g else None, g, b)
             params = SamplingParams(max_tokens=(repeats + 3) * (g + 1) + 2, ignore_eos=True)
-            for i in range(b):
-                engine.add_request([(13 * j + 7 * i) % vocab for j in range(STEP_CONTEXT)], params)
+            for i, context in enumerate(workload_contexts(target, b)):
+                engine.add_request([(13 * j + 7 * i) % vocab for j in range(context)], params)
             engine.step()  # prefill
             engine.step()  # warm: the draft catches up on the prompt here
             row.append(_median_time(engine.step, repeats))
@@ -141,4 +152,5 @@ def run_profile(target, draft, quick: bool = False) -> dict:
 
     return {"cswitch": cswitch, "t_of_n": {str(k): v for k, v in t_of_n.items()}, "d0_s": d0, "step_s": steps,
             "kv_bytes_per_token": kv_bytes_per_token(target), "draft_weight_bytes": engine.weight_bytes(),
-            "context_tokens": CONTEXT, "step_context_tokens": STEP_CONTEXT, "target": target.path, "draft": draft.path}
+            "context_tokens": CONTEXT, "step_contexts": {b: workload_contexts(target, b) for b in batch_sizes},
+            "target": target.path, "draft": draft.path}
