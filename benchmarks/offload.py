@@ -46,12 +46,26 @@ def _run(target, draft_model, prompts, budget, max_tokens, elastic: bool, label:
     out = {"peak_running": peak, "tokens_per_s": round(sum(len(r.output_ids) for r in reqs) / wall, 3),
            "wall_s": round(wall, 2), "preemptions": engine.stats.preemptions, "outputs": [r.output_ids for r in reqs]}
     if kv is not None:
+        out["load_falls"] = _load_falls(engine, draft, prompts[:2])
         draft.wait_reloaded(60)
         out.update({"n_draft_tokens": kv.n_draft, "expansions": kv.expansions, "contractions": kv.contractions,
                     "hook_us_per_step": round(1e6 * kv.hook_s / max(1, kv.hook_calls), 2),
                     "reload_dispatch_us": round(1e6 * kv.reload_dispatch_s, 1) if kv.reload_dispatch_s else None,
                     "reload_s": round(draft.reloads[-1], 4) if draft.reloads else None})
     return out
+
+
+def _load_falls(engine, draft, prompts) -> dict:
+    """The flood is over and two short requests arrive: the budget shrinks back and the draft reloads in
+    the background (what reload_dispatch_us and reload_s below measure) while the engine keeps stepping."""
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True))
+    steps = while_reloading = 0
+    while engine.has_work():
+        while_reloading += draft.offloaded
+        engine.step()
+        steps += 1
+    return {"steps": steps, "steps_started_while_reloading": while_reloading}
 
 
 def run(args) -> dict:
