@@ -23,7 +23,8 @@ from pathlib import Path
 
 # One state per batch-size octave. The paper keeps one per exact B; on a 2-core CPU a trace has a few
 # thousand steps, and 16 separate learners each paid their own exploration: mean E2E at 0.6 of capacity
-# was 20.8 s with exact states against 15.3 s with octaves (simulated, benchmarks/nightjar.py).
+# was 20.8 s with exact states against 15.3 s with octaves (simulated, benchmarks/nightjar.py, on an
+# earlier uniform-context profile).
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PAPER_BUCKETS = tuple(range(1, 129))  # Algorithm 1 as printed: an independent state for every B
 
