@@ -43,6 +43,19 @@ def _server_stats(address: str) -> pb.DraftStats:
         return pb_grpc.DraftServiceStub(ch).GetStats(pb.GetStatsRequest(), timeout=10)
 
 
+def _settled_stats(address: str, limit_s: float = 3.0) -> pb.DraftStats:
+    """GetStats once the server has gone quiet: the targets' last releases are still being processed when
+    their threads end, and a sample taken meanwhile would not match a scrape taken a moment later."""
+    stats, deadline = _server_stats(address), time.perf_counter() + limit_s
+    while time.perf_counter() < deadline:
+        time.sleep(0.1)
+        again = _server_stats(address)
+        if (again.busy_s, again.idle_s, again.rounds) == (stats.busy_s, stats.idle_s, stats.rounds):
+            return again
+        stats = again
+    return stats
+
+
 def _run_n(draft_dir, mode, n, scripts, verify_s, duration_s, fingerprint) -> dict:
     server = ServerProcess("draft", "--model", draft_dir, "--port", "0", "--mode", mode, "--max-targets", "64",
                            "--metrics-port", "0", threads=2)
@@ -62,7 +75,7 @@ def _run_n(draft_dir, mode, n, scripts, verify_s, duration_s, fingerprint) -> di
         for th in threads:
             th.join()
         wall = time.perf_counter() - t0
-        stats = _server_stats(server.address)
+        stats = _settled_stats(server.address)
         exported = exported_draft_metrics(server.ready["metrics"])
         wire = [w for p in proposers for w in p.stats.wire_overhead_s()]
         for p in proposers:
