@@ -15,10 +15,10 @@ once. Each figure is the mean over seeds.
 
 Two devices. "dynamic"/"static": an emulated device whose KV pool is short, as
 on a GPU: with the draft resident it holds a full batch of average requests,
-and the draft's weights are worth N_draft more tokens. There serving without speculation loads no draft, Nightjar offloads
-the draft with the engine's own rule (ElasticRule) while it speculates not,
-and every other policy keeps the draft resident ("nightjar_no_offload" is
-Nightjar without the offload). "unlimited_kv": this machine as it is, where
+and the draft's weights are worth N_draft more tokens. There serving without
+speculation loads no draft, Nightjar offloads the draft with the engine's own
+rule (ElasticRule) while it does not speculate, and every other policy keeps
+the draft resident ("nightjar_no_offload" is Nightjar without the offload). "unlimited_kv": this machine as it is, where
 memory never binds and only compute matters.
 """
 
@@ -37,14 +37,13 @@ from benchmarks.nightjar_sim import (CostModel, Memory, SimRequest, alpha_from_m
 from starjar.policies import make_policy
 from starjar.policies.nightjar import CSwitchTable
 from starjar.workloads import data_dir
-from target_worker.elastic_kv import ElasticRule
+from target_worker.elastic_kv import TAU_LOW_TOKENS, T_PERSIST_STEPS, ElasticRule
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_GAMMA = 4
 MAX_BATCH = 16
 DYNAMIC_LOW, DYNAMIC_PEAK = 0.5, 1.5  # fractions of capacity
 STATIC_FRACTIONS = (0.1, 0.3, 0.6, 0.9, 1.3)
-T_PERSIST, TAU_LOW = 16, 64  # ElasticKV's defaults
 RELOAD_S = 0.006  # a draft reload on this machine (`starjar bench offload`)
 POLICIES = ["nightjar", "nightjar_paper", "none"] + [f"fixed_{g}" for g in range(1, MAX_GAMMA + 1)] + \
     ["dsd", "banditspec", "tide", "vllm_table", "sglang_ema", "hf_heuristic"]
@@ -81,7 +80,7 @@ def _memory(name: str, device: dict | None) -> Memory | None:
         return None
     if name == "none":
         return Memory(device["kv_tokens"], device["draft_tokens"], draft_loaded=False)
-    elastic = ElasticRule(device["draft_tokens"], T_PERSIST, TAU_LOW) if name == "nightjar" else None
+    elastic = ElasticRule(device["draft_tokens"]) if name == "nightjar" else None
     return Memory(device["kv_tokens"], device["draft_tokens"], elastic=elastic, reload_s=RELOAD_S)
 
 
@@ -91,8 +90,8 @@ def _run_all(requests, cost, profile, seeds, device=None, record=False) -> tuple
     for name in names:
         runs = []
         for s in seeds:
-            policy = make_policy("nightjar" if name == "nightjar_no_offload" else name, MAX_GAMMA,
-                                 CSwitchTable.from_dict(profile["cswitch"]), profile, seed=s)
+            policy = make_policy("nightjar" if name == "nightjar_no_offload" else name, MAX_GAMMA, cost.cswitch,
+                                 profile, seed=s)
             runs.append(simulate(policy, requests, cost, MAX_BATCH, seed=s, record=record and name == "nightjar",
                                  memory=_memory(name, device)))
             if runs[-1].gammas and not trace:
@@ -155,7 +154,7 @@ def run(args) -> dict:
     full_batch = round(MAX_BATCH * (sum(outs) + sum(prompts)) / n)
     device = {"kv_tokens": full_batch, "draft_tokens": draft_tokens,
               "rule": "kv_tokens (draft resident) = max_batch x mean (prompt + output) tokens",
-              "t_persist_steps": T_PERSIST, "tau_low_tokens": TAU_LOW, "reload_s": RELOAD_S}
+              "t_persist_steps": T_PERSIST_STEPS, "tau_low_tokens": TAU_LOW_TOKENS, "reload_s": RELOAD_S}
 
     bar = tqdm(total=2 * (1 + len(STATIC_FRACTIONS)), desc="nightjar bench (simulated)", file=sys.stderr)
     limited = _tables(device, gaps, outs, prompts, alphas, cost, profile, capacity, n, seeds, bar)
@@ -241,7 +240,8 @@ def run_real(args, profile: dict) -> dict:
     _, trace_outs, _ = _trace(n)
     outs = [min(64, o) for o in trace_outs]
     loads = {"low (0.3 req/s)": poisson_arrivals(0.3, n, seed=3), "flood (all at t=0)": [0.0] * n}
-    cost, alpha = CostModel(profile), sum(_alphas()) / len(_alphas())
+    cost, alphas = CostModel(profile), _alphas()
+    alpha = sum(alphas) / len(alphas)
     out = {"label": "real models, co-located, greedy", "pair": {"target": target_dir, "draft": draft_dir,
                                                                 "note": note},
            "requests": n, "max_batch": 8}
@@ -254,9 +254,8 @@ def run_real(args, profile: dict) -> dict:
             ref = ref if ref is not None else outputs  # "none" is the target alone
             res["identical_to_target_alone"] = outputs == ref
             # The simulator on the same requests, to show how far its figures can be trusted.
-            sim = simulate(make_policy(name, MAX_GAMMA, CSwitchTable.from_dict(profile["cswitch"]), profile,
-                                       seed=0), [SimRequest(a, o, alpha, len(p)) for a, o, p in
-                                                 zip(arrivals, outs, prompts)], cost, 8)
+            sim = simulate(make_policy(name, MAX_GAMMA, cost.cswitch, profile, seed=0),
+                           [SimRequest(a, o, alpha, len(p)) for a, o, p in zip(arrivals, outs, prompts)], cost, 8)
             res["simulated"] = {"tokens_per_s": round(sim.tokens_per_s, 3), "mean_e2e_s": round(sim.mean_e2e_s, 3)}
             table[name] = res
             bar.update()

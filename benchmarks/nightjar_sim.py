@@ -22,6 +22,12 @@ from starjar.policies.nightjar import CSwitchTable
 from target_worker.elastic_kv import ElasticRule
 
 
+def _bracket(grid: list[int], x: float) -> tuple[int, int, float]:
+    """The grid points either side of x (the outer pair beyond the ends) and x's fraction between them."""
+    i = min(max(bisect_left(grid, x), 1), len(grid) - 1)
+    return i - 1, i, (x - grid[i - 1]) / (grid[i] - grid[i - 1])
+
+
 class CostModel:
     def __init__(self, profile: dict):
         pts = sorted((int(k), v) for k, v in profile["t_of_n"].items())
@@ -32,28 +38,24 @@ class CostModel:
         self.step_grid = (grid["batch_sizes"], grid["gammas"], grid["seconds"]) if grid else None
 
     def t(self, n: float) -> float:
-        i = min(max(bisect_left(self.ns, n), 1), len(self.ns) - 1)
-        n0, n1, t0, t1 = self.ns[i - 1], self.ns[i], self.ts[i - 1], self.ts[i]
-        return max(self.ts[0] * 0.5, t0 + (t1 - t0) * (n - n0) / (n1 - n0))
+        i, j, f = _bracket(self.ns, n)
+        return max(self.ts[0] * 0.5, self.ts[i] + (self.ts[j] - self.ts[i]) * f)
 
     def _measured(self, batch: int, gamma: int) -> float | None:
         bs, gs, secs = self.step_grid
         if gamma not in gs:
             return None
-        col = [row[gs.index(gamma)] for row in secs]
-        i = min(max(bisect_left(bs, batch), 1), len(bs) - 1)
-        b0, b1 = bs[i - 1], bs[i]
-        return col[i - 1] + (col[i] - col[i - 1]) * (batch - b0) / (b1 - b0)
+        g = gs.index(gamma)
+        i, j, f = _bracket(bs, batch)
+        return secs[i][g] + (secs[j][g] - secs[i][g]) * f
 
     def step(self, batch: int, gamma: int) -> float:
         measured = self._measured(batch, gamma) if self.step_grid else None
         if measured is not None:
-            cost = measured
-        elif gamma == 0:
+            return measured
+        if gamma == 0:
             return self.t(batch)
-        else:
-            cost = self.t(batch * (gamma + 1)) + gamma * self.d0 * self.t(batch) / self.t(1)
-        return cost
+        return self.t(batch * (gamma + 1)) + gamma * self.d0 * self.t(batch) / self.t(1)
 
     def catch_up(self, behind: list[int]) -> float:
         """The draft's catch-up pass over `behind` tokens per sequence: C_switch interpolated (bilinearly,
@@ -61,16 +63,11 @@ class CostModel:
         which would charge a 257-token prompt as 1024."""
         t = self.cswitch
         length, n = sum(behind) / len(behind), len(behind)
-
-        def interp(grid: list[int], x: float) -> tuple[int, int, float]:
-            i = min(max(bisect_left(grid, x), 1), len(grid) - 1)
-            lo, hi = grid[i - 1], grid[i]
-            return i - 1, i, min(1.0, max(0.0, (x - lo) / (hi - lo)))
-
         if len(t.lengths) < 2 or len(t.batch_sizes) < 2:
             return t.lookup(length, n)
-        li, lj, lf = interp(t.lengths, length)
-        bi, bj, bf = interp(t.batch_sizes, n)
+        li, lj, lf = _bracket(t.lengths, length)
+        bi, bj, bf = _bracket(t.batch_sizes, n)
+        lf, bf = min(1.0, max(0.0, lf)), min(1.0, max(0.0, bf))
         c = t.cost_s
         row_i = c[li][bi] + (c[li][bj] - c[li][bi]) * bf
         row_j = c[lj][bi] + (c[lj][bj] - c[lj][bi]) * bf
@@ -142,8 +139,7 @@ def simulate(policy, requests: list[SimRequest], cost: CostModel, max_batch: int
         if offloaded and not elastic.expanded and now >= reload_done:
             offloaded = False  # the background reload has finished
         if elastic is not None:
-            action = elastic.before_step(int(budget - used) if budget < math.inf else 1 << 30, bool(waiting),
-                                         draft_loaded=not offloaded)
+            action = elastic.before_step(int(budget - used), bool(waiting), draft_loaded=not offloaded)
             if action == "expand":  # the draft goes to host memory and its KV is dropped
                 budget += memory.draft_tokens
                 offloaded = True

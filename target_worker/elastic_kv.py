@@ -24,10 +24,13 @@ def kv_bytes_per_token(model) -> int:
     return 2 * cfg.num_hidden_layers * heads * head_dim * model.dtype.itemsize
 
 
+T_PERSIST_STEPS, TAU_LOW_TOKENS = 16, 64  # defaults for the engine and the simulated benchmark alike
+
+
 class ElasticRule:
     """The trigger rule alone, in plain Python, so the simulated benchmark runs the engine's own rule."""
 
-    def __init__(self, n_draft: int, t_persist: int = 16, tau_low_tokens: int = 64):
+    def __init__(self, n_draft: int, t_persist: int = T_PERSIST_STEPS, tau_low_tokens: int = TAU_LOW_TOKENS):
         self.n_draft = n_draft
         self.t_persist = t_persist
         self.tau_low = tau_low_tokens
@@ -57,17 +60,20 @@ class ElasticRule:
 
 
 class ElasticKV:
-    def __init__(self, engine, draft_engine, t_persist: int = 16, tau_low_tokens: int = 64):
+    def __init__(self, engine, draft_engine, t_persist: int = T_PERSIST_STEPS, tau_low_tokens: int = TAU_LOW_TOKENS):
         self.engine = engine
         self.draft = draft_engine
         self.draft.auto_reload = False  # reloads happen here, after the budget has shrunk back
         self.rule = ElasticRule(math.ceil(draft_engine.weight_bytes() / kv_bytes_per_token(engine.model)),
                                 t_persist, tau_low_tokens)
-        self.n_draft = self.rule.n_draft
         self.base_budget = engine.scheduler.kv_budget_tokens
         self.hook_s = 0.0  # time spent in before_step, the critical-path cost of all this
         self.hook_calls = 0
         self.reload_dispatch_s: float | None = None  # what starting the reload cost the step that did it
+
+    @property
+    def n_draft(self) -> int:
+        return self.rule.n_draft
 
     @property
     def expansions(self) -> int:
