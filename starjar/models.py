@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from starjar.errors import InvalidArgument, ModelMismatch
-from starjar import quantized, skinny_linear
+from starjar import attention, quantized, skinny_linear
 from starjar.kv_cache import RaggedKVCache
 
 log = logging.getLogger(__name__)
@@ -113,6 +113,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
         model = quantized.quantize_int8(model)
     elif dev.type == "cpu" and dt == torch.float32:
         skinny_linear.install(model)
+    attention.install(model)  # grouped-query heads folded onto their KV head: no K/V copies per pass
     cfg = model.config
     max_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id

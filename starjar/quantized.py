@@ -31,53 +31,89 @@ KIND = "dynamic-int8"
 WIDE = 8192  # output features from which torch._int_mm on a few rows is slower than the fused kernel
 
 
+def _dynamic_int8(linear: torch.nn.Linear) -> torch.nn.Module:
+    """torch's dynamic int8 linear for one layer: weights int8 per output channel."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation notices
+        return quantize_dynamic(torch.nn.Sequential(linear), {torch.nn.Linear: per_channel_dynamic_qconfig},
+                                dtype=torch.qint8)[0]
+
+
 class RowInt8Linear(torch.nn.Module):
     """An int8 linear with per-output-channel weight scales and per-row dynamic activation scales.
 
     One row (a batch-1 decode step) goes through torch's fused dynamic kernel, where one range per tensor
-    is one range per row. Several rows are quantized symmetrically per row (8 bits) and multiplied with
-    torch._int_mm, except in a layer as wide as a vocabulary, where _int_mm on a few rows is 3-4x slower:
-    there each row is divided by its absolute maximum before the fused kernel (which then gives every row
-    most of its range) and multiplied back.
+    is one range per row. Several rows take the path `starjar.kernels` chose for this machine (int_mm or
+    fused, see there); a layer as wide as a vocabulary always takes the fused one (_int_mm on a few rows of
+    a 49k-wide layer is 3-4x slower even where it is fast).
     """
 
-    def __init__(self, qlinear: torch.nn.Module):
+    def __init__(self, qlinear: torch.nn.Module, path: str = "fused"):
         super().__init__()
         self.fused = qlinear  # torch's dynamic int8 linear (per-channel weights, one activation range)
         self.in_features, self.out_features = qlinear.in_features, qlinear.out_features
-        w = qlinear.weight()
         self.wide = self.out_features >= WIDE
-        # The same int8 weights and scales, laid out for _int_mm (not kept for wide layers, which never use them).
-        self.register_buffer("w_t", None if self.wide else w.int_repr().t().contiguous())
-        self.register_buffer("w_scale", None if self.wide else w.q_per_channel_scales().float()[None, :].contiguous())
         b = qlinear.bias()
         self.register_buffer("bias", None if b is None else b.detach().float())
+        self.register_buffer("w_t", None)
+        self.register_buffer("w_scale", None)
+        self.path = "fused"
+        self.set_path(path)
+
+    def set_path(self, path: str) -> None:
+        """Choose the multi-row kernel; the _int_mm layout of the weights is kept only when it is used."""
+        self.path = "fused" if self.wide else path
+        if self.path == "int_mm" and self.w_t is None:
+            w = self.fused.weight()
+            self.w_t = w.int_repr().t().contiguous()
+            self.w_scale = w.q_per_channel_scales().float()[None, :].contiguous()
+        elif self.path != "int_mm":
+            self.w_t = self.w_scale = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == self.in_features:
             return self.fused(x)
-        if self.wide:
-            peak = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)
-            y = self.fused(x / peak)
-            return y * peak if self.bias is None else (y - self.bias) * peak + self.bias
         rows = x.reshape(-1, self.in_features)
-        scale = rows.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
-        y = torch._int_mm(torch.round(rows / scale).to(torch.int8), self.w_t).float() * (scale * self.w_scale)
-        if self.bias is not None:
-            y = y + self.bias
+        y = self.int_mm(rows) if self.path == "int_mm" else self.fused_rows(rows)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def fused_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each row scaled to an absolute maximum of 1, so the fused kernel's one range is every row's own."""
+        peak = rows.abs().amax(-1, keepdim=True).clamp_min(1e-12)
+        y = self.fused(rows / peak)
+        return y * peak if self.bias is None else (y - self.bias) * peak + self.bias
 
-def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
-    """Every nn.Linear becomes an int8 linear: per-channel weight scales, per-row activation scales (CPU)."""
+    def int_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        """Symmetric 8-bit rows times the int8 weights with torch._int_mm, rescaled per row and channel."""
+        if self.w_t is None:
+            self.set_path("int_mm")
+        scale = rows.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
+        y = torch._int_mm(torch.round(rows / scale).to(torch.int8), self.w_t).float() * (scale * self.w_scale)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_int8(model: torch.nn.Module, path: str | None = None) -> torch.nn.Module:
+    """Every nn.Linear becomes an int8 linear: per-channel weight scales, per-row activation scales (CPU).
+
+    path: the multi-row kernel (int_mm or fused); None takes the one starjar.kernels measured fastest on
+    this machine for the model's own layer shapes (or STARJAR_INT8_KERNEL when set).
+    """
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
+    if path is None:
+        from starjar.kernels import chosen_path
+
+        shapes = sorted({(m.in_features, m.out_features) for m in model.modules()
+                         if isinstance(m, torch.nn.Linear) and m.out_features < WIDE})
+        path = chosen_path(tuple(shapes[:4])) if shapes else "fused"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notices, once per load
         model = quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, DynamicLinear):
-                setattr(parent, name, RowInt8Linear(child))
+                setattr(parent, name, RowInt8Linear(child, path))
     return model

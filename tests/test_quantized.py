@@ -3,6 +3,7 @@ decoding with an int8 copy of the target stays lossless."""
 
 import copy
 
+import pytest
 import torch
 
 from controller.colocated import colocated_engine
@@ -13,16 +14,22 @@ from starjar.quantized import RowInt8Linear, quantize_int8
 from starjar.sampling import SamplingParams
 
 
-def int8_copy(m: LoadedModel) -> LoadedModel:
-    return LoadedModel(m.path, quantize_int8(copy.deepcopy(m.model)), m.tokenizer, m.device, m.dtype, m.vocab_size,
-                       m.max_context, m.eos_token_ids, m.fingerprint)
+PATHS = pytest.mark.parametrize("path", ["int_mm", "fused"])
 
 
-def test_every_linear_is_int8_and_close_to_float(models):
+def int8_copy(m: LoadedModel, path: str | None = None) -> LoadedModel:
+    return LoadedModel(m.path, quantize_int8(copy.deepcopy(m.model), path), m.tokenizer, m.device, m.dtype,
+                       m.vocab_size, m.max_context, m.eos_token_ids, m.fingerprint)
+
+
+@PATHS
+def test_every_linear_is_int8_and_close_to_float(models, path, monkeypatch):
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", path)  # the path a machine of that kind would choose
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 48)
     q = quantize_int8(torch.nn.Sequential(lin))[0]
-    assert isinstance(q, RowInt8Linear)
+    assert isinstance(q, RowInt8Linear) and q.path == path
+    assert (q.w_t is not None) == (path == "int_mm")  # the _int_mm layout is kept only where it is used
     x = torch.randn(5, 7, 64)
     x[0, 0] *= 300  # an outlier token, as the first tokens of a prompt are
     ref = lin(x)
@@ -33,9 +40,10 @@ def test_every_linear_is_int8_and_close_to_float(models):
     assert not any(isinstance(x, torch.nn.Linear) for x in m.model.modules())
 
 
-def test_a_rows_output_barely_depends_on_its_batch():
+@PATHS
+def test_a_rows_output_barely_depends_on_its_batch(path):
     torch.manual_seed(1)
-    q = quantize_int8(torch.nn.Sequential(torch.nn.Linear(32, 16)))[0]
+    q = quantize_int8(torch.nn.Sequential(torch.nn.Linear(32, 16)), path)[0]
     x = torch.randn(6, 32)
     alone = q(x[1:3])
     x[4] *= 1000  # another sequence's outlier in the same pass
@@ -43,16 +51,18 @@ def test_a_rows_output_barely_depends_on_its_batch():
     assert moved < 0.03  # one activation range per tensor would move these rows by about half their range
 
 
-def test_batched_drafts_equal_drafts_alone(models):
-    d = int8_copy(models["draft"])
+@PATHS
+def test_batched_drafts_equal_drafts_alone(models, path):
+    d = int8_copy(models["draft"], path)
     prompts = [[5, 6, 7, 8], [100, 101, 102], [42] * 9, [300, 7]]
     together = DraftEngine(d).propose([DraftRequest(i, 0, p, 4) for i, p in enumerate(prompts)])
     alone = [DraftEngine(d).propose([DraftRequest(0, 0, p, 4)])[0] for p in prompts]
     assert together == alone
 
 
-def test_greedy_output_with_an_int8_draft_is_the_targets(models, spec_prompts, reference):
-    draft = int8_copy(models["llama"])  # the default pair's recipe on the tiny target
+@PATHS
+def test_greedy_output_with_an_int8_draft_is_the_targets(models, spec_prompts, reference, path):
+    draft = int8_copy(models["llama"], path)  # the default pair's recipe on the tiny target
     eng = colocated_engine(models["llama"], draft, 3, 8)
     outs = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=64))]
     assert outs == reference("llama")[:8]

@@ -1,0 +1,148 @@
+"""Which CPU this is, and which int8 kernel its multi-row draft passes use (chosen by measurement).
+
+A kernel that is fast on one instruction set can be a cliff on another: `torch._int_mm` runs a oneDNN
+VNNI/AMX kernel where the CPU has them, and a generic loop about 20-70x slower than fp32 where it does not
+(AVX2-only AMD EPYC: 24 ms for a 32 x 576 x 1536 product that fbgemm's fused dynamic kernel does in 0.3 ms).
+So the path is not assumed: both candidates are timed once per machine on the model's own shapes, the
+fastest is kept in a small JSON cache (keyed by CPU model, capability, torch version and threads), and
+`STARJAR_INT8_KERNEL=int_mm|fused` forces one (tests force each; `auto` is the default).
+
+Both paths give every row (token) its own activation scale, so a row's output does not depend on the rest
+of its pass:
+  int_mm  rows quantized symmetrically to 8 bits, multiplied with torch._int_mm;
+  fused   each row divided by its absolute maximum, then fbgemm/oneDNN's fused dynamic linear (one
+          asymmetric range for the pass, which after the division is every row's own range), then
+          multiplied back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+INT8_PATHS = ("int_mm", "fused")
+ENV = "STARJAR_INT8_KERNEL"
+PROBE_ROWS = (2, 8, 32)  # multi-row passes: catch-up, batched drafting, prefill chunks
+
+
+@lru_cache(maxsize=1)
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    """What every benchmark JSON and README figure names: the CPU, its capability, torch and threads."""
+    return {"cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "quantized_engine": torch.backends.quantized.engine, "int8_kernel": chosen_path()}
+
+
+def machine_label() -> str:
+    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+
+
+def forced_path() -> str | None:
+    """The path named by STARJAR_INT8_KERNEL, or None for measurement (auto)."""
+    name = os.environ.get(ENV, "auto").strip().lower()
+    if name in ("", "auto"):
+        return None
+    if name not in INT8_PATHS:
+        raise ValueError(f"{ENV} must be auto or one of {INT8_PATHS}, got {name!r}")
+    return name
+
+
+_chosen: dict[tuple, str] = {}
+
+
+def chosen_path(shapes: tuple[tuple[int, int], ...] = ((576, 1536), (1536, 576))) -> str:
+    """The int8 path for multi-row passes on this machine: forced, cached, or measured now (about 1 s)."""
+    forced = forced_path()
+    if forced is not None:
+        return forced
+    key = (_machine_key(), tuple(shapes))
+    if key in _chosen:
+        return _chosen[key]
+    cache = _cache_file()
+    stored = _read(cache)
+    entry = stored.get(_entry_name(key))
+    if entry and entry.get("path") in INT8_PATHS:
+        _chosen[key] = entry["path"]
+        return entry["path"]
+    timings = time_paths(shapes)
+    best = min(timings, key=timings.get)
+    _chosen[key] = best
+    stored[_entry_name(key)] = {"path": best, "ms": {k: round(v, 4) for k, v in timings.items()},
+                                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    _write(cache, stored)
+    log.info("int8 kernel for multi-row passes: %s (%s; %s)", best,
+             ", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()), machine_label())
+    return best
+
+
+def time_paths(shapes, rows: tuple[int, ...] = PROBE_ROWS, reps: int = 5) -> dict[str, float]:
+    """Median time (ms) of each path over the given (in, out) shapes and row counts, summed."""
+    from starjar.quantized import RowInt8Linear, _dynamic_int8
+
+    torch.manual_seed(0)
+    total = dict.fromkeys(INT8_PATHS, 0.0)
+    for k, n in shapes:
+        layer = RowInt8Linear(_dynamic_int8(torch.nn.Linear(k, n, bias=False)))
+        for m in rows:
+            x = torch.randn(m, k)
+            for path in INT8_PATHS:
+                fn = layer.int_mm if path == "int_mm" else layer.fused_rows
+                fn(x)  # warm-up (packing, thread pool)
+                ts = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    fn(x)
+                    ts.append(time.perf_counter() - t0)
+                total[path] += sorted(ts)[len(ts) // 2] * 1000
+    return total
+
+
+def _machine_key() -> str:
+    return f"{cpu_model()}|{torch.backends.cpu.get_cpu_capability()}|torch {torch.__version__}|" \
+           f"{torch.get_num_threads()} threads|{torch.backends.quantized.engine}"
+
+
+def _entry_name(key: tuple) -> str:
+    machine, shapes = key
+    return f"{machine}|" + ",".join(f"{k}x{n}" for k, n in shapes)
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("STARJAR_HOME") or Path.home() / ".cache" / "starjar"
+    return Path(root) / "kernels.json"
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: Path, data: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only home only costs a re-measurement next time
+        log.warning("could not save the kernel choice to %s: %s", path, exc)

@@ -1,0 +1,90 @@
+"""The int8 kernel is chosen by measurement on the running machine, cached, and forced by STARJAR_INT8_KERNEL;
+folded grouped-query attention computes what Hugging Face's sdpa path does."""
+
+import json
+
+import pytest
+import torch
+
+from starjar import kernels
+from starjar.attention import folded_attention
+
+
+@pytest.fixture
+def fresh_choice(tmp_path, monkeypatch):
+    monkeypatch.setenv("STARJAR_HOME", str(tmp_path))
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    monkeypatch.setattr(kernels, "_chosen", {})
+    return tmp_path / "kernels.json"
+
+
+@pytest.mark.parametrize("fastest", kernels.INT8_PATHS)
+def test_auto_takes_the_fastest_measured_path_and_caches_it(fresh_choice, monkeypatch, fastest):
+    slow = {p: 10.0 for p in kernels.INT8_PATHS}
+    monkeypatch.setattr(kernels, "time_paths", lambda shapes: {**slow, fastest: 1.0})
+    assert kernels.chosen_path(((64, 48),)) == fastest
+    entry = next(iter(json.loads(fresh_choice.read_text()).values()))
+    assert entry["path"] == fastest and entry["ms"][fastest] == 1.0
+    assert kernels.cpu_model() in next(iter(json.loads(fresh_choice.read_text())))  # keyed by the CPU
+    # A new process reads the cache instead of measuring again.
+    monkeypatch.setattr(kernels, "_chosen", {})
+    monkeypatch.setattr(kernels, "time_paths", lambda shapes: pytest.fail("measured twice"))
+    assert kernels.chosen_path(((64, 48),)) == fastest
+
+
+@pytest.mark.parametrize("path", kernels.INT8_PATHS)
+def test_a_forced_path_wins_over_the_measurement(fresh_choice, monkeypatch, path):
+    monkeypatch.setenv(kernels.ENV, path)
+    monkeypatch.setattr(kernels, "time_paths", lambda shapes: pytest.fail("a forced path is not measured"))
+    assert kernels.chosen_path(((64, 48),)) == path
+    assert kernels.machine_info()["int8_kernel"] == path
+
+
+def test_a_bad_forced_path_says_what_is_allowed(monkeypatch):
+    monkeypatch.setenv(kernels.ENV, "avx9000")
+    with pytest.raises(ValueError, match="int_mm"):
+        kernels.forced_path()
+
+
+def test_the_real_measurement_times_both_paths(fresh_choice):
+    ms = kernels.time_paths(((32, 16),), rows=(2, 4), reps=1)
+    assert set(ms) == set(kernels.INT8_PATHS) and all(v > 0 for v in ms.values())
+
+
+def test_machine_info_names_the_cpu_and_its_capability():
+    info = kernels.machine_info()
+    assert info["cpu_model"] and info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
+def _reference(q, k, v, mask):
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
+
+
+class _Module:
+    pass
+
+
+@pytest.mark.parametrize("b,h,hkv,q,k", [(1, 4, 2, 1, 9), (3, 4, 2, 5, 17), (2, 9, 3, 4, 30), (2, 4, 4, 3, 8)])
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_folded_attention_is_grouped_query_attention(b, h, hkv, q, k, kind):
+    torch.manual_seed(b * 100 + q)
+    query, key, value = torch.randn(b, h, q, 16), torch.randn(b, hkv, k, 16), torch.randn(b, hkv, k, 16)
+    starts = torch.randint(0, k - q + 1, (b,))  # ragged: each row's own context length
+    pos = starts[:, None] + torch.arange(q)[None]
+    allowed = (torch.arange(k)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, Q, K]
+    mask = allowed if kind == "bool" else torch.zeros(b, 1, q, k).masked_fill(~allowed, torch.finfo().min)
+    out, _ = folded_attention(_Module(), query, key, value, mask)
+    assert out.shape == (b, q, h, 16)
+    torch.testing.assert_close(out, _reference(query, key, value, mask), atol=1e-5, rtol=1e-5)
+    again, _ = folded_attention(_Module(), query, key, value, mask)  # the folded mask is reused, not stale
+    torch.testing.assert_close(again, out)
+
+
+def test_folded_attention_without_a_mask_is_causal_on_a_prefill():
+    torch.manual_seed(0)
+    query, key, value = torch.randn(2, 6, 7, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()[None, None]
+    out, _ = folded_attention(_Module(), query, key, value, None)
+    torch.testing.assert_close(out, _reference(query, key, value, causal), atol=1e-5, rtol=1e-5)
