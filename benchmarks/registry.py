@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from starjar.errors import InvalidArgument
+from starjar.kernels import machine_info
 
 BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "benchmarks.star",
               "cluster": "benchmarks.cluster", "draft": "benchmarks.draft", "api": "benchmarks.api",
@@ -29,7 +30,8 @@ def run_bench(args) -> int:
                       "torch_threads": torch.get_num_threads(),
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"), "machine": platform.machine(),
                       "python": platform.python_version(), "torch": torch.__version__,
-                      "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                      "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      **machine_info()}  # the CPU model and capability every figure belongs to
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

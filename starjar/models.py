@@ -17,6 +17,7 @@ import torch
 from starjar.errors import InvalidArgument, ModelMismatch
 from starjar import attention, quantized, skinny_linear
 from starjar.kv_cache import RaggedKVCache
+from starjar.lean_decoder import LeanDecoder
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class LoadedModel:
     max_context: int  # longest sequence (prompt + output) the model supports
     eos_token_ids: tuple[int, ...]
     fingerprint: str
+    lean: torch.nn.Module | None = None  # starjar.lean_decoder.LeanDecoder for a Llama-family draft
 
     def new_cache(self) -> RaggedKVCache:
         return RaggedKVCache(self.device, self.dtype)
@@ -82,12 +84,17 @@ class LoadedModel:
         for b, t in enumerate(tokens):
             ids[b, : len(t)] = torch.tensor(t, dtype=torch.long)
         position_ids, mask = cache.begin(slots, counts)
-        out = self.model.base_model(input_ids=ids.to(self.device), position_ids=position_ids,
-                                    attention_mask=mask, past_key_values=cache, use_cache=True)
-        hidden = out.last_hidden_state  # [B, Q, hidden]
+        if self.lean is not None:
+            hidden = self.lean.hidden(ids.to(self.device), position_ids, mask, cache)
+        else:
+            hidden = self.model.base_model(input_ids=ids.to(self.device), position_ids=position_ids,
+                                           attention_mask=mask, past_key_values=cache, use_cache=True
+                                           ).last_hidden_state  # [B, Q, hidden]
         b_idx = [b for b, rows in enumerate(logit_rows) for _ in rows]
         r_idx = [r for rows in logit_rows for r in rows]
-        logits = self.model.get_output_embeddings()(hidden[b_idx, r_idx]).float()  # [sum rows, V]
+        head = self.lean.head if self.lean is not None and self.lean.head is not None \
+            else self.model.get_output_embeddings()
+        logits = head(hidden[b_idx, r_idx]).float()  # [sum rows, V] (a draft's restricted head: its first V ids)
         return list(torch.split(logits, [len(r) for r in logit_rows]))
 
 
@@ -109,8 +116,14 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(weights, local_files_only=True, dtype=dt).to(dev).eval()
     vocab = model.get_output_embeddings().weight.shape[0]
+    lean = None
     if recipe.get("kind") == quantized.KIND:
-        model = quantized.quantize_int8(model)
+        leaner = LeanDecoder.supports(model)  # a draft's proposals may differ in the last bits; a target's may not
+        if leaner:
+            LeanDecoder.attach_fused(model, recipe.get("head_vocab"))
+        model = quantized.quantize_int8(model, recipe.get("int8_kernel"))
+        if leaner:
+            lean = LeanDecoder(model)
     elif dev.type == "cpu" and dt == torch.float32:
         skinny_linear.install(model)
     attention.install(model)  # grouped-query heads folded onto their KV head: no K/V copies per pass
@@ -123,7 +136,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     log.info("loaded %s from %s (%s, %s, vocab %d, context %d)", what, p, dev, dt, vocab, max_ctx)
     return LoadedModel(str(p), model, tokenizer, dev, dt, vocab, int(max_ctx), eos_ids,
-                       tokenizer_fingerprint(tokenizer))
+                       tokenizer_fingerprint(tokenizer), lean)
 
 
 def _recipe(p: Path) -> dict:

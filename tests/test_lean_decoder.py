@@ -1,0 +1,55 @@
+"""The lean draft forward: the same function as Hugging Face's for a Llama-family int8 draft, and drafts from it
+keep greedy output equal to the target's."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from controller.colocated import colocated_engine
+from starjar.models import load_model
+from starjar.sampling import SamplingParams
+
+
+def int8_draft_dir(tmp_path, target_dir, **recipe):
+    """A draft directory as `starjar models build` writes it: tokenizer and config, weights from the target."""
+    d = tmp_path / "int8-draft"
+    shutil.copytree(target_dir, d, ignore=shutil.ignore_patterns("*.safetensors"))
+    (d / "starjar.json").write_text(json.dumps({"kind": "dynamic-int8", "weights_from": str(target_dir), **recipe}))
+    return d
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_lean_logits_match_the_hf_path_of_the_same_int8_model(tmp_path, model_dirs, family):
+    draft = load_model(int8_draft_dir(tmp_path, model_dirs[family]))
+    assert draft.lean is not None
+    hf = dataclasses.replace(draft, lean=None)
+    prompts = [[5, 6, 7, 8, 9, 10], [100, 101, 102], [42] * 11]
+    outs = []
+    for m in (draft, hf):
+        cache = m.new_cache()
+        slots = [cache.allocate() for _ in prompts]
+        first = m.forward(cache, slots, prompts, [list(range(len(p))) for p in prompts])
+        step = m.forward(cache, slots, [[3, 4]] * 3, [[0, 1]] * 3)  # a ragged multi-token pass after them
+        outs.append(torch.cat(first + step))
+    # q/k/v and gate/up fused into one int8 linear each: the same int8 weights, scales and row scales.
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+
+
+def test_gpt2_keeps_the_hf_path(tmp_path, model_dirs):
+    assert load_model(int8_draft_dir(tmp_path, model_dirs["gpt2"])).lean is None
+
+
+@pytest.mark.parametrize("head_vocab", [None, 200])
+def test_greedy_output_with_a_lean_draft_is_the_targets(tmp_path, models, model_dirs, spec_prompts, reference,
+                                                        head_vocab):
+    recipe = {"head_vocab": head_vocab} if head_vocab else {}
+    draft = load_model(int8_draft_dir(tmp_path, model_dirs["llama"], **recipe))
+    if head_vocab:
+        assert draft.lean.head.out_features == head_vocab  # ids past it are never proposed
+    eng = colocated_engine(models["llama"], draft, 3, 8)
+    outs = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=48))]
+    assert outs == reference("llama", 48)[:8]
+    assert eng.stats.acceptance_rate > 0.5
