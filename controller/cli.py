@@ -135,11 +135,16 @@ def _models_build(args) -> int:
     pair = build_default_pair(force=args.force)
     check = measured_acceptance(pair["target"], pair["draft"], force=args.force)
     if args.json:
-        print(json.dumps({**pair, "acceptance": check}))
+        print(json.dumps({**pair, "acceptance": check.get("acceptance_rate"), "measured": check}))
     else:
+        acc = check.get("acceptance_rate")
         print(f"target: {pair['target']}\ndraft:  {pair['draft']}\n"
-              f"acceptance at gamma {check['gamma']}: {check['acceptance_rate']:.2f} "
-              f"({check['prompts']} prompts of our own, greedy)\n({time.time() - t0:.1f} s)")
+              f"machine: {check['machine']['cpu_model']} ({check['machine']['cpu_capability']}, "
+              f"{check['machine']['threads']} threads)\n"
+              f"chosen draft: {check['chosen']['name']}\n"
+              + (f"acceptance at gamma {check['confirm_gamma']}: {acc:.2f} ({check['prompts']} prompts of our own, "
+                 f"greedy)\n" if acc is not None else "")
+              + f"default gamma: {check['gamma']} ({check['verdict']})\n({time.time() - t0:.1f} s)")
     return 0
 
 

@@ -1,13 +1,30 @@
-"""What `starjar models build` measures once on a new pair: how often the target accepts the draft's tokens.
+"""What `starjar models build` measures once per machine: which draft variant is fastest here, with which gamma,
+and whether speculation pays at all.
 
-Greedy, gamma 3, prompts of our own (no data set needed), through the chat template. The figure is kept
-in the draft's starjar.json, so later builds print it without measuring again.
+Kernels and memory bandwidth differ from CPU to CPU, so nothing is assumed. On prompts of our own (chat
+template, no data set needed), in about a minute:
+  1. the target alone decodes them at batch 1 (its greedy output, and the baseline speed);
+  2. every draft candidate (the int8 copy with each int8 kernel path, with a full head and with a head over
+     the first HEAD_VOCAB ids) is scored on the target's own output, teacher-forced: alpha = how often its
+     top token is the target's next token (the per-token acceptance of a deterministic draft);
+  3. step costs are timed on this machine, interleaved so that a noisy neighbour hits both sides: a draft
+     step, a draft catch-up pass (3 positions) and a 4-sequence draft pass over the target's step, and the
+     target's pass over gamma+1 positions; a candidate whose catch-up pass is a cliff (1.5x the cheapest)
+     is not scored;
+  4. the predicted batch-1 speedup E(gamma) / (v(gamma) + catch-up + (gamma-1) step) with
+     E = (1 - alpha^(gamma+1)) / (1 - alpha) picks the candidate and gamma;
+  5. a real speculative run with that choice confirms it against step 1. If it does not beat the target
+     alone, the default gamma is 0 and the verdict says speculation does not pay on this machine.
+The result is kept in the draft's starjar.json with the machine it was measured on (the chosen variant's
+settings too, so every later load uses them); another machine measures again.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 OWN_PROMPTS = [
@@ -18,27 +35,181 @@ OWN_PROMPTS = [
     "Summarize the plot of Romeo and Juliet in four sentences.",
     "Convert 72 degrees Fahrenheit to Celsius and show the formula.",
 ]
-GAMMA = 3
 KEY = "measured"
+HEAD_VOCAB = 16384  # covers 94% of the default target's output tokens on Spec-Bench
+MAX_GAMMA = 6
+PAYS = 1.05  # a predicted batch-1 speedup below this is not worth a draft's memory and risk
 
 
 def measured_acceptance(target_dir: str, draft_dir: str, force: bool = False, max_new: int = 32) -> dict:
+    """The pair's measurement on this machine: cached in the draft's starjar.json, measured when missing,
+    forced, or taken on another machine."""
+    from starjar.kernels import machine_info
+
     recipe_path = Path(draft_dir) / "starjar.json"
     recipe = json.loads(recipe_path.read_text()) if recipe_path.is_file() else {}
-    if KEY in recipe and not force:
+    machine = _machine(machine_info())
+    if KEY in recipe and not force and recipe[KEY].get("machine") == machine:
         return recipe[KEY]
-    from controller.colocated import colocated_engine, load_pair
+    result = measure_pair(target_dir, draft_dir, max_new, int8_draft=recipe.get("kind") == "dynamic-int8")
+    result["machine"] = machine
+    recipe[KEY] = result
+    for k in ("int8_kernel", "head_vocab"):  # later loads use the chosen variant
+        recipe.pop(k, None)
+        if result["chosen"].get(k) is not None:
+            recipe[k] = result["chosen"][k]
+    recipe_path.write_text(json.dumps(recipe, indent=1))
+    return result
+
+
+def _machine(info: dict) -> dict:
+    return {k: info[k] for k in ("cpu_model", "cpu_capability", "torch", "threads")}
+
+
+def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft: bool = True) -> dict:
+    from controller.colocated import colocated_engine
+    from starjar.kernels import INT8_PATHS, machine_label
+    from starjar.models import check_pair, load_model
     from starjar.sampling import SamplingParams
     from starjar.text import encode_prompt
 
-    print(f"measuring the draft's acceptance (gamma {GAMMA}, {len(OWN_PROMPTS)} prompts, greedy) ...",
-          file=sys.stderr)
-    target, draft = load_pair(target_dir, draft_dir)
-    eng = colocated_engine(target, draft, GAMMA, len(OWN_PROMPTS))
-    eng.generate([encode_prompt(target.tokenizer, p, chat=True) for p in OWN_PROMPTS],
-                 SamplingParams(max_tokens=max_new))
-    result = {"acceptance_rate": round(eng.stats.acceptance_rate, 3), "gamma": GAMMA, "prompts": len(OWN_PROMPTS),
-              "drafted_tokens": eng.stats.drafted_tokens}
-    recipe[KEY] = result
-    recipe_path.write_text(json.dumps(recipe))
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    say(f"measuring the pair on this machine ({machine_label()}) ...")
+    target = load_model(target_dir, what="target")
+    prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in OWN_PROMPTS]
+    params = SamplingParams(max_tokens=max_new)
+    colocated_engine(target, None, 0, 1).generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
+    t0 = time.perf_counter()
+    outputs = [r.output_ids for r in colocated_engine(target, None, 0, 1).generate(prompts, params)]
+    alone_tps = sum(map(len, outputs)) / (time.perf_counter() - t0)
+    verify_cost = _verify_costs(target)
+    say(f"  target alone: {alone_tps:.1f} tok/s at batch 1; a pass over gamma+1 positions costs "
+        + ", ".join(f"{v:.2f}" for v in verify_cost[1:]) + " x one position (gamma 1..)")
+
+    variants = [{"int8_kernel": k, "head_vocab": h} for k in INT8_PATHS for h in (None, HEAD_VOCAB)] \
+        if int8_draft else [{}]
+    candidates = []
+    for variant in variants:  # costs first: they decide which candidates are worth scoring
+        draft = load_model(draft_dir, what="draft", variant=variant)
+        check_pair(target, draft)
+        row = {"name": _name(variant), **variant}
+        row["cost_b1"], row["cost_catchup"], row["cost_b4"] = (round(c, 3) for c in _cost_ratios(target, draft))
+        candidates.append(row)
+        del draft
+    cheapest = min(r["cost_catchup"] for r in candidates)
+    for row in candidates:
+        variant = {k: row[k] for k in ("int8_kernel", "head_vocab") if k in row}
+        if row["cost_catchup"] > 1.5 * cheapest:  # a cliff kernel: scoring it would take minutes for nothing
+            row.update(agreement=None, best_gamma=0, predicted_speedup=0.0,
+                       note=f"not scored: a catch-up pass costs {row['cost_catchup'] / cheapest:.1f}x the cheapest")
+        else:
+            row["agreement"] = round(_agreement(load_model(draft_dir, what="draft", variant=variant), prompts,
+                                                outputs), 4)
+            gamma, speedup = _best_gamma(row["agreement"], row["cost_b1"], row["cost_catchup"], verify_cost)
+            row.update(best_gamma=gamma, predicted_speedup=round(speedup, 3))
+        say(f"  {row['name']}: step {row['cost_b1']:.2f}x the target's at batch 1, catch-up pass "
+            f"{row['cost_catchup']:.2f}x, 4 rows {row['cost_b4']:.2f}x; "
+            + (f"agreement {row['agreement']:.3f} -> gamma {row['best_gamma']}, predicted "
+               f"{row['predicted_speedup']:.2f}x" if row["agreement"] is not None else row["note"]))
+
+    best = max(candidates, key=lambda r: r["predicted_speedup"])
+    chosen = {k: best.get(k) for k in ("int8_kernel", "head_vocab")}
+    result = {"prompts": len(prompts), "max_new_tokens": max_new, "target_alone_tokens_per_s": round(alone_tps, 2),
+              "verify_cost": [round(v, 3) for v in verify_cost], "candidates": candidates,
+              "chosen": {**chosen, "name": best["name"]}}
+    if best["predicted_speedup"] < PAYS:
+        result.update(gamma=0, acceptance_rate=None, speedup_batch1=1.0,
+                      verdict=f"speculation does not pay on this machine: the best draft ({best['name']}) predicts "
+                              f"{best['predicted_speedup']:.2f}x at batch 1; default gamma 0")
+        return result
+    gamma = best["best_gamma"]
+    draft = load_model(draft_dir, what="draft", variant=chosen)
+    eng = colocated_engine(target, draft, gamma, 1)
+    t0 = time.perf_counter()
+    reqs = eng.generate(prompts, params)
+    spec_tps = sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - t0)
+    speedup = spec_tps / alone_tps
+    identical = sum(r.output_ids == o for r, o in zip(reqs, outputs))
+    result.update(acceptance_rate=round(eng.stats.acceptance_rate, 3), drafted_tokens=eng.stats.drafted_tokens,
+                  speedup_batch1=round(speedup, 3), identical=identical, confirm_gamma=gamma)
+    if speedup < 1.0:
+        result.update(gamma=0, verdict=f"speculation does not pay on this machine: {best['name']} at gamma {gamma} "
+                                       f"ran {speedup:.2f}x the target alone; default gamma 0")
+    else:
+        result.update(gamma=gamma, verdict=f"speculation pays here: {best['name']} at gamma {gamma}, "
+                                           f"{speedup:.2f}x the target alone at batch 1")
     return result
+
+
+def _name(variant: dict) -> str:
+    if not variant:
+        return "the draft as given"
+    head = f"head over the first {variant['head_vocab']} ids" if variant.get("head_vocab") else "full head"
+    return f"int8 copy ({variant['int8_kernel']} kernel, {head})"
+
+
+def _agreement(draft, prompts, outputs) -> float:
+    """Teacher-forced: how often the draft's top token at a position of the target's output is the target's."""
+    hits = total = 0
+    for p, out in zip(prompts, outputs):
+        if not out:
+            continue
+        cache = draft.new_cache()
+        slot = cache.allocate()
+        ids = p + out
+        logits = draft.forward(cache, [slot], [ids[:-1]], [list(range(len(p) - 1, len(ids) - 1))])[0]
+        hits += sum(int(a) == b for a, b in zip(logits.argmax(-1), out))
+        total += len(out)
+    return hits / max(total, 1)
+
+
+def _interleaved(fns: list, reps: int) -> list[float]:
+    """Median time of each function, run in turns so that a slow spell hits all of them."""
+    times = [[] for _ in fns]
+    for fn in fns:
+        fn()
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def _pass(model, batch: int, positions: int, context: int = 96):
+    """A callable that runs one pass of `positions` new tokens for `batch` sequences at `context` tokens."""
+    cache = model.new_cache()
+    slots = [cache.allocate() for _ in range(batch)]
+    model.forward(cache, slots, [[5] * context] * batch, [[context - 1]] * batch)
+
+    def run():
+        model.forward(cache, slots, [[7] * positions] * batch, [list(range(positions))] * batch)
+        for s in slots:
+            cache.truncate(s, context)
+    return run
+
+
+def _verify_costs(target) -> list[float]:
+    """v[g] = the target's pass over g+1 positions at batch 1, over its one-position step."""
+    times = _interleaved([_pass(target, 1, g + 1) for g in range(MAX_GAMMA + 1)], reps=7)
+    return [t / times[0] for t in times]
+
+
+def _cost_ratios(target, draft) -> tuple[float, float, float]:
+    """Draft passes over the target's one-position step: a one-token draft step and a 3-position catch-up at
+    batch 1, and a 4-sequence pass over the target's 4-sequence step (batched drafting)."""
+    t1, d1, d3, t4, d4 = _interleaved([_pass(target, 1, 1), _pass(draft, 1, 1), _pass(draft, 1, 3),
+                                       _pass(target, 4, 1), _pass(draft, 4, 1)], reps=7)
+    return d1 / t1, d3 / t1, d4 / t4
+
+
+def _best_gamma(alpha: float, cost: float, catchup: float, verify_cost: list[float]) -> tuple[int, float]:
+    """A round: one catch-up pass (it yields the first draft), gamma - 1 draft steps, one verification."""
+    alpha = min(alpha, 0.999)
+    best = (0, 1.0)
+    for g in range(1, len(verify_cost)):
+        expected = (1 - alpha ** (g + 1)) / (1 - alpha)
+        speedup = expected / (verify_cost[g] + catchup + (g - 1) * cost)
+        if speedup > best[1]:
+            best = (g, speedup)
+    return best

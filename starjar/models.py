@@ -99,15 +99,18 @@ class LoadedModel:
 
 
 def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.dtype = "float32",
-               what: str = "model") -> LoadedModel:
-    """Load a Hugging Face causal LM and its tokenizer from a local directory."""
+               what: str = "model", variant: dict | None = None) -> LoadedModel:
+    """Load a Hugging Face causal LM and its tokenizer from a local directory.
+
+    variant: recipe keys that override the directory's starjar.json for this load (an int8 draft's
+    int8_kernel and head_vocab: how `starjar models build` tries its candidates)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = Path(path)
     if not (p / "config.json").is_file():
         raise InvalidArgument(what, "must be a local directory with a Hugging Face config.json", str(path))
     dev, dt = parse_device(device), parse_dtype(dtype)
-    recipe = _recipe(p)
+    recipe = {**_recipe(p), **(variant or {})}
     weights = p
     if recipe.get("kind") == quantized.KIND:
         weights = (p / recipe["weights_from"]).resolve()

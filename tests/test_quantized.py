@@ -69,16 +69,37 @@ def test_greedy_output_with_an_int8_draft_is_the_targets(models, spec_prompts, r
     assert eng.stats.acceptance_rate > 0.5  # a copy of the target predicts it
 
 
-def test_the_pair_check_measures_once_and_keeps_the_figure(tmp_path, model_dirs, monkeypatch):
+def test_the_pair_check_measures_once_per_machine_and_keeps_the_choice(tmp_path, model_dirs, monkeypatch):
     import json
     import shutil
 
     from controller import pair_check
 
     draft_dir = tmp_path / "draft"
-    shutil.copytree(model_dirs["draft"], draft_dir)
+    shutil.copytree(model_dirs["llama"], draft_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    (draft_dir / "starjar.json").write_text(json.dumps({"kind": "dynamic-int8", "weights_from": model_dirs["llama"]}))
     first = pair_check.measured_acceptance(model_dirs["llama"], str(draft_dir), max_new=8)
-    assert 0 <= first["acceptance_rate"] <= 1 and first["gamma"] == 3 and first["drafted_tokens"] > 0
-    assert json.loads((draft_dir / "starjar.json").read_text())["measured"] == first
-    monkeypatch.setattr("controller.colocated.colocated_engine", None)  # a second measurement would fail
+    names = {(c["int8_kernel"], c["head_vocab"]) for c in first["candidates"]}
+    assert names == {(k, h) for k in ("int_mm", "fused") for h in (None, pair_check.HEAD_VOCAB)}
+    assert first["machine"]["cpu_capability"] and first["gamma"] >= 0 and first["verdict"]
+    scored = [c for c in first["candidates"] if c["agreement"] is not None]
+    assert scored and all(0 <= c["agreement"] <= 1 and c["cost_b1"] > 0 for c in scored)
+    if first["gamma"] > 0:  # the confirmation run: speculation beat the target alone, outputs identical
+        assert first["speedup_batch1"] >= 1.0 and first["identical"] == first["prompts"]
+    recipe = json.loads((draft_dir / "starjar.json").read_text())
+    assert recipe["measured"] == first and recipe.get("int8_kernel") == first["chosen"]["int8_kernel"]
+    monkeypatch.setattr(pair_check, "measure_pair", None)  # a second measurement would fail
     assert pair_check.measured_acceptance(model_dirs["llama"], str(draft_dir)) == first
+    other = dict(first["machine"], cpu_model="another CPU")  # a different machine measures again
+    recipe["measured"]["machine"] = other
+    (draft_dir / "starjar.json").write_text(json.dumps(recipe))
+    with pytest.raises(TypeError):
+        pair_check.measured_acceptance(model_dirs["llama"], str(draft_dir))
+
+
+def test_the_speedup_model_turns_speculation_off_when_drafts_cost_too_much():
+    from controller.pair_check import _best_gamma
+
+    flat = [1.0, 1.05, 1.1, 1.15, 1.2]
+    assert _best_gamma(0.8, 0.2, 0.25, flat)[0] >= 2  # cheap drafts, good acceptance: speculate
+    assert _best_gamma(0.8, 1.5, 1.6, flat) == (0, 1.0)  # a draft step dearer than a target step: never
