@@ -18,14 +18,18 @@ from tqdm import tqdm
 from starjar.workloads import spec_bench_mix
 
 
+DEMO_MAX_GAMMA = 3
+
+
 def add_demo_parser(sub) -> None:
     d = sub.add_parser("demo", help="local cluster, Spec-Bench with Poisson arrivals, speculation off vs on")
     d.add_argument("--requests", type=int, default=16, help="requests per run (default 16)")
     d.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate, requests/s (default 1)")
     d.add_argument("--max-tokens", type=int, default=48, help="new tokens per request (default 48)")
     d.add_argument("--targets", type=int, default=1, help="target workers, if the demo starts the cluster")
-    d.add_argument("--gamma", type=int, default=3, help="draft tokens per step when speculating (default 3, the best "
-                   "at batch 1 in `starjar bench draft`)")
+    d.add_argument("--gamma", type=int, default=None, help="draft tokens per step when speculating, forced (default: "
+                   "adaptive, the Nightjar planner up to the gamma `starjar models build` measured best on this "
+                   "machine; where speculation does not pay here, the demo says so and lets the planner decide)")
     d.add_argument("--batch-size", type=int, default=1, help="running requests per target (default 1)")
     d.add_argument("--threads", type=int, default=2, help="torch threads of the target worker (default 2: draft "
                    "and target take turns, so it can use both cores of a small machine)")
@@ -112,15 +116,19 @@ def run_demo(args) -> int:
     local_ray_env()  # before Ray is imported: it reads these at import time
     import ray
 
-    from controller.up_cmd import local_spec, read_state, start_local, stop_local
+    from controller.up_cmd import adaptive_defaults, local_spec, read_state, start_local, stop_local
 
     if args.requests < 1 or args.rate <= 0 or args.max_tokens < 1:
         from starjar.errors import InvalidArgument
         raise InvalidArgument("--requests/--rate/--max-tokens", "must be positive")
-    state, started = read_state(), False
+    state, started, verdict = read_state(), False, None
     if state is None:
-        spec = local_spec(targets=args.targets, gamma=args.gamma, batch_size=args.batch_size, threads=args.threads,
-                          draft_threads=args.draft_threads, grpc_port=0, http_port=0)
+        chosen = adaptive_defaults(None, None, False, args.gamma, None)
+        policy, gamma = chosen.policy, chosen.gamma
+        if not chosen.speculates:  # measured not to pay here: the planner may still try, and must not lose
+            verdict, policy, gamma = chosen.note, "nightjar", DEMO_MAX_GAMMA
+        spec = local_spec(targets=args.targets, gamma=gamma, policy=policy, batch_size=args.batch_size,
+                          threads=args.threads, draft_threads=args.draft_threads, grpc_port=0, http_port=0)
         print("starting a local cluster (starjar up) ...", file=sys.stderr)
         start_local(spec)
         state, started = read_state(), True
@@ -130,7 +138,9 @@ def run_demo(args) -> int:
         ray.init(address=state["ray_address"], namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
         spec = ray.get(controller.describe.remote())
-        gamma = spec["gamma"] if not started else args.gamma
+        adaptive = spec["policy"] != "fixed"
+        label = (f"speculation on, {spec['policy']} gamma<={spec['gamma']}" if adaptive
+                 else f"speculation on, gamma={spec['gamma']}")
         address = state["addresses"]["grpc"]
         prompts = spec_bench_mix(args.requests)
         rng = random.Random(args.seed)
@@ -141,8 +151,8 @@ def run_demo(args) -> int:
         asyncio.run(_workload(address, prompts[:2], [0.0, 0.0], 4, "warm-up"))
         ray.get(controller.set_gamma.remote(0))
         off = asyncio.run(_workload(address, prompts, arrivals, args.max_tokens, "speculation off"))
-        ray.get(controller.set_gamma.remote(gamma))
-        on = asyncio.run(_workload(address, prompts, arrivals, args.max_tokens, f"speculation on, gamma={gamma}"))
+        ray.get(controller.set_gamma.remote(None if adaptive else spec["gamma"]))
+        on = asyncio.run(_workload(address, prompts, arrivals, args.max_tokens, label))
         ray.get(controller.set_gamma.remote(None))
     finally:
         ray.shutdown()
@@ -152,11 +162,16 @@ def run_demo(args) -> int:
     print(f"\nstarjar demo: {len(prompts)} Spec-Bench prompts (chat), Poisson arrivals at {args.rate:g}/s, "
           f"greedy, max {args.max_tokens} new tokens")
     print(f"cluster: {spec['targets']} target worker(s) (batch {spec['batch_size']}), draft server "
-          f"{'on' if spec['draft'] else 'off'}; target {spec['target']}\n")
+          f"{'on' if spec['draft'] else 'off'}; target {spec['target']}")
+    from starjar.kernels import machine_label
+
+    print(f"machine: {machine_label()}\n")
     print(f"{'run':<22}{'reqs':>5}{'tokens':>7}{'tok/s':>8}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>9}"
           f"{'accept':>8}")
     print(_row(off))
     print(_row(on))
+    if verdict:
+        print(f"\nnote: {verdict}; the second run let the planner decide")
     print(f"\nspeedup {on['tok_s'] / off['tok_s']:.2f}x output tokens/s, TPOT p50 "
           f"{_pct(off['tpot'], .5) / _pct(on['tpot'], .5):.2f}x; identical outputs {same}/{len(prompts)} "
           "(lossless)")

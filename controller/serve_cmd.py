@@ -8,10 +8,13 @@ can start it on port 0 and learn the port.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from starjar.errors import InvalidArgument
 from starjar.models import load_model
+
+log = logging.getLogger(__name__)
 
 
 def add_serve_parsers(sub) -> None:
@@ -38,9 +41,10 @@ def add_serve_parsers(sub) -> None:
     t.add_argument("--host", default="127.0.0.1")
     t.add_argument("--port", type=int, default=50071, help="0 = any free port")
     t.add_argument("--worker-id", default=None, help="name for the draft server (default: host:pid)")
-    t.add_argument("--gamma", type=int, default=4,
-                   help="draft tokens per step (with --policy other than fixed: the largest gamma it may pick)")
-    t.add_argument("--policy", default="fixed",
+    t.add_argument("--gamma", type=int, default=None,
+                   help="draft tokens per step, forced (default: adaptive, from the default pair's measurement on "
+                        "this machine); with --policy other than fixed: the largest gamma it may pick")
+    t.add_argument("--policy", default=None,
                    help="fixed, nightjar, nightjar_paper, dsd, banditspec, tide, vllm_table, sglang_ema, hf_heuristic, none")
     t.add_argument("--profile", default=None, help="latency tables from `starjar profile` (nightjar, tide)")
     t.add_argument("--buckets", default=None, help="nightjar's batch-size buckets, e.g. 1,2,4,8,16 (default: octaves up to 128)")
@@ -84,15 +88,22 @@ def run_serve(args) -> int:
     from target_worker.engine import EngineConfig
     from target_worker.server import TargetServer, serve_forever as serve_target
 
-    if args.gamma < 0:
+    if args.gamma is not None and args.gamma < 0:
         raise InvalidArgument("--gamma", "must be >= 0", args.gamma)
     if args.draft_deadline <= 0:
         raise InvalidArgument("--draft-deadline", "must be > 0", args.draft_deadline)
     model = load_model(args.model or build_default_pair()["target"], args.device, args.dtype, what="model")
     worker_id = args.worker_id or f"{os.uname().nodename}:{os.getpid()}"
-    policy = serving_policy(args.policy, args.gamma, args.profile, bool(args.draft), parse_buckets(args.buckets))
+    from controller.spec_defaults import speculation_defaults
+
+    # The draft's files are on the draft server's host: with the default target, the default pair's measurement
+    # on this machine stands for it; a target of the user's own has none (the planner explores).
+    measured_draft = (build_default_pair()["draft"] if args.model is None else "") if args.draft else None
+    chosen = speculation_defaults(measured_draft, args.gamma, args.policy)
+    log.info("speculation: %s", chosen.note)
+    policy = serving_policy(chosen.policy, chosen.gamma, args.profile, bool(args.draft), parse_buckets(args.buckets))
     server = TargetServer(model, args.draft, worker_id, policy,
-                          EngineConfig(max_batch_size=args.batch_size, max_gamma=max(8, args.gamma)),
+                          EngineConfig(max_batch_size=args.batch_size, max_gamma=max(8, chosen.gamma)),
                           args.host, args.port, args.draft_deadline)
     serve_target(server, _announce("target", args.host, server.metrics.registry, args.metrics_port))
     return 0

@@ -41,10 +41,12 @@ def add_up_parsers(sub) -> None:
     u.add_argument("--draft", help="draft model directory (default: the default pair's draft)")
     u.add_argument("--no-draft", action="store_true", help="no draft server: targets decode alone")
     u.add_argument("--targets", type=int, default=2, help="target workers (default 2)")
-    u.add_argument("--gamma", type=int, default=1,
-                   help="draft tokens per step (default 1); with --policy other than fixed: the largest gamma")
-    u.add_argument("--policy", default="fixed",
-                   help="fixed (default), nightjar, nightjar_paper, dsd, banditspec, tide, vllm_table, sglang_ema, hf_heuristic")
+    u.add_argument("--gamma", type=int, default=None,
+                   help="draft tokens per step, forced (default: adaptive, as `starjar models build` measured on "
+                        "this machine); with --policy other than fixed: the largest gamma")
+    u.add_argument("--policy", default=None,
+                   help="fixed, nightjar, nightjar_paper, dsd, banditspec, tide, vllm_table, sglang_ema, "
+                        "hf_heuristic (default: nightjar, or fixed when --gamma is given)")
     u.add_argument("--profile", default=None, help="latency tables from `starjar profile` (nightjar, tide)")
     u.add_argument("--buckets", default=None, help="nightjar's batch-size buckets, e.g. 1,2,4,8,16 "
                    "(default: octaves 1,2,4,...,128)")
@@ -90,11 +92,29 @@ def local_spec(target: str | None = None, draft: str | None = None, no_draft: bo
                        **fields).validate()
 
 
+def adaptive_defaults(target: str | None, draft: str | None, no_draft: bool, gamma: int | None,
+                      policy: str | None):
+    """The speculation a cluster runs when the user forces none: measured on this machine (see spec_defaults).
+    The default pair is measured now if `starjar models build` has not measured it here yet."""
+    from controller.spec_defaults import speculation_defaults
+
+    measure = target is None and draft is None and not no_draft
+    if target is None or (draft is None and not no_draft):
+        from starjar.default_pair import build_default_pair
+
+        pair = build_default_pair()
+        target, draft = target or pair["target"], draft or pair["draft"]
+    chosen = speculation_defaults(None if no_draft else draft, gamma, policy, measure=measure, target_dir=target)
+    print(f"speculation: {chosen.note}", file=sys.stderr)
+    return chosen
+
+
 def _spec(args) -> ClusterSpec:
     """`starjar up`'s flags as a ClusterSpec."""
     sd = os.path.abspath(args.prometheus_sd) if args.prometheus_sd else None
-    return local_spec(args.target, args.draft, args.no_draft, targets=args.targets, gamma=args.gamma,
-                      policy=args.policy, profile=os.path.abspath(args.profile) if args.profile else None,
+    spec_on = adaptive_defaults(args.target, args.draft, args.no_draft, args.gamma, args.policy)
+    return local_spec(args.target, args.draft, args.no_draft, targets=args.targets, gamma=spec_on.gamma,
+                      policy=spec_on.policy, profile=os.path.abspath(args.profile) if args.profile else None,
                       buckets=args.buckets, batch_size=args.batch_size, draft_mode=args.draft_mode,
                       max_targets=args.max_targets, admission=args.admission,
                       saturation_guard=not args.no_saturation_guard, threads=args.threads,
