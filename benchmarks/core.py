@@ -2,7 +2,7 @@
 
 Measures, on Spec-Bench first turns (no chat template), in one run:
   - HF generate() greedy per prompt: the reference outputs and the HF target-alone speed;
-  - starjar at batch sizes {1, 4, 16} x gamma {0..5}: tokens/s, acceptance rate,
+  - starjar at batch sizes {1, 4, 8, 16} x gamma {0..5}: tokens/s, acceptance rate,
     mean accepted length, and how many outputs equal the reference token for token;
   - HF assisted generation at batch 1 (constant and heuristic schedules) as the peer;
   - the draft's catch-up prefill (Nightjar's switching cost) by catch-up length and batch.
@@ -28,9 +28,9 @@ from starjar.workloads import spec_bench_prompts
 
 def run(args) -> dict:
     quick = args.quick
-    n_prompts, max_new = (6, 24) if quick else (40, 64)
-    batch_sizes = [1, 4] if quick else [1, 4, 16]
-    gammas = [0, 1, 2] if quick else [0, 1, 2, 3, 4, 5]
+    n_prompts, max_new = (8, 32) if quick else (24, 64)
+    batch_sizes = [1, 4, 8] if quick else [1, 4, 8, 16]
+    gammas = [0, 1, 2, 3] if quick else [0, 1, 2, 3, 4, 5]
     target_dir, draft_dir, note = pair_dirs(args)
     target, draft = load_pair(target_dir, draft_dir)
     prompts = [target.tokenizer(p)["input_ids"] for p in spec_bench_prompts(n_prompts)]
@@ -89,7 +89,7 @@ def run(args) -> dict:
     by = {(r["batch_size"], r["gamma"]): r for r in runs}
     result = {
         "pair": {"target": Path(target_dir).name, "draft": Path(draft_dir).name, "note": note,
-                 "dtype": "float32", "device": "cpu"},
+                 "dtype": "float32", "device": "cpu", "draft_variant": _variant(draft)},
         "workload": {"prompts": len(prompts), "source": "spec_bench first turns", "max_new_tokens": max_new},
         "runs": runs,
         "hf_assisted": hf_assisted,
@@ -100,6 +100,12 @@ def run(args) -> dict:
                            "hf_assisted_best": round(max(h["tokens_per_s"] for h in hf_assisted) / hf_alone, 3)},
         "batching_ratio": {f"{bs}_vs_1": round(by[(bs, 0)]["tokens_per_s"] / alone1, 3)
                            for bs in batch_sizes if bs > 1},
+        # Best gamma over gamma 0 at every batch size: where speculation pays on this machine.
+        "speedup_by_batch": {str(bs): {"best_gamma": max((g for g in gammas if g), key=lambda g: by[(bs, g)]
+                                                         ["tokens_per_s"]),
+                                       "speedup": round(max(by[(bs, g)]["tokens_per_s"] for g in gammas if g)
+                                                        / by[(bs, 0)]["tokens_per_s"], 3)}
+                             for bs in batch_sizes},
         "batching_fixed_length": fixed_length_batching(target, prompts[:16], max_new, batch_sizes),
         "greedy_equal_all": all(r["greedy_equal"] == r["requests"] for r in runs)
         and all(h["greedy_equal"] == len(prompts) for h in hf_assisted),
@@ -144,3 +150,12 @@ def switching_cost(draft, prompts, quick: bool) -> list[dict]:
                 times.append(eng.stats.catchup_s - before)
             rows.append({"batch_size": bs, "catchup_tokens": L, "catchup_ms": round(1000 * sorted(times)[1], 3)})
     return rows
+
+
+def _variant(draft) -> dict:
+    """Which int8 kernel and head the draft ran with (what `starjar models build` chose, or a forced path)."""
+    from starjar.quantized import RowInt8Linear
+
+    paths = sorted({m.path for m in draft.model.modules() if isinstance(m, RowInt8Linear) and not m.wide})
+    head = draft.lean.head.out_features if draft.lean is not None and draft.lean.head is not None else None
+    return {"int8_kernel": paths, "head_vocab": head, "lean_forward": draft.lean is not None}

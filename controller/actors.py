@@ -100,7 +100,8 @@ class TargetWorkerActor:
         self.server = TargetServer(model, draft, name, self.policy,
                                    EngineConfig(max_batch_size=self.spec.batch_size,
                                                 max_gamma=max(8, self.spec.gamma)),
-                                   host=self.host, port=0, draft_deadline_s=self.spec.draft_deadline_s)
+                                   host=self.host, port=0, draft_deadline_s=self.spec.draft_deadline_s,
+                                   exit_on_engine_death=True)  # Ray restarts the actor
         self.loop = BackgroundLoop("target-server-loop")
         self.loop.run(self.server.start())
         self.metrics = _start_metrics(self.server.metrics.registry, self.host) if self.spec.metrics else None

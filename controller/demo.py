@@ -139,7 +139,7 @@ def run_demo(args) -> int:
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
         spec = ray.get(controller.describe.remote())
         adaptive = spec["policy"] != "fixed"
-        label = (f"speculation on, {spec['policy']} gamma<={spec['gamma']}" if adaptive
+        label = (f"spec on, {spec['policy']}<={spec['gamma']}" if adaptive
                  else f"speculation on, gamma={spec['gamma']}")
         address = state["addresses"]["grpc"]
         prompts = spec_bench_mix(args.requests)

@@ -104,6 +104,6 @@ def run_serve(args) -> int:
     policy = serving_policy(chosen.policy, chosen.gamma, args.profile, bool(args.draft), parse_buckets(args.buckets))
     server = TargetServer(model, args.draft, worker_id, policy,
                           EngineConfig(max_batch_size=args.batch_size, max_gamma=max(8, chosen.gamma)),
-                          args.host, args.port, args.draft_deadline)
+                          args.host, args.port, args.draft_deadline, exit_on_engine_death=True)
     serve_target(server, _announce("target", args.host, server.metrics.registry, args.metrics_port))
     return 0

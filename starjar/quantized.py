@@ -103,9 +103,10 @@ def quantize_int8(model: torch.nn.Module, path: str | None = None) -> torch.nn.M
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
-    if path is None:
-        from starjar.kernels import chosen_path
+    from starjar.kernels import chosen_path, forced_path
 
+    path = forced_path() or path  # STARJAR_INT8_KERNEL wins over a recipe's choice
+    if path is None:
         shapes = sorted({(m.in_features, m.out_features) for m in model.modules()
                          if isinstance(m, torch.nn.Linear) and m.out_features < WIDE})
         path = chosen_path(tuple(shapes[:4])) if shapes else "fused"

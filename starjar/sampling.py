@@ -19,11 +19,15 @@ if TYPE_CHECKING:  # torch loads on first use, so `import starjar` (the SDK) sta
 # Upper bounds that keep a single request from monopolising a server.
 MAX_TOKENS_LIMIT = 1 << 16
 MAX_STOP_IDS = 64
+MAX_TOP_K = (1 << 31) - 1  # the wire's int32; any value past the vocabulary means no cut
+# Temperatures below this are greedy: logits / 1e-39 overflow to inf and softmax gives NaN, and a
+# distribution that sharp is argmax anyway (at 1e-5 a logit gap of 0.001 is a factor e^100).
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What one request asks of the sampler. temperature 0 means greedy."""
+    """What one request asks of the sampler. temperature 0 (or below GREEDY_BELOW) means greedy."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -47,8 +51,8 @@ class SamplingParams:
             raise InvalidArgument("temperature", "must be >= 0 (0 = greedy)", self.temperature)
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidArgument("top_p", "must be in (0, 1]", self.top_p)
-        if self.top_k < 0:
-            raise InvalidArgument("top_k", "must be >= 0 (0 = disabled)", self.top_k)
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidArgument("top_k", f"must be in [0, {MAX_TOP_K}] (0 = disabled)", self.top_k)
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidArgument("seed", "must be in [0, 2^63)", self.seed)
         if len(self.stop_token_ids) > MAX_STOP_IDS:
@@ -60,7 +64,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def make_generator(self) -> "torch.Generator":
         """A private RNG per request: seeded runs repeat, unseeded ones never collide."""
@@ -81,7 +85,7 @@ def logits_to_probs(logits: "torch.Tensor", params: SamplingParams) -> "torch.Te
     assert not params.greedy, "greedy requests use argmax"
     import torch
 
-    x = logits.float() / params.temperature
+    x = finite_logits(logits) / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -94,3 +98,21 @@ def logits_to_probs(logits: "torch.Tensor", params: SamplingParams) -> "torch.Te
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+class BadLogits(RuntimeError):
+    """A row of logits with no finite value: the step cannot sample from it (its requests fail, not the engine)."""
+
+
+def finite_logits(logits: "torch.Tensor") -> "torch.Tensor":
+    """float32 logits with NaN as -inf and +inf as the largest finite value, so NaN never reaches the sampler.
+    Raises BadLogits when a row has nothing finite left."""
+    import torch
+
+    x = logits.float()
+    if bool(torch.isfinite(x).all()):
+        return x
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max, neginf=float("-inf"))
+    if not bool(torch.isfinite(x).any(-1).all()):
+        raise BadLogits("the model produced no finite logit in a row")
+    return x

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from starjar.sampling import SamplingParams, logits_to_probs
+from starjar.sampling import SamplingParams, finite_logits, logits_to_probs
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def verify(
     gamma = len(draft)
     assert logits.dim() == 2 and logits.shape[0] == gamma + 1, (logits.shape, gamma)
     if params.greedy:
-        best = logits.argmax(-1).tolist()
+        best = finite_logits(logits).argmax(-1).tolist()  # torch's argmax would pick a NaN
         k = 0
         while k < gamma and draft[k] == best[k]:
             k += 1

@@ -119,6 +119,7 @@ class StepOutput:
     request: Request
     new_token_ids: list[int]
     finished: bool = False
+    error: str | None = None  # the step failed: this request ends with it (INTERNAL), the engine goes on
 
 
 class TargetEngine:
@@ -178,6 +179,15 @@ class TargetEngine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def fail_running(self, reason: str) -> list[StepOutput]:
+        """After a step raised: end every running request with `reason` and free its KV. Waiting requests
+        keep their place; the next step starts from a clean cache state."""
+        failed = list(self.scheduler.running)
+        for req in failed:
+            self._retire(req)
+            req.finish_reason = "error"
+        return [StepOutput(req, [], finished=True, error=reason) for req in failed]
 
     @property
     def num_running(self) -> int:
@@ -313,7 +323,7 @@ class TargetEngine:
         for i in want:
             r = batch[i]
             ids = r.all_ids()
-            reqs.append(DraftRequest(r.request_id, r.draft_synced, ids[r.draft_synced:], gammas[i]))
+            reqs.append(DraftRequest(r.draft_key, r.draft_synced, ids[r.draft_synced:], gammas[i]))
         t0 = time.perf_counter()
         try:
             replies = self.proposer.propose(reqs)
@@ -377,6 +387,6 @@ class TargetEngine:
         req.draft_synced = 0
         if self.proposer is not None:
             try:
-                self.proposer.release([req.request_id])
+                self.proposer.release([req.draft_key])
             except Exception as exc:
                 log.warning("proposer release failed: %s", exc)

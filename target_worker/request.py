@@ -12,6 +12,7 @@ import torch
 from starjar.sampling import SamplingParams
 
 _ids = itertools.count()
+_draft_keys = itertools.count(1)
 
 
 class Status(Enum):
@@ -37,6 +38,9 @@ class Request:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     # Engine bookkeeping.
+    # The draft session's key: unique in this process, whatever request_id a caller chose (two requests
+    # with one id must not share, or end, each other's draft state).
+    draft_key: int = field(default_factory=lambda: next(_draft_keys))
     slot: int = -1
     draft_synced: int = 0  # how many of all_ids() the proposer has been told about
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (stop ids, EOS unless ignored), set at enqueue

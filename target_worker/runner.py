@@ -14,11 +14,12 @@ from typing import Callable
 
 from starjar.sampling import SamplingParams
 from target_worker.engine import StepOutput, TargetEngine
-from target_worker.request import Request
+from target_worker.request import Request, Status
 
 log = logging.getLogger(__name__)
 
 OnOutput = Callable[[StepOutput], None]
+MAX_FAILED_STEPS = 3  # in a row: past this the engine is taken for broken and the worker goes NOT_SERVING
 
 
 class EngineRunner(threading.Thread):
@@ -30,10 +31,18 @@ class EngineRunner(threading.Thread):
         self._listeners: dict[int, OnOutput] = {}
         self._stop = False
         self.metrics = None  # TargetMetrics, when exported
+        self.failed_steps = 0  # in a row
+        self.dead = threading.Event()  # set when the engine cannot go on (the server turns NOT_SERVING, exits)
+        self.on_dead: Callable[[], None] | None = None
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, on_output: OnOutput) -> Request:
-        """prompt_ids and params must already be validated (engine.validate_prompt, params.validate)."""
+        """prompt_ids and params must already be validated (engine.validate_prompt, params.validate).
+        On a dead engine the request ends at once with an error output."""
         req = Request(prompt_ids=list(prompt_ids), params=params, request_id=request_id)
+        if self.dead.is_set():
+            req.finish_reason, req.status = "error", Status.FINISHED
+            on_output(StepOutput(req, [], finished=True, error="engine stopped"))
+            return req
         with self._cv:
             self._inbox.append(("add", req, on_output))
             self._cv.notify()
@@ -53,6 +62,29 @@ class EngineRunner(threading.Thread):
     def load(self) -> int:
         """Requests running or waiting: the router's least-loaded measure."""
         return self.engine.num_running + self.engine.num_waiting + len(self._inbox)
+
+    def _die(self, last: list[StepOutput]) -> None:
+        """Steps keep failing: fail everything left, and let the server turn NOT_SERVING and exit."""
+        log.error("the engine failed %d steps in a row: giving up", self.failed_steps)
+        with self._cv:
+            self._stop = True
+        outs = last + self.engine.fail_running("engine stopped")
+        for req in list(self.engine.scheduler.waiting):
+            self.engine.abort(req)
+            req.finish_reason = "error"
+            outs.append(StepOutput(req, [], finished=True, error="engine stopped"))
+        self._deliver(outs)
+        self.dead.set()
+        if self.on_dead is not None:
+            self.on_dead()
+
+    def _deliver(self, outs: list[StepOutput]) -> None:
+        for out in outs:
+            cb = self._listeners.get(id(out.request))
+            if cb is not None:
+                cb(out)
+            if out.finished:
+                self._listeners.pop(id(out.request), None)
 
     def run(self) -> None:
         while True:
@@ -76,14 +108,14 @@ class EngineRunner(threading.Thread):
                 continue
             try:
                 outs = self.engine.step()
-            except Exception:
-                log.exception("engine step failed")
-                raise
+                self.failed_steps = 0
+            except Exception as exc:  # fail this step's requests, not the worker
+                self.failed_steps += 1
+                log.exception("engine step failed (%d in a row); failing its requests", self.failed_steps)
+                outs = self.engine.fail_running(f"engine step failed: {type(exc).__name__}")
+                if self.failed_steps >= MAX_FAILED_STEPS:
+                    self._die(outs)
+                    return
             if self.metrics is not None:
                 self.metrics.on_outputs(outs)
-            for out in outs:
-                cb = self._listeners.get(id(out.request))
-                if cb is not None:
-                    cb(out)
-                if out.finished:
-                    self._listeners.pop(id(out.request), None)
+            self._deliver(outs)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 
 import grpc
 
@@ -22,7 +24,11 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_
 class TargetServer:
     def __init__(self, model: LoadedModel, draft_address: str | None, worker_id: str,
                  policy: SpeculationPolicy | None = None, config: EngineConfig | None = None,
-                 host: str = "127.0.0.1", port: int = 0, draft_deadline_s: float = 0.5):
+                 host: str = "127.0.0.1", port: int = 0, draft_deadline_s: float = 0.5,
+                 exit_on_engine_death: bool = False):
+        """exit_on_engine_death: when the engine cannot go on, exit the process after a second of NOT_SERVING
+        (so a supervisor, Ray or systemd, restarts it); a server embedded in another process only turns
+        NOT_SERVING."""
         self.proposer = (RemoteProposer(draft_address, model.fingerprint, worker_id, draft_deadline_s)
                          if draft_address else None)
         engine = TargetEngine(model, self.proposer, policy or FixedGamma(4 if draft_address else 0), config)
@@ -36,6 +42,7 @@ class TargetServer:
         self.model_name = model.path.rstrip("/").split("/")[-1]
         self._server: grpc.aio.Server | None = None
         self._health: HealthAndReflection | None = None
+        self.exit_on_engine_death = exit_on_engine_death
 
     async def start(self) -> int:
         self._server = grpc.aio.server()
@@ -43,12 +50,22 @@ class TargetServer:
                                                                 self._server)
         self._health = HealthAndReflection(self._server, SERVICE_NAME)
         self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        loop = asyncio.get_running_loop()
+        self.runner.on_dead = lambda: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._engine_died()))
         self.runner.start()
         await self._server.start()
         await self._health.set_serving(True)
         log.info("target worker on %s:%d (model %s, draft %s)", self.host, self.port, self.model_name,
                  self.proposer.address if self.proposer else "none")
         return self.port
+
+    async def _engine_died(self) -> None:
+        log.error("target engine stopped: health NOT_SERVING%s", "; exiting" if self.exit_on_engine_death else "")
+        if self._health is not None:
+            await self._health.set_serving(False)
+        if self.exit_on_engine_death:
+            await asyncio.sleep(1.0)  # let the failed requests' errors reach their clients
+            os._exit(70)
 
     async def stop(self, grace: float = 5.0) -> None:
         if self._server is None:

@@ -55,6 +55,8 @@ class GenerateService(pb_grpc.GenerateServiceServicer):
         try:
             while True:
                 out = await outputs.get()
+                if out.error is not None:
+                    await context.abort(grpc.StatusCode.INTERNAL, out.error)
                 final = out.finished
                 resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids,
                                            text=detok.push(out.new_token_ids, final))

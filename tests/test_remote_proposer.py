@@ -127,3 +127,18 @@ def test_malformed_replies_fall_back(models, spec_prompts, reference):
         rp.close()
     finally:
         server.stop(0)
+
+
+def test_two_requests_with_one_id_keep_their_own_draft_sessions(models, spec_prompts, reference):
+    """Issue 15, item 7: draft state is keyed by an internal id, not the caller's request_id."""
+    ref = reference("llama", 48)
+    with BackgroundDraftServer(models["draft"]) as srv:
+        eng, rp = engine_for(models, srv.address, "dup")
+        assert rp.wait_attached(10)
+        reqs = [eng.add_request(p, GREEDY, request_id="same-id") for p in spec_prompts[:4]]
+        while eng.has_work():
+            eng.step()
+        assert [r.output_ids for r in reqs] == ref[:4]
+        assert rp.stats.attaches == 1 and not rp.stats.fallbacks  # no broken stream, no resync
+        assert eng.stats.accepted_tokens > 0
+        rp.close()

@@ -1,0 +1,89 @@
+"""Issue 15, item 1: no request can kill the engine. Temperatures too small to divide by are greedy, NaN never
+reaches the sampler, and a step that raises fails only the requests in it; an engine that keeps failing turns
+its worker NOT_SERVING."""
+
+import threading
+
+import pytest
+import torch
+
+from controller.colocated import colocated_engine
+from starjar.errors import InvalidArgument
+from starjar.sampling import BadLogits, SamplingParams, finite_logits
+from starjar.verify import sample_next
+from target_worker.runner import MAX_FAILED_STEPS, EngineRunner
+
+
+def test_a_temperature_of_1e_39_is_greedy_and_does_not_raise(models, spec_prompts, reference):
+    eng = colocated_engine(models["llama"], None, 0, 4)
+    out = eng.generate(spec_prompts[:4], SamplingParams(max_tokens=16, temperature=1e-39))
+    assert [r.output_ids for r in out] == [r[:16] for r in reference("llama", 16)[:4]]
+
+
+def test_nan_and_inf_logits_never_reach_the_sampler():
+    logits = torch.tensor([[0.5, float("nan"), 2.0, float("-inf")]])
+    assert finite_logits(logits).isnan().sum() == 0
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):  # NaN is never sampled, -inf never; a sampled step picks a real token
+        assert sample_next(logits[0], SamplingParams(temperature=1.0), gen) in (0, 2)
+    assert sample_next(logits[0], SamplingParams(), gen) == 2  # argmax ignores the NaN (torch's would not)
+    with pytest.raises(BadLogits):
+        finite_logits(torch.full((1, 4), float("nan")))
+
+
+def test_top_k_past_the_wire_limit_names_the_field():
+    with pytest.raises(InvalidArgument, match="top_k"):
+        SamplingParams(top_k=2**40)
+
+
+def _run(runner, prompt, params):
+    done, outs = threading.Event(), []
+
+    def on_output(out):
+        outs.append(out)
+        if out.finished:
+            done.set()
+    runner.submit(prompt, params, "r", on_output)
+    assert done.wait(60)
+    return outs
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(models, spec_prompts, reference):
+    eng = colocated_engine(models["llama"], None, 0, 4)
+    runner = EngineRunner(eng)
+    forward, calls = eng.model.forward, {"n": 0}
+
+    def flaky(*a, **k):  # fault injection: the second pass of the engine raises once
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected")
+        return forward(*a, **k)
+
+    eng.model = type(eng.model)(**{**eng.model.__dict__})
+    object.__setattr__(eng.model, "forward", flaky)
+    runner.start()
+    try:
+        first = _run(runner, spec_prompts[0], SamplingParams(max_tokens=8))
+        assert first[-1].error and "RuntimeError" in first[-1].error and first[-1].request.finish_reason == "error"
+        assert eng.cache.num_slots == 0  # its KV was freed
+        second = _run(runner, spec_prompts[1], SamplingParams(max_tokens=8))  # the engine goes on
+        assert second[-1].error is None
+        assert [t for o in second for t in o.new_token_ids] == reference("llama")[1][:8]
+        assert runner.is_alive() and not runner.dead.is_set()
+    finally:
+        runner.stop()
+
+
+def test_an_engine_that_keeps_failing_is_dead_and_refuses_new_work(models, spec_prompts):
+    eng = colocated_engine(models["llama"], None, 0, 4)
+    runner = EngineRunner(eng)
+    eng.model = type(eng.model)(**{**eng.model.__dict__})
+    object.__setattr__(eng.model, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("broken")))
+    died = threading.Event()
+    runner.on_dead = died.set
+    runner.start()
+    for i in range(MAX_FAILED_STEPS):
+        assert _run(runner, spec_prompts[i], SamplingParams(max_tokens=4))[-1].error
+    assert died.wait(10) and runner.dead.is_set()
+    after = _run(runner, spec_prompts[5], SamplingParams(max_tokens=4))  # answered at once, with a reason
+    assert after[-1].error == "engine stopped"
