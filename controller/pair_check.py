@@ -63,12 +63,16 @@ def measured_acceptance(target_dir: str, draft_dir: str, force: bool = False, ma
 
 
 def _machine(info: dict) -> dict:
-    return {k: info[k] for k in ("cpu_model", "cpu_capability", "torch", "threads")}
+    """What a measurement holds for: this CPU and torch, and a kernel path forced by STARJAR_INT8_KERNEL."""
+    from starjar.kernels import forced_path
+
+    return {**{k: info[k] for k in ("cpu_model", "cpu_capability", "torch", "threads")},
+            "int8_kernel_forced": forced_path()}
 
 
 def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft: bool = True) -> dict:
     from controller.colocated import colocated_engine
-    from starjar.kernels import INT8_PATHS, machine_label
+    from starjar.kernels import INT8_PATHS, forced_path, machine_label
     from starjar.models import check_pair, load_model
     from starjar.sampling import SamplingParams
     from starjar.text import encode_prompt
@@ -86,7 +90,8 @@ def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft:
     say(f"  target alone: {alone_tps:.1f} tok/s at batch 1; a pass over gamma+1 positions costs "
         + ", ".join(f"{v:.2f}" for v in verify_cost[1:]) + " x one position (gamma 1..)")
 
-    variants = [{"int8_kernel": k, "head_vocab": h} for k in INT8_PATHS for h in (None, HEAD_VOCAB)] \
+    paths = [forced_path()] if forced_path() else INT8_PATHS
+    variants = [{"int8_kernel": k, "head_vocab": h} for k in paths for h in (None, HEAD_VOCAB)] \
         if int8_draft else [{}]
     candidates = []
     for variant in variants:  # costs first: they decide which candidates are worth scoring

@@ -66,22 +66,20 @@ class LeanDecoder(torch.nn.Module):
         """input_ids [B, Q] -> last hidden states [B, Q, hidden] (normed), writing K/V into `cache`."""
         base = self.model.base_model
         x = base.embed_tokens(input_ids)
-        cos, sin = base.rotary_emb(x, position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, Q, D]: broadcast over heads
+        cos, sin = base.rotary_emb(x, position_ids)  # [B, Q, D]
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, Q, 1, D]: broadcast over heads
         b, q = input_ids.shape
         for i, (layer, qkv, gate_up) in enumerate(self.layers):
             att, mlp = layer.self_attn, layer.mlp
             h = F.rms_norm(x, (x.shape[-1],), layer.input_layernorm.weight, self.eps)
-            if qkv is not None:
-                fused = qkv(h)
-                nq = att.q_proj.out_features
-                nk = att.k_proj.out_features
-                qs, ks, vs = fused[..., :nq], fused[..., nq:nq + nk], fused[..., nq + nk:]
+            if qkv is not None:  # [B, Q, heads q+k+v, D]; q and k rotated in one go
+                heads = qkv(h).view(b, q, -1, self.head_dim)
             else:
-                qs, ks, vs = att.q_proj(h), att.k_proj(h), att.v_proj(h)
-            qs = _rope(qs.view(b, q, -1, self.head_dim).transpose(1, 2), cos, sin)
-            ks = _rope(ks.view(b, q, -1, self.head_dim).transpose(1, 2), cos, sin)
-            vs = vs.view(b, q, -1, self.head_dim).transpose(1, 2)
+                heads = torch.cat([att.q_proj(h), att.k_proj(h), att.v_proj(h)], -1).view(b, q, -1, self.head_dim)
+            nq, nk = att.q_proj.out_features // self.head_dim, att.k_proj.out_features // self.head_dim
+            qk = _rope(heads[:, :, : nq + nk], cos, sin)
+            qs, ks = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2)
+            vs = heads[:, :, nq + nk:].transpose(1, 2)
             ks, vs = cache.update(ks, vs, i)
             a, _ = folded_attention(att, qs, ks, vs, mask)
             x = x + att.o_proj(a.reshape(b, q, -1))
@@ -96,9 +94,10 @@ class LeanDecoder(torch.nn.Module):
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, Q, H, D]; cos and sin [B, Q, 1, D]. (A torch.roll formulation disagreed with Hugging Face's on
+    ragged passes; the rotation is spelled out as HF's rotate_half.)"""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def _concat(linears: list[torch.nn.Linear]) -> torch.nn.Linear:
