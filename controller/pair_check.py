@@ -43,23 +43,33 @@ PAYS = 1.05  # a predicted batch-1 speedup below this is not worth a draft's mem
 
 def measured_acceptance(target_dir: str, draft_dir: str, force: bool = False, max_new: int = 32) -> dict:
     """The pair's measurement on this machine: cached in the draft's starjar.json, measured when missing,
-    forced, or taken on another machine."""
+    forced, or taken on another machine. A path forced by STARJAR_INT8_KERNEL has its own entry and leaves
+    the recipe's chosen variant alone."""
     from starjar.kernels import machine_info
 
     recipe_path = Path(draft_dir) / "starjar.json"
     recipe = json.loads(recipe_path.read_text()) if recipe_path.is_file() else {}
     machine = _machine(machine_info())
-    if KEY in recipe and not force and recipe[KEY].get("machine") == machine:
-        return recipe[KEY]
+    key = measurement_key()
+    if key in recipe and not force and recipe[key].get("machine") == machine:
+        return recipe[key]
     result = measure_pair(target_dir, draft_dir, max_new, int8_draft=recipe.get("kind") == "dynamic-int8")
     result["machine"] = machine
-    recipe[KEY] = result
-    for k in ("int8_kernel", "head_vocab"):  # later loads use the chosen variant
-        recipe.pop(k, None)
-        if result["chosen"].get(k) is not None:
-            recipe[k] = result["chosen"][k]
+    recipe[key] = result
+    if key == KEY:
+        for k in ("int8_kernel", "head_vocab"):  # later loads use the chosen variant
+            recipe.pop(k, None)
+            if result["chosen"].get(k) is not None:
+                recipe[k] = result["chosen"][k]
     recipe_path.write_text(json.dumps(recipe, indent=1))
     return result
+
+
+def measurement_key() -> str:
+    """Where a measurement lives in the recipe: "measured", or "measured:PATH" under a forced int8 path."""
+    from starjar.kernels import forced_path
+
+    return f"{KEY}:{forced_path()}" if forced_path() else KEY
 
 
 def _machine(info: dict) -> dict:

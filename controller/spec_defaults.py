@@ -52,12 +52,12 @@ def _measured(draft_dir: str, target_dir: str | None) -> dict | None:
         from controller.pair_check import measured_acceptance
 
         return measured_acceptance(target_dir, draft_dir)
-    from controller.pair_check import KEY, _machine
+    from controller.pair_check import _machine, measurement_key
     from starjar.kernels import machine_info
 
     try:
         recipe = json.loads((Path(draft_dir) / "starjar.json").read_text())
     except (OSError, ValueError):
         return None
-    m = recipe.get(KEY)
+    m = recipe.get(measurement_key())
     return m if m and m.get("machine") == _machine(machine_info()) and "verdict" in m else None

@@ -24,6 +24,8 @@ from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+# A start past any sequence's length: the draft engine answers resync and keeps no state for it.
+RESYNC_START = 1 << 62
 
 TAG_METADATA = "starjar-tag"
 REASON_METADATA = "starjar-reason"
@@ -160,23 +162,29 @@ class DraftService(pb_grpc.DraftServiceServicer):
                 raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{f}.seq_id", "must be unique in a round",
                                  s.seq_id)
             seen.add(s.seq_id)
-            if s.gamma > c.max_gamma:
-                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{f}.gamma", f"must be <= {c.max_gamma}",
-                                 s.gamma)
-            if s.start + len(s.tokens) > c.max_tokens_per_sequence:
-                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{f}.tokens",
-                                 f"start + len(tokens) must be <= {c.max_tokens_per_sequence}",
-                                 s.start + len(s.tokens))
-            if s.tokens and max(s.tokens) >= self.vocab_size:
-                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{f}.tokens",
-                                 f"ids must be < {self.vocab_size}", max(s.tokens))
-            if s.seq_id not in session.seq_last_used and len(session.seq_last_used) >= c.max_sequences_per_target:
-                raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{f}.seq_id",
-                                 f"at most {c.max_sequences_per_target} live sequences per target")
+            bad = self._sequence_problem(session, s)
+            if bad:  # this sequence is answered resync; the stream and the other sequences go on
+                log.debug("round of %s: %s %s; resync", session.worker_id, f, bad)
+                self.stats.bad_sequences += 1
+                reqs.append(DraftRequest((session.tag, s.seq_id), RESYNC_START, [], 0))
+                continue
             session.seq_last_used[s.seq_id] = now
             reqs.append(DraftRequest((session.tag, s.seq_id), s.start, list(s.tokens), s.gamma))
         session.rounds += 1
         return RoundWork(session.tag, session.worker_id, request.round_id, reqs, reply)
+
+    def _sequence_problem(self, session: Session, s) -> str | None:
+        """Why one sequence of a round cannot be drafted (its limits), or None."""
+        c = self.cfg
+        if s.gamma > c.max_gamma:
+            return f"gamma {s.gamma} > {c.max_gamma}"
+        if s.start + len(s.tokens) > c.max_tokens_per_sequence:
+            return f"start + len(tokens) {s.start + len(s.tokens)} > {c.max_tokens_per_sequence}"
+        if s.tokens and max(s.tokens) >= self.vocab_size:
+            return f"token id {max(s.tokens)} >= vocabulary {self.vocab_size}"
+        if s.seq_id not in session.seq_last_used and len(session.seq_last_used) >= c.max_sequences_per_target:
+            return f"more than {c.max_sequences_per_target} live sequences"
+        return None
 
     # ---- Release --------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ class ServerStats:
         self.wait_s = 0.0
         self.rounds_by_worker: Counter[str] = Counter()
         self.reclaimed_sequences = 0
+        self.bad_sequences = 0  # sequences answered resync for breaking a limit (the stream went on)
         self.observer = None  # DraftMetrics, when exported: sees each event as it is recorded
 
     def record_idle(self, gap_s: float) -> None:
@@ -89,4 +90,5 @@ class ServerStats:
                 "per_worker": {w: (n, n / span if span else 0.0) for w, n in self.rounds_by_worker.items()},
                 "busy_s": self.busy_s, "idle_s": self.idle_s,
                 "uptime_s": now - self.start_s, "reclaimed_sequences": self.reclaimed_sequences,
+                "bad_sequences": self.bad_sequences,
             }

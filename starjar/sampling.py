@@ -51,8 +51,10 @@ class SamplingParams:
             raise InvalidArgument("temperature", "must be >= 0 (0 = greedy)", self.temperature)
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidArgument("top_p", "must be in (0, 1]", self.top_p)
-        if not 0 <= self.top_k <= MAX_TOP_K:
-            raise InvalidArgument("top_k", f"must be in [0, {MAX_TOP_K}] (0 = disabled)", self.top_k)
+        if self.top_k < 0:
+            raise InvalidArgument("top_k", "must be >= 0 (0 = disabled)", self.top_k)
+        if self.top_k > MAX_TOP_K:
+            raise InvalidArgument("top_k", f"must be <= {MAX_TOP_K}", self.top_k)
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidArgument("seed", "must be in [0, 2^63)", self.seed)
         if len(self.stop_token_ids) > MAX_STOP_IDS:

@@ -100,13 +100,16 @@ class RemoteProposer:
         if not self._attached.is_set():
             self._fallback("detached")
         with self._lock:
-            reqs_q = self._requests
+            reqs_q, limits = self._requests, self.limits
         if reqs_q is None:
             self._fallback("detached")
+        sent, index = self._within_limits(requests, limits)  # index[k]: which request sent[k] stands for
+        if not sent:
+            return [None for _ in requests]
         round_id = next(self._round_ids)
         msg = pb.SpeculateRequest(round_id=round_id)
         wire = []
-        for r in requests:
+        for r in sent:
             wid = self._wire_ids.get(r.seq_id)
             if wid is None:
                 wid = self._wire_ids[r.seq_id] = next(self._next_wire_id)
@@ -124,14 +127,34 @@ class RemoteProposer:
         self.stats.server_compute_s.append(resp.timings.compute_s)
         if self.on_round is not None:
             self.on_round(elapsed, resp.timings.queue_wait_s, resp.timings.compute_s)
-        out: list[DraftReply] = []
-        for s, r in zip(resp.sequences, requests):
+        # A sequence held back by the limits gets None: the server never saw these tokens, so the engine must
+        # not count them as sent (it resends from position 0 when the sequence fits again).
+        out: list[DraftReply] = [None for _ in requests]
+        for s, r, i in zip(resp.sequences, sent, index):
             if s.resync:
                 self.stats.fallbacks["resync"] += 1
-                out.append(None)
+                out[i] = None
             else:
-                out.append(list(s.tokens)[: r.gamma])
+                out[i] = list(s.tokens)[: r.gamma]
         return out
+
+    def _within_limits(self, requests: Sequence[DraftRequest], limits) -> tuple[list[DraftRequest], list[int]]:
+        """The server's advertised limits, applied here (a round past them would be answered resync): gamma
+        clamped, sequences over the token limit or past the per-round count held back. Returns the requests to
+        send and, for each, its index in `requests`."""
+        sent, index = [], []
+        for i, r in enumerate(requests):
+            if limits is not None:
+                too_long = (limits.max_tokens_per_sequence
+                            and r.start + len(r.tokens) > limits.max_tokens_per_sequence)
+                if too_long or (limits.max_sequences and len(sent) >= limits.max_sequences):
+                    self.stats.fallbacks["over_limit"] += 1
+                    continue
+                if limits.max_gamma and r.gamma > limits.max_gamma:
+                    r = DraftRequest(r.seq_id, r.start, r.tokens, limits.max_gamma)
+            sent.append(r)
+            index.append(i)
+        return sent, index
 
     def release(self, seq_ids: Sequence[Hashable]) -> None:
         wire = [w for w in (self._wire_ids.pop(s, None) for s in seq_ids) if w is not None]

@@ -119,19 +119,22 @@ def test_isolation_between_targets(server, stub, models):
     sa.close(), sb.close()
 
 
-@pytest.mark.parametrize("seq,field", [
-    (dict(seq_id=1, start=0, tokens=[1, 2], gamma=9), "sequences[0].gamma: must be <= 8"),
-    (dict(seq_id=1, start=0, tokens=[1, 10**6], gamma=2), "sequences[0].tokens: ids must be <"),
-    (dict(seq_id=1, start=510, tokens=[1, 2, 3], gamma=2), "sequences[0].tokens: start + len(tokens) must be <= 512"),
+@pytest.mark.parametrize("seq", [
+    dict(seq_id=1, start=0, tokens=[1, 2], gamma=9),  # gamma over max_gamma 8
+    dict(seq_id=1, start=0, tokens=[1, 10**6], gamma=2),  # an id outside the vocabulary
+    dict(seq_id=1, start=510, tokens=[1, 2, 3], gamma=2),  # past max_tokens_per_sequence 512
 ])
-def test_bad_rounds_are_invalid_argument_and_server_keeps_serving(stub, models, seq, field):
+def test_a_sequence_over_a_limit_is_answered_resync_and_the_stream_goes_on(server, stub, models, seq):
+    """Issue 15, item 6: one bad sequence no longer ends its target's whole stream."""
     s = Stream(stub, attach(stub, models).tag)
-    with pytest.raises(grpc.RpcError) as err:
-        s.round(seq)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
-    s2 = Stream(stub, attach(stub, models).tag)  # still serving
-    assert s2.round(dict(seq_id=1, start=0, tokens=[1, 2], gamma=2)).sequences[0].tokens
-    s2.close()
+    good = dict(seq_id=2, start=0, tokens=[5, 6, 7], gamma=2)
+    r = s.round(seq, good)
+    assert r.sequences[0].resync and not r.sequences[0].tokens  # that one sequence
+    assert not r.sequences[1].resync and len(r.sequences[1].tokens) == 2  # the rest of the round is drafted
+    r = s.round(dict(seq_id=2, start=3, tokens=[r.sequences[1].tokens[0]], gamma=1))  # the stream goes on
+    assert len(r.sequences[0].tokens) == 1
+    assert server.server.stats.snapshot()["bad_sequences"] == 1
+    s.close()
 
 
 def test_duplicate_and_too_many_sequences(stub, models):

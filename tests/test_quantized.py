@@ -103,3 +103,21 @@ def test_the_speedup_model_turns_speculation_off_when_drafts_cost_too_much():
     flat = [1.0, 1.05, 1.1, 1.15, 1.2]
     assert _best_gamma(0.8, 0.2, 0.25, flat)[0] >= 2  # cheap drafts, good acceptance: speculate
     assert _best_gamma(0.8, 1.5, 1.6, flat) == (0, 1.0)  # a draft step dearer than a target step: never
+
+
+def test_a_forced_path_is_measured_on_its_own_and_leaves_the_choice_alone(tmp_path, model_dirs, monkeypatch):
+    import json
+    import shutil
+
+    from controller import pair_check
+
+    draft_dir = tmp_path / "draft"
+    shutil.copytree(model_dirs["llama"], draft_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    recipe = {"kind": "dynamic-int8", "weights_from": model_dirs["llama"], "int8_kernel": "fused"}
+    (draft_dir / "starjar.json").write_text(json.dumps(recipe))
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", "int_mm")
+    forced = pair_check.measured_acceptance(model_dirs["llama"], str(draft_dir), max_new=8)
+    assert {c["int8_kernel"] for c in forced["candidates"]} == {"int_mm"}  # only the forced path is tried
+    saved = json.loads((draft_dir / "starjar.json").read_text())
+    assert saved["measured:int_mm"] == forced and "measured" not in saved
+    assert saved["int8_kernel"] == "fused"  # the machine's own choice is untouched

@@ -142,3 +142,16 @@ def test_two_requests_with_one_id_keep_their_own_draft_sessions(models, spec_pro
         assert rp.stats.attaches == 1 and not rp.stats.fallbacks  # no broken stream, no resync
         assert eng.stats.accepted_tokens > 0
         rp.close()
+
+
+def test_the_client_clamps_to_the_servers_advertised_limits(models, spec_prompts, reference):
+    """Issue 15, item 6: a target asking gamma 5 of a server that allows 2 drafts 2, with no resync or fallback."""
+    with BackgroundDraftServer(models["draft"], DraftServerConfig(max_gamma=2)) as srv:
+        eng, rp = engine_for(models, srv.address, "clamp", gamma=5)
+        assert rp.wait_attached(10) and rp.limits.max_gamma == 2
+        reqs = eng.generate(spec_prompts[:4], GREEDY)
+        assert [r.output_ids for r in reqs] == reference("llama", 48)[:4]
+        assert not rp.stats.fallbacks and rp.stats.attaches == 1
+        assert eng.stats.drafted_tokens <= 2 * eng.stats.spec_rounds and eng.stats.accepted_tokens > 0
+        assert srv.server.stats.snapshot()["bad_sequences"] == 0
+        rp.close()
