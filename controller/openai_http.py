@@ -181,6 +181,10 @@ class OpenAIServer:
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "starjar"}]})
 
     async def _body(self, request: web.Request) -> dict:
+        # JSON only: a web page may POST text/plain or a form to a local server without a CORS preflight.
+        if request.content_type != "application/json":
+            raise HttpError(415, f"Content-Type must be application/json (got {request.content_type!r})",
+                            "Content-Type")
         try:
             body = json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

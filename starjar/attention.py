@@ -7,6 +7,10 @@ laid along the query axis of that head ([B, Hkv*g, Q, D] -> [B, Hkv, g*Q, D], a 
 mask is repeated g times along the query axis (once per pass, a few KB), so one SDPA call per layer reads
 K and V where the cache keeps them.
 
+Padding to the longest context stays: attending row by row over each row's own keys (no padding read)
+measured 9-21% slower per pass at 4-8 ragged rows (64..512 tokens) on a 2-core AVX2 CPU, the loop's calls
+costing more than the padding's reads.
+
 The function computed is the same attention: only the order of floating-point reductions can differ
 (max |difference| about 2e-7 on unit-scale inputs). Registered as the attention implementation "starjar";
 `starjar.reference` switches a model back to stock sdpa for the target-alone reference.

@@ -77,3 +77,24 @@ def test_requests_route_around_a_dead_worker_and_health_follows(models, worker, 
         assert fe.in_flight() == {"dead": 0, "w0": 0}
     finally:
         fe.stop(0.5)
+
+
+def test_only_json_bodies_are_accepted_and_top_k_past_int32_is_a_400(models, worker):
+    """Issue 15, item 9: a page can POST text/plain to a local server without a preflight; that is refused (415).
+    top_k above 2^31 names its field (it was a 500)."""
+    fe = FrontEnd("llama", models["llama"].tokenizer).start()
+    try:
+        fe.set_targets({"w0": worker})
+        url = f"http://127.0.0.1:{fe.http_port}/v1/completions"
+        body = json.dumps({"prompt": "hi", "max_tokens": 4}).encode()
+        for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+            req = urllib.request.Request(url, data=body, headers={"Content-Type": ctype})
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(req, timeout=60)
+            assert err.value.code == 415 and json.loads(err.value.read())["error"]["param"] == "Content-Type"
+        status, out = _http(url, {"prompt": "hi", "max_tokens": 4, "top_k": 2**40})
+        assert status == 400 and out["error"]["param"] == "top_k"
+        status, out = _http(url, {"prompt": "hi", "max_tokens": 4})
+        assert status == 200
+    finally:
+        fe.stop(0.5)
