@@ -100,7 +100,12 @@ class ComputeLoop(threading.Thread):
         self._held = held
         for w in starting:
             self.last_round_s = now
-            replies, jobs = self.engine.start(w.requests)
+            try:
+                replies, jobs = self.engine.start(w.requests)
+            except Exception:  # this round only: its sequences are dropped and it is answered resync
+                log.exception("a round could not start; it gets resync answers")
+                self._answer_resync(w)
+                continue
             self._active.append(_Active(w, replies, jobs, now))
         if self._active:
             self._pass()
@@ -146,16 +151,19 @@ class ComputeLoop(threading.Thread):
         rounds = [a.work for a in self._active] + self._held
         self._active, self._held = [], []
         for w in rounds:
-            try:
-                self.engine.release([r.seq_id for r in w.requests])
-            except Exception:
-                log.exception("could not drop the sequences of a failed round")
-            w.reply(w, [None] * len(w.requests), 0.0, 0.0, 0)
+            self._answer_resync(w)
         try:
             self._apply_releases()
         except Exception:
             log.exception("could not apply releases after a failed pass")
             self._releases = []
+
+    def _answer_resync(self, w: RoundWork) -> None:
+        try:
+            self.engine.release([r.seq_id for r in w.requests])
+        except Exception:
+            log.exception("could not drop the sequences of a failed round")
+        w.reply(w, [None] * len(w.requests), 0.0, 0.0, 0)
 
     def offload_if_idle(self, idle_s: float) -> bool:
         """Offload the draft when no round came for idle_s seconds (called off this thread)."""

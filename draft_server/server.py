@@ -73,11 +73,21 @@ class DraftServer:
         period = max(0.05, min(5.0, self.cfg.lease_s / 4))
         if self.cfg.offload_after_s:
             period = min(period, max(0.05, self.cfg.offload_after_s / 4))
+        serving = True
         while True:
             await asyncio.sleep(period)
-            self.service.reclaim_expired()
-            if self.cfg.offload_after_s:
-                await asyncio.to_thread(self.compute.offload_if_idle, self.cfg.offload_after_s)
+            # Health follows the compute thread: a server that cannot draft says so (targets then decode alone).
+            if self.compute.is_alive() != serving:
+                serving = self.compute.is_alive()
+                if not serving:
+                    log.error("the draft compute thread has stopped: health NOT_SERVING")
+                await self._health.set_serving(serving)
+            try:  # one failed sweep must not end reclaim and offload for the process's life
+                self.service.reclaim_expired()
+                if self.cfg.offload_after_s:
+                    await asyncio.to_thread(self.compute.offload_if_idle, self.cfg.offload_after_s)
+            except Exception:
+                log.exception("lease sweep failed; trying again in %.2f s", period)
 
     def set_max_targets(self, n: int) -> None:
         """N_max, set by the controller. Attached targets stay; the draft engine's sequence cap follows."""

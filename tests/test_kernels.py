@@ -88,4 +88,3 @@ def test_folded_attention_without_a_mask_is_causal_on_a_prefill():
     causal = torch.ones(7, 7, dtype=torch.bool).tril()[None, None]
     out, _ = folded_attention(_Module(), query, key, value, None)
     torch.testing.assert_close(out, _reference(query, key, value, causal), atol=1e-5, rtol=1e-5)
-
