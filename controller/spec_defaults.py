@@ -48,6 +48,8 @@ def speculation_defaults(draft_dir: str | None, gamma: int | None = None, policy
 
 
 def _measured(draft_dir: str, target_dir: str | None) -> dict | None:
+    if not draft_dir:  # a draft whose files are elsewhere (a remote draft server of the user's own)
+        return None
     if target_dir is not None:
         from controller.pair_check import measured_acceptance
 
