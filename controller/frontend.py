@@ -13,9 +13,9 @@ import threading
 import grpc
 from aiohttp import web
 
-from controller.frontend_grpc import FrontendGenerateService
+from controller.frontend_grpc import DEFAULT_REQUEST_TIMEOUT_S, FrontendGenerateService, check_request_timeout
 from controller.openai_http import OpenAIServer
-from controller.router import TargetRouter
+from controller.router import DEFAULT_MAX_REQUESTS, TargetRouter, check_max_requests
 from starjar.serving import HealthAndReflection
 from starjar.v1 import generate_pb2, generate_pb2_grpc
 
@@ -33,11 +33,16 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 
 class FrontEnd:
     def __init__(self, model_name: str, tokenizer, host: str = "127.0.0.1", grpc_port: int = 0,
-                 http_port: int = 0, auth_token: str | None = None):
+                 http_port: int = 0, auth_token: str | None = None, max_requests: int = DEFAULT_MAX_REQUESTS,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
+        """max_requests: relays in flight at once before new requests are refused (429 / RESOURCE_EXHAUSTED);
+        request_timeout_s: the longest a request may take, queueing included (then 504 / DEADLINE_EXCEEDED)."""
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.host = host
         self.auth_token = auth_token
+        self.max_requests = check_max_requests(max_requests)
+        self.request_timeout_s = check_request_timeout(request_timeout_s)
         self._ports = (grpc_port, http_port)
         self.grpc_port: int | None = None
         self.http_port: int | None = None
@@ -58,17 +63,21 @@ class FrontEnd:
         return self
 
     async def _start(self) -> None:
-        self.router = TargetRouter()
+        self.router = TargetRouter(max_requests=self.max_requests)
         self._grpc = grpc.aio.server()
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(
-            FrontendGenerateService(self.router, self.model_name, self.auth_token), self._grpc)
+            FrontendGenerateService(self.router, self.model_name, self.auth_token, self.request_timeout_s),
+            self._grpc)
         self._health = HealthAndReflection(self._grpc, SERVICE_NAME)
         self.grpc_port = self._grpc.add_insecure_port(f"{self.host}:{self._ports[0]}")
         if not self.grpc_port:
             raise OSError(f"cannot listen on {self.host}:{self._ports[0]} (gRPC)")
         await self._grpc.start()
-        app = OpenAIServer(self.router, self.model_name, self.tokenizer, self.auth_token).app()
-        self._http = web.AppRunner(app, access_log=None)  # access logs would carry client addresses
+        app = OpenAIServer(self.router, self.model_name, self.tokenizer, self.auth_token,
+                           request_timeout_s=self.request_timeout_s).app()
+        # No access logs: they would carry client addresses. handler_cancellation: a client that disconnects
+        # cancels its handler, and so its relays, even when nothing is being written to it (non-streaming).
+        self._http = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._http.setup()
         site = web.TCPSite(self._http, self.host, self._ports[1])
         await site.start()

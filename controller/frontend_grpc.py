@@ -4,7 +4,9 @@ The request is validated here first (shape, model name, sampling values) so a
 bad one never reaches a worker; what needs the tokenizer (the prompt length)
 is checked by the worker, whose INVALID_ARGUMENT is passed through unchanged.
 When the caller goes away, the relay is cancelled, and the worker frees the
-sequence and its draft session.
+sequence and its draft session. No relay outlives the front end's request
+timeout (or the caller's deadline, when sooner), so a worker that never
+answers cannot hold a caller forever.
 """
 
 from __future__ import annotations
@@ -16,11 +18,28 @@ from contextlib import aclosing
 
 import grpc
 
-from controller.router import NoTargets, TargetRouter
+from controller.router import NoTargets, Overloaded, TargetRouter
 from starjar.errors import InvalidArgument
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
-from starjar.wire import check_request_shape, sampling_from_proto
+from starjar.wire import REASON_METADATA, check_request_shape, refusal_reason, sampling_from_proto
+
+DEFAULT_REQUEST_TIMEOUT_S = 600.0  # a whole generation, queueing included (the OpenAI SDK's own default)
+
+
+def check_request_timeout(seconds: float) -> float:
+    if not seconds > 0:
+        raise InvalidArgument("--request-timeout", "must be > 0 seconds", seconds)
+    return seconds
+
+
+def relay_timeout(caller_left: float | None, limit: float) -> float:
+    """The relay's deadline: the front end's limit, or the caller's own deadline when sooner."""
+    return limit if caller_left is None else min(caller_left, limit)
+
+
+def timeout_message(timeout: float, limit: float) -> str:
+    return f"the request did not finish within {timeout:g} s (the front end's --request-timeout is {limit:g} s)"
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +54,12 @@ def check_bearer(header: str | None, token: str | None) -> bool:
 
 
 class FrontendGenerateService(pb_grpc.GenerateServiceServicer):
-    def __init__(self, router: TargetRouter, model_name: str, auth_token: str | None = None):
+    def __init__(self, router: TargetRouter, model_name: str, auth_token: str | None = None,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
         self.router = router
         self.model_name = model_name
         self.auth_token = auth_token
+        self.request_timeout_s = check_request_timeout(request_timeout_s)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         metadata = dict(context.invocation_metadata() or ())
@@ -51,14 +72,23 @@ class FrontendGenerateService(pb_grpc.GenerateServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not request.request_id:
             request.request_id = f"gen-{secrets.token_hex(8)}"
-        left = context.time_remaining()
+        timeout = relay_timeout(context.time_remaining(), self.request_timeout_s)
         try:
             # aclosing: a caller who leaves mid-stream cancels the relay now, not when it is collected.
-            async with aclosing(self.router.generate(request, timeout=left)) as upstream:
+            async with aclosing(self.router.generate(request, timeout=timeout)) as upstream:
                 async for resp in upstream:
                     yield resp
         except NoTargets as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except Overloaded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
+                                trailing_metadata=((REASON_METADATA, exc.reason),))
         except grpc.aio.AioRpcError as exc:
-            # The worker's verdict (INVALID_ARGUMENT for a too-long prompt, ...) reaches the caller as is.
-            await context.abort(exc.code(), exc.details() or "")
+            # The worker's verdict (INVALID_ARGUMENT for a too-long prompt, queue_full, ...) reaches the caller
+            # as is, its reason included.
+            reason = refusal_reason(exc)
+            details = exc.details() or ""
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                details = timeout_message(timeout, self.request_timeout_s)
+            await context.abort(exc.code(), details,
+                                trailing_metadata=((REASON_METADATA, reason),) if reason else ())

@@ -6,6 +6,11 @@ server-sent events ending with `data: [DONE]`. Conventions follow OpenAI's
 API (and vLLM's where OpenAI is silent): temperature defaults to 1, completions
 default to 16 tokens; `top_k` and `ignore_eos` are accepted as extensions.
 Bad input answers 400 with {"error": {"message", "type", "param"}}, never a traceback.
+Overload answers 429 with Retry-After and the machine-readable reason in
+"code" (queue_full: every worker's queue is full; front_end_full); a request
+that outlives the request timeout answers 504. A client that disconnects
+cancels its generation, streaming or not (the front end's AppRunner is made
+with handler_cancellation).
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ from typing import Any, AsyncIterator
 import grpc
 from aiohttp import web
 
-from controller.frontend_grpc import check_bearer
-from controller.router import NoTargets, TargetRouter
+from controller.frontend_grpc import (DEFAULT_REQUEST_TIMEOUT_S, check_bearer, check_request_timeout,
+                                      timeout_message)
+from controller.router import NoTargets, Overloaded, TargetRouter
 from controller.stop_strings import StopStrings
 from starjar.errors import InvalidArgument
 from starjar.sampling import SamplingParams
 from starjar.v1 import generate_pb2 as pb
-from starjar.wire import MAX_PROMPT_CHARS, check_request_shape, sampling_to_proto
+from starjar.wire import MAX_PROMPT_CHARS, check_request_shape, refusal_reason, sampling_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +44,25 @@ MAX_MESSAGES = 256
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default
 CHAT_DEFAULT_MAX_TOKENS = 256
+RETRY_AFTER_S = 1  # what a 429 asks the client to wait: queues here drain in about a step per request
 
 
 class HttpError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                            "code": None}}, status=self.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+
+def _overloaded(message: str, reason: str | None) -> HttpError:
+    return HttpError(429, message, None, "rate_limit_error", reason)
 
 
 def _invalid(exc: InvalidArgument) -> HttpError:
@@ -60,6 +75,8 @@ _GRPC_TO_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHEN
 
 
 def _from_grpc(exc: grpc.aio.AioRpcError) -> HttpError:
+    if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return _overloaded(exc.details() or "overloaded", refusal_reason(exc))
     status = _GRPC_TO_HTTP.get(exc.code(), 500)
     details = exc.details() or exc.code().name
     param = details.split(":", 1)[0].removeprefix("invalid ").strip() if status == 400 else None
@@ -137,12 +154,13 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 class OpenAIServer:
     def __init__(self, router: TargetRouter, model_name: str, tokenizer, auth_token: str | None = None,
-                 created: int | None = None):
+                 created: int | None = None, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
         self.router = router
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.auth_token = auth_token
         self.created = created or int(time.time())
+        self.request_timeout_s = check_request_timeout(request_timeout_s)  # each relay, retries included
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
@@ -276,7 +294,7 @@ class OpenAIServer:
         """(text, None) while generating, then ("", {"finish_reason", "usage"}) once."""
         cut = StopStrings(stops)
         generated = 0
-        async with aclosing(self.router.generate(req)) as upstream:
+        async with aclosing(self.router.generate(req, timeout=self.request_timeout_s)) as upstream:
             async for resp in upstream:
                 generated += len(resp.token_ids)
                 text = cut.push(resp.text)
@@ -305,10 +323,18 @@ class OpenAIServer:
             if parsed.stream:
                 return await self._stream(request, parsed, chat, rid, created)
             return await self._whole(parsed, chat, rid, created)
-        except NoTargets as exc:
-            raise HttpError(503, str(exc), None, "server_error") from None
-        except grpc.aio.AioRpcError as exc:
-            raise _from_grpc(exc) from None
+        except (NoTargets, Overloaded, grpc.aio.AioRpcError) as exc:
+            raise self._relay_error(exc) from None
+
+    def _relay_error(self, exc: Exception) -> HttpError:
+        if isinstance(exc, Overloaded):
+            return _overloaded(str(exc), exc.reason)
+        if isinstance(exc, NoTargets):
+            return HttpError(503, str(exc), None, "server_error")
+        if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return HttpError(504, timeout_message(self.request_timeout_s, self.request_timeout_s), None,
+                             "server_error", "timeout")
+        return _from_grpc(exc)
 
     async def _collect(self, req: pb.GenerateRequest, stops: list[str]) -> tuple[str, dict]:
         text, end = "", {}
@@ -346,7 +372,7 @@ class OpenAIServer:
             try:
                 async for piece, fin in self._pieces(req, parsed.stops):
                     await merged.put((i, piece, fin, None))
-            except (grpc.aio.AioRpcError, NoTargets) as exc:
+            except (grpc.aio.AioRpcError, NoTargets, Overloaded) as exc:
                 await merged.put((i, "", None, exc))
 
         first = await self._first(parsed, pump, merged)  # fail with a plain HTTP status if nothing started
@@ -377,8 +403,7 @@ class OpenAIServer:
                 i, piece, fin, err = item if item is not None else await merged.get()
                 item = None
                 if err is not None:
-                    h = _from_grpc(err) if isinstance(err, grpc.aio.AioRpcError) else HttpError(503, str(err))
-                    await send({"error": {"message": h.message, "type": h.kind, "param": h.param, "code": None}})
+                    await send(self._relay_error(err).body())
                     break
                 if piece:
                     await send(chunk(i, piece, None))
@@ -393,7 +418,7 @@ class OpenAIServer:
                             "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1],
                                       "total_tokens": usage[0] + usage[1]}})
             await resp.write(b"data: [DONE]\n\n")
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:
             log.debug("client left stream %s", rid)  # the pumps are cancelled below: workers free the sequences
         finally:
             for t in tasks:

@@ -2,30 +2,51 @@
 
 Load is what this front end has in flight on each worker (it is the only
 router, so that count is exact and costs nothing to read); ties go round-robin.
-A request whose worker fails before sending anything is tried on another one:
-nothing was streamed yet, so nothing is lost or duplicated.
+A request whose worker refuses it before sending anything (UNAVAILABLE: down,
+draining, its engine stopped; RESOURCE_EXHAUSTED: its queue is full) is tried
+on another one: nothing was streamed yet, so nothing is lost or duplicated.
+Other failures (INTERNAL, UNKNOWN) may have run the request, or been caused by
+it, so they reach the caller as they are. Past max_requests relays at once the
+front end refuses new requests itself (Overloaded).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
 
+from starjar.errors import InvalidArgument
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-# Codes that mean "this worker could not take it", not "the request is wrong".
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN}
+# Codes that mean "this worker did not start it", not "the request is wrong" or "it failed while running".
+_NOT_STARTED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+COOL_DOWN_S = 2.0  # a worker that refused is tried after the others for this long
+DEFAULT_MAX_REQUESTS = 1024  # relays in flight at once, over all workers
+FRONT_END_FULL = "front_end_full"
+
+
+def check_max_requests(n: int) -> int:
+    if n < 1:
+        raise InvalidArgument("--max-requests", "must be >= 1", n)
+    return n
 
 
 class NoTargets(RuntimeError):
     """No target worker is known or reachable."""
+
+
+class Overloaded(RuntimeError):
+    """The front end already relays its limit of requests; `reason` is machine-readable."""
+
+    reason = FRONT_END_FULL
 
 
 @dataclass
@@ -35,15 +56,19 @@ class _Target:
     channel: grpc.aio.Channel
     stub: pb_grpc.GenerateServiceStub
     in_flight: int = 0
+    cool_until: float = 0.0  # monotonic time before which others are preferred (it refused a request)
 
 
 class TargetRouter:
     """Create and use it on one event loop (grpc.aio channels belong to their loop)."""
 
-    def __init__(self, max_attempts: int = 3):
+    def __init__(self, max_attempts: int | None = None, max_requests: int = DEFAULT_MAX_REQUESTS):
+        """max_attempts: workers tried per request (default: each one once)."""
+        check_max_requests(max_requests)
         self._targets: dict[str, _Target] = {}
         self._rr = itertools.count()
         self.max_attempts = max_attempts
+        self.max_requests = max_requests
 
     def update(self, addresses: dict[str, str]) -> None:
         """Set the workers (name -> HOST:PORT); a moved worker gets a fresh channel."""
@@ -70,20 +95,34 @@ class TargetRouter:
         candidates = [t for t in self._targets.values() if t.name not in exclude]
         if not candidates:
             raise NoTargets("no target worker is available")
-        low = min(t.in_flight for t in candidates)
-        least = [t for t in candidates if t.in_flight == low]
+        now = time.monotonic()
+        rested = [t for t in candidates if t.cool_until <= now] or candidates
+        low = min(t.in_flight for t in rested)
+        least = [t for t in rested if t.in_flight == low]
         return least[next(self._rr) % len(least)]
+
+    def _may_retry(self, tried: set[str]) -> bool:
+        untried = any(name not in tried for name in self._targets)
+        return untried and (self.max_attempts is None or len(tried) < self.max_attempts)
 
     async def generate(self, request: pb.GenerateRequest, timeout: float | None = None
                        ) -> AsyncIterator[pb.GenerateResponse]:
         """Stream one request from the least-loaded worker. Closing the iterator cancels the upstream
-        call, which frees the worker's sequence and its draft session."""
+        call, which frees the worker's sequence and its draft session. timeout bounds the whole request,
+        retries included."""
+        relaying = sum(t.in_flight for t in self._targets.values())
+        if relaying >= self.max_requests:
+            raise Overloaded(f"the front end is relaying {relaying} requests, its limit (--max-requests "
+                             f"{self.max_requests}); retry later")
+        deadline = None if timeout is None else time.monotonic() + timeout
         tried: set[str] = set()
+        full: grpc.aio.AioRpcError | None = None  # a worker's RESOURCE_EXHAUSTED: "retry later" beats "down"
         while True:
             target = self._pick(tried)
             tried.add(target.name)
             target.in_flight += 1
-            call = target.stub.Generate(request, timeout=timeout)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            call = target.stub.Generate(request, timeout=left)
             sent = False
             try:
                 async for resp in call:
@@ -91,9 +130,14 @@ class TargetRouter:
                     yield resp
                 return
             except grpc.aio.AioRpcError as exc:
-                if sent or exc.code() not in _RETRYABLE or len(tried) >= self.max_attempts:
+                if sent or exc.code() not in _NOT_STARTED:
                     raise
-                log.warning("target %s failed before answering (%s); trying another", target.name,
+                target.cool_until = time.monotonic() + COOL_DOWN_S
+                if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full = exc
+                if not self._may_retry(tried):
+                    raise full or exc  # every worker refused; if one was full, the caller hears "retry later"
+                log.warning("target %s did not start the request (%s); trying another", target.name,
                             exc.code().name)
             finally:
                 target.in_flight -= 1

@@ -13,7 +13,7 @@ from starjar.sampling import SamplingParams
 def __getattr__(name):
     # The SDK pulls in grpc; load it only when asked so engine-only users stay light.
     if name in ("Client", "AsyncClient", "GenerationResult", "GenerationChunk", "ClientError", "InvalidRequest",
-                "Unavailable", "Timeout", "Unauthenticated"):
+                "Unavailable", "Timeout", "Unauthenticated", "Overloaded"):
         from starjar import client
 
         return getattr(client, name)
@@ -21,5 +21,5 @@ def __getattr__(name):
 
 
 __all__ = ["AsyncClient", "Client", "ClientError", "GenerationChunk", "GenerationResult", "InvalidArgument",
-           "InvalidRequest", "SamplingParams", "StarjarError", "Timeout", "Unauthenticated", "Unavailable",
-           "__version__"]
+           "InvalidRequest", "Overloaded", "SamplingParams", "StarjarError", "Timeout", "Unauthenticated",
+           "Unavailable", "__version__"]

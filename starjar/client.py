@@ -19,16 +19,18 @@ from starjar.errors import StarjarError
 from starjar.sampling import SamplingParams
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
-from starjar.wire import sampling_to_proto
+from starjar.wire import refusal_reason, sampling_to_proto
 
 
 class ClientError(StarjarError):
-    """A call failed; `code` is the gRPC status code, `details` the server's message."""
+    """A call failed; `code` is the gRPC status code, `details` the server's message, `reason` the
+    machine-readable reason of a refusal (e.g. "queue_full"), when the server gave one."""
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str | None = None):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
+        self.reason = reason
 
 
 class InvalidRequest(ClientError):
@@ -47,15 +49,19 @@ class Unauthenticated(ClientError):
     """The auth token was missing or wrong (UNAUTHENTICATED / PERMISSION_DENIED)."""
 
 
+class Overloaded(ClientError):
+    """The service is full (RESOURCE_EXHAUSTED): retry later. `reason` says what is full."""
+
+
 _ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest, grpc.StatusCode.UNAVAILABLE: Unavailable,
            grpc.StatusCode.DEADLINE_EXCEEDED: Timeout, grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-           grpc.StatusCode.PERMISSION_DENIED: Unauthenticated}
+           grpc.StatusCode.PERMISSION_DENIED: Unauthenticated, grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded}
 
 
 def _error(exc: grpc.RpcError) -> ClientError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    return _ERRORS.get(code, ClientError)(code, details or "")
+    return _ERRORS.get(code, ClientError)(code, details or "", refusal_reason(exc))
 
 
 @dataclass(frozen=True)

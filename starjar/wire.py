@@ -8,6 +8,14 @@ from starjar.v1 import generate_pb2 as gen_pb
 
 MAX_REQUEST_ID = 128
 MAX_PROMPT_CHARS = 1 << 20
+# Trailing metadata key of a refusal's machine-readable reason (RESOURCE_EXHAUSTED: "queue_full", ...).
+REASON_METADATA = "starjar-reason"
+
+
+def refusal_reason(exc) -> str | None:
+    """The starjar-reason a server put in a failed call's trailing metadata, if any."""
+    metadata = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    return dict(metadata or ()).get(REASON_METADATA)
 
 
 def sampling_from_proto(p: gen_pb.SamplingParams) -> SamplingParams:

@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 OnOutput = Callable[[StepOutput], None]
 MAX_FAILED_STEPS = 3  # in a row: past this the engine is taken for broken and the worker goes NOT_SERVING
+# The error of requests a dead engine never ran (queued, or submitted after): safe to retry on another worker.
+ENGINE_STOPPED = "engine stopped"
 
 
 class EngineRunner(threading.Thread):
@@ -39,13 +41,13 @@ class EngineRunner(threading.Thread):
         """prompt_ids and params must already be validated (engine.validate_prompt, params.validate).
         On a dead engine the request ends at once with an error output."""
         req = Request(prompt_ids=list(prompt_ids), params=params, request_id=request_id)
-        if self.dead.is_set():
-            req.finish_reason, req.status = "error", Status.FINISHED
-            on_output(StepOutput(req, [], finished=True, error="engine stopped"))
-            return req
-        with self._cv:
-            self._inbox.append(("add", req, on_output))
-            self._cv.notify()
+        with self._cv:  # under the lock: _die either sees this request in the inbox or we see it dead
+            if not self.dead.is_set():
+                self._inbox.append(("add", req, on_output))
+                self._cv.notify()
+                return req
+        req.finish_reason, req.status = "error", Status.FINISHED
+        on_output(StepOutput(req, [], finished=True, error=ENGINE_STOPPED))
         return req
 
     def cancel(self, req: Request) -> None:
@@ -68,13 +70,19 @@ class EngineRunner(threading.Thread):
         log.error("the engine failed %d steps in a row: giving up", self.failed_steps)
         with self._cv:
             self._stop = True
-        outs = last + self.engine.fail_running("engine stopped")
+            self.dead.set()
+            unread = [(req, cb) for op, req, cb in self._inbox if op == "add"]  # submitted during the last step
+            self._inbox.clear()
+        outs = last + self.engine.fail_running(ENGINE_STOPPED)
         for req in list(self.engine.scheduler.waiting):
             self.engine.abort(req)
             req.finish_reason = "error"
-            outs.append(StepOutput(req, [], finished=True, error="engine stopped"))
+            outs.append(StepOutput(req, [], finished=True, error=ENGINE_STOPPED))
+        for req, cb in unread:
+            self._listeners[id(req)] = cb
+            req.finish_reason, req.status = "error", Status.FINISHED
+            outs.append(StepOutput(req, [], finished=True, error=ENGINE_STOPPED))
         self._deliver(outs)
-        self.dead.set()
         if self.on_dead is not None:
             self.on_dead()
 

@@ -1,4 +1,9 @@
-"""GenerateService on a target worker: a worker can be used on its own."""
+"""GenerateService on a target worker: a worker can be used on its own.
+
+A request is admitted into a bounded queue first (refused RESOURCE_EXHAUSTED
+when it is full), then tokenized on a worker thread, so a 1 MB prompt never
+holds up the event loop that streams every other request's tokens.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import asyncio
 import itertools
 import logging
 import time
+from contextlib import aclosing
 
 import grpc
 
@@ -13,21 +19,23 @@ from starjar.errors import InvalidArgument
 from starjar.text import encode_prompt
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
-from starjar.wire import check_request_shape, sampling_from_proto
+from starjar.wire import REASON_METADATA, check_request_shape, sampling_from_proto
+from target_worker.admission import QUEUE_FULL, AdmissionQueue
 from target_worker.detok import IncrementalDetokenizer
 from target_worker.engine import StepOutput
-from target_worker.runner import EngineRunner
+from target_worker.runner import ENGINE_STOPPED, EngineRunner
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
 
 
 class GenerateService(pb_grpc.GenerateServiceServicer):
-    def __init__(self, runner: EngineRunner, model_name: str):
+    def __init__(self, runner: EngineRunner, model_name: str, admission: AdmissionQueue | None = None):
         self.runner = runner
         self.engine = runner.engine
         self.model_name = model_name
         self.tokenizer = runner.engine.model.tokenizer
+        self.admission = admission or AdmissionQueue(self.engine.config.max_batch_size)
 
     def _prepare(self, request: pb.GenerateRequest):
         check_request_shape(request, self.model_name)
@@ -41,9 +49,22 @@ class GenerateService(pb_grpc.GenerateServiceServicer):
         return ids, params
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.runner.dead.is_set():  # not started: the front end retries it on another worker
+            await context.abort(grpc.StatusCode.UNAVAILABLE, ENGINE_STOPPED)
+        if not self.admission.try_enter():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.admission.refusal(),
+                                trailing_metadata=((REASON_METADATA, QUEUE_FULL),))
+        try:
+            async with aclosing(self._generate(request, context)) as responses:  # closed now, not when collected
+                async for resp in responses:
+                    yield resp
+        finally:
+            self.admission.leave()
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
         try:
-            ids, params = self._prepare(request)
+            ids, params = await asyncio.to_thread(self._prepare, request)
         except InvalidArgument as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = request.request_id or f"gen-{next(_ids)}"
@@ -55,6 +76,8 @@ class GenerateService(pb_grpc.GenerateServiceServicer):
         try:
             while True:
                 out = await outputs.get()
+                if out.error == ENGINE_STOPPED:  # never ran here: the front end may retry it on another worker
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
                 if out.error is not None:
                     await context.abort(grpc.StatusCode.INTERNAL, out.error)
                 final = out.finished
