@@ -13,6 +13,7 @@ import os
 
 from starjar.errors import InvalidArgument
 from starjar.models import load_model
+from target_worker.admission import DEFAULT_MAX_WAITING
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ def add_serve_parsers(sub) -> None:
     t.add_argument("--profile", default=None, help="latency tables from `starjar profile` (nightjar, tide)")
     t.add_argument("--buckets", default=None, help="nightjar's batch-size buckets, e.g. 1,2,4,8,16 (default: octaves up to 128)")
     t.add_argument("--batch-size", type=int, default=16)
+    t.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
+                   help="requests queued beyond a full batch; past that new ones are refused with "
+                        f"RESOURCE_EXHAUSTED, reason queue_full (default {DEFAULT_MAX_WAITING})")
     t.add_argument("--draft-deadline", type=float, default=0.5, help="seconds to wait for drafts per step")
     t.add_argument("--device", default="cpu")
     t.add_argument("--dtype", default="float32")
@@ -92,6 +96,8 @@ def run_serve(args) -> int:
         raise InvalidArgument("--gamma", "must be >= 0", args.gamma)
     if args.draft_deadline <= 0:
         raise InvalidArgument("--draft-deadline", "must be > 0", args.draft_deadline)
+    if args.max_waiting < 0:
+        raise InvalidArgument("--max-waiting", "must be >= 0", args.max_waiting)
     model = load_model(args.model or build_default_pair()["target"], args.device, args.dtype, what="model")
     worker_id = args.worker_id or f"{os.uname().nodename}:{os.getpid()}"
     from controller.spec_defaults import speculation_defaults
@@ -104,6 +110,7 @@ def run_serve(args) -> int:
     policy = serving_policy(chosen.policy, chosen.gamma, args.profile, bool(args.draft), parse_buckets(args.buckets))
     server = TargetServer(model, args.draft, worker_id, policy,
                           EngineConfig(max_batch_size=args.batch_size, max_gamma=max(8, chosen.gamma)),
-                          args.host, args.port, args.draft_deadline, exit_on_engine_death=True)
+                          args.host, args.port, args.draft_deadline, exit_on_engine_death=True,
+                          max_waiting=args.max_waiting)
     serve_target(server, _announce("target", args.host, server.metrics.registry, args.metrics_port))
     return 0

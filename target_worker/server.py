@@ -12,6 +12,7 @@ from starjar.models import LoadedModel
 from starjar.policy import FixedGamma, SpeculationPolicy
 from starjar.serving import HealthAndReflection, run_until_signalled
 from starjar.v1 import generate_pb2, generate_pb2_grpc
+from target_worker.admission import DEFAULT_MAX_WAITING, AdmissionQueue
 from target_worker.draft_client import RemoteProposer
 from target_worker.engine import EngineConfig, TargetEngine
 from target_worker.runner import EngineRunner
@@ -25,14 +26,16 @@ class TargetServer:
     def __init__(self, model: LoadedModel, draft_address: str | None, worker_id: str,
                  policy: SpeculationPolicy | None = None, config: EngineConfig | None = None,
                  host: str = "127.0.0.1", port: int = 0, draft_deadline_s: float = 0.5,
-                 exit_on_engine_death: bool = False):
+                 exit_on_engine_death: bool = False, max_waiting: int = DEFAULT_MAX_WAITING):
         """exit_on_engine_death: when the engine cannot go on, exit the process after a second of NOT_SERVING
         (so a supervisor, Ray or systemd, restarts it); a server embedded in another process only turns
-        NOT_SERVING."""
+        NOT_SERVING.
+        max_waiting: requests queued beyond a full batch; past that new ones are refused (queue_full)."""
         self.proposer = (RemoteProposer(draft_address, model.fingerprint, worker_id, draft_deadline_s)
                          if draft_address else None)
         engine = TargetEngine(model, self.proposer, policy or FixedGamma(4 if draft_address else 0), config)
         self.runner = EngineRunner(engine)
+        self.admission = AdmissionQueue(engine.config.max_batch_size, max_waiting)
         from target_worker.metrics import TargetMetrics
 
         self.metrics = TargetMetrics(engine, self.proposer, model.path.rstrip("/").split("/")[-1])
@@ -46,8 +49,8 @@ class TargetServer:
 
     async def start(self) -> int:
         self._server = grpc.aio.server()
-        generate_pb2_grpc.add_GenerateServiceServicer_to_server(GenerateService(self.runner, self.model_name),
-                                                                self._server)
+        service = GenerateService(self.runner, self.model_name, self.admission)
+        generate_pb2_grpc.add_GenerateServiceServicer_to_server(service, self._server)
         self._health = HealthAndReflection(self._server, SERVICE_NAME)
         self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
         loop = asyncio.get_running_loop()

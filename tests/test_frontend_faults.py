@@ -1,0 +1,119 @@
+"""Issue 15, items 1 and 9, at the front end: a worker whose engine died is routed around (its requests had not
+started), no relay outlives the request timeout, an HTTP client that leaves stops its generation even when it
+is not streaming, and a prompt being tokenized does not hold up the worker's other requests."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from controller.frontend import FrontEnd
+from fault_servers import FakeWorker, GatedTokenizer, Worker, broken, own_copy, slowed, wait_until
+from starjar import Client, Timeout
+from target_worker.runner import MAX_FAILED_STEPS
+
+
+def _post(url: str, body: dict, timeout: float = 30):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def test_requests_go_around_a_worker_whose_engine_died(models, spec_prompts, reference):
+    dead, alive = Worker(broken(models["llama"]), "dead"), Worker(models["llama"], "alive")
+    fe = FrontEnd("llama", models["llama"].tokenizer).start()
+    try:
+        with Client(dead.address, timeout=30) as c:  # kill its engine: every step fails, then it gives up
+            for i in range(MAX_FAILED_STEPS):
+                with pytest.raises(Exception, match="INTERNAL"):
+                    c.generate(prompt_token_ids=spec_prompts[i], max_tokens=4)
+        assert wait_until(lambda: _health(dead.address) == health_pb2.HealthCheckResponse.NOT_SERVING)
+        fe.set_targets({"dead": dead.address, "alive": alive.address})
+        with Client(f"127.0.0.1:{fe.grpc_port}", timeout=30) as c:
+            outs = [c.generate(prompt_token_ids=p, max_tokens=8).token_ids for p in spec_prompts[:4]]
+        assert outs == [r[:8] for r in reference("llama")[:4]]
+        status, body = _post(f"http://127.0.0.1:{fe.http_port}/v1/completions",
+                             {"prompt": spec_prompts[4], "max_tokens": 8, "temperature": 0})
+        assert status == 200
+        assert models["llama"].tokenizer.decode(reference("llama")[4][:8]) == body["choices"][0]["text"]
+    finally:
+        fe.stop(0.5)
+        dead.close()
+        alive.close()
+
+
+def test_no_relay_outlives_the_request_timeout(models):
+    hung = FakeWorker(None)  # accepts the call and never answers
+    fe = FrontEnd("llama", models["llama"].tokenizer, request_timeout_s=1.0).start()
+    try:
+        fe.set_targets({"hung": hung.address})
+        url = f"http://127.0.0.1:{fe.http_port}/v1/completions"
+        for stream in (False, True):
+            t0 = time.monotonic()
+            status, body = _post(url, {"prompt": "hi", "max_tokens": 4, "stream": stream}, timeout=20)
+            assert status == 504 and "--request-timeout" in body["error"]["message"]
+            assert time.monotonic() - t0 < 10
+        with Client(f"127.0.0.1:{fe.grpc_port}") as c:  # the caller sets no deadline; the front end's holds
+            with pytest.raises(Timeout, match="--request-timeout"):
+                c.generate("hi", max_tokens=4)
+        assert fe.in_flight() == {"hung": 0}
+    finally:
+        fe.stop(0.5)
+        hung.close()
+
+
+def test_a_non_streaming_client_that_leaves_stops_its_generation(models, spec_prompts):
+    w = Worker(slowed(models["llama"], 0.02), "w")  # 300 tokens would take 6 s or more
+    fe = FrontEnd("llama", models["llama"].tokenizer).start()
+    try:
+        fe.set_targets({"w": w.address})
+        body = json.dumps({"prompt": spec_prompts[0], "max_tokens": 300, "ignore_eos": True}).encode()
+        sock = socket.create_connection(("127.0.0.1", fe.http_port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert wait_until(lambda: w.server.runner.engine.num_running == 1)
+        sock.close()
+        t0 = time.monotonic()
+        assert wait_until(lambda: w.server.runner.engine.num_running == 0 and fe.in_flight() == {"w": 0}, 3)
+        assert w.server.runner.engine.stats.decode_steps < 300 and time.monotonic() - t0 < 3
+    finally:
+        fe.stop(0.5)
+        w.close()
+
+
+def test_a_prompt_being_tokenized_does_not_hold_up_other_requests(models, spec_prompts, reference):
+    model = own_copy(models["llama"])
+    model.tokenizer = GatedTokenizer(model.tokenizer)  # tokenizing "SLOW..." takes until the gate opens
+    w = Worker(model, "w")
+    slow_result = {}
+    try:
+        def slow_request():
+            with Client(w.address, timeout=60) as c:
+                slow_result["out"] = c.generate("SLOW prompt", max_tokens=4)
+        t = threading.Thread(target=slow_request)
+        t.start()
+        assert model.tokenizer.entered.wait(10)
+        with Client(w.address, timeout=10) as c:  # served while the other prompt is still being tokenized
+            assert c.generate(prompt_token_ids=spec_prompts[0], max_tokens=8).token_ids == reference("llama")[0][:8]
+        assert t.is_alive()
+    finally:
+        model.tokenizer.gate.set()
+        t.join(30)
+        w.close()
+    assert slow_result["out"].finish_reason in ("stop", "length")

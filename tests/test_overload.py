@@ -1,0 +1,152 @@
+"""Issue 15, item 8: overload control. A worker holds a full batch plus a bounded waiting queue and refuses the
+rest (RESOURCE_EXHAUSTED, starjar-reason queue_full, the limit named); the front end tries another worker,
+answers RESOURCE_EXHAUSTED / 429 with Retry-After when all are full, caps its own relays, and never retries a
+request that failed while running (UNKNOWN, INTERNAL)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from controller.frontend import FrontEnd
+from controller.router import TargetRouter
+from fault_servers import FakeWorker, Worker, slowed, wait_until
+from starjar import Client, Overloaded
+from starjar.sampling import SamplingParams
+from starjar.v1 import generate_pb2 as pb
+from starjar.v1 import generate_pb2_grpc as pb_grpc
+from starjar.wire import REASON_METADATA, sampling_to_proto
+
+LONG = SamplingParams(max_tokens=300, ignore_eos=True)  # at 20 ms a step: far longer than any test waits
+
+
+def _hold(address: str, prompt: list[int]):
+    """Start a long generation and leave it running (or queued); cancel() the returned call to end it."""
+    channel = grpc.insecure_channel(address)
+    call = pb_grpc.GenerateServiceStub(channel).Generate(
+        pb.GenerateRequest(prompt_token_ids=prompt, sampling=sampling_to_proto(LONG)))
+    return channel, call
+
+
+def _release(*held) -> None:
+    for channel, call in held:
+        call.cancel()
+        channel.close()
+
+
+def _post(url: str, body: dict):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, dict(resp.headers), json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), json.loads(err.read())
+
+
+@pytest.fixture
+def slow_workers(models):
+    """Two workers of batch 1 and no waiting room, each step slowed to 20 ms."""
+    ws = [Worker(slowed(models["llama"], 0.02), f"w{i}", batch_size=1, max_waiting=0) for i in range(2)]
+    yield ws
+    for w in ws:
+        w.close()
+
+
+def test_a_full_worker_refuses_with_queue_full_naming_the_limit(models, spec_prompts, reference):
+    w = Worker(slowed(models["llama"], 0.02), "w", batch_size=1, max_waiting=1)
+    try:
+        held = [_hold(w.address, spec_prompts[i]) for i in range(2)]  # one running, one waiting
+        assert wait_until(lambda: w.server.admission.held == 2)
+        stub = pb_grpc.GenerateServiceStub(grpc.insecure_channel(w.address))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(prompt_token_ids=spec_prompts[2]), timeout=5))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(err.value.trailing_metadata())[REASON_METADATA] == "queue_full"
+        assert "--max-waiting 1" in err.value.details() and "batch size 1" in err.value.details()
+        _release(*held)
+        assert wait_until(lambda: w.server.admission.held == 0)
+        with Client(w.address, timeout=30) as c:  # room again; the output is the target's own
+            assert c.generate(prompt_token_ids=spec_prompts[2], max_tokens=8).token_ids == reference("llama")[2][:8]
+    finally:
+        w.close()
+
+
+def test_the_front_end_tries_another_worker_then_answers_429_when_all_are_full(models, slow_workers, spec_prompts,
+                                                                              reference):
+    a, b = slow_workers
+    fe = FrontEnd("llama", models["llama"].tokenizer).start()
+    held = []
+    try:
+        fe.set_targets({"a": a.address, "b": b.address})
+        held.append(_hold(a.address, spec_prompts[0]))
+        assert wait_until(lambda: a.server.runner.engine.num_running == 1)
+        with Client(f"127.0.0.1:{fe.grpc_port}", timeout=30) as c:  # the first pick is a: full, so b serves it
+            outs = [c.generate(prompt_token_ids=p, max_tokens=8).token_ids for p in spec_prompts[1:3]]
+        assert outs == [r[:8] for r in reference("llama")[1:3]]
+        assert a.server.admission.refused >= 1
+
+        held.append(_hold(b.address, spec_prompts[3]))
+        assert wait_until(lambda: b.server.runner.engine.num_running == 1)
+        with Client(f"127.0.0.1:{fe.grpc_port}", timeout=30) as c:
+            with pytest.raises(Overloaded) as err:
+                c.generate(prompt_token_ids=spec_prompts[4], max_tokens=8)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "queue_full"
+        status, headers, body = _post(f"http://127.0.0.1:{fe.http_port}/v1/completions",
+                                      {"prompt": "hi", "max_tokens": 4})
+        assert status == 429 and headers["Retry-After"] == "1"
+        assert body["error"]["code"] == "queue_full" and "--max-waiting 0" in body["error"]["message"]
+        status, headers, body = _post(f"http://127.0.0.1:{fe.http_port}/v1/completions",
+                                      {"prompt": "hi", "max_tokens": 4, "stream": True})
+        assert status == 429 and body["error"]["code"] == "queue_full"
+        assert fe.in_flight() == {"a": 0, "b": 0}
+    finally:
+        _release(*held)
+        fe.stop(0.5)
+
+
+def test_the_front_end_caps_its_own_relays(models, slow_workers, spec_prompts):
+    a, b = slow_workers
+    fe = FrontEnd("llama", models["llama"].tokenizer, max_requests=1).start()
+    held = []
+    try:
+        fe.set_targets({"a": a.address, "b": b.address})
+        held.append(_hold(f"127.0.0.1:{fe.grpc_port}", spec_prompts[0]))
+        assert wait_until(lambda: sum(fe.in_flight().values()) == 1)
+        with Client(f"127.0.0.1:{fe.grpc_port}", timeout=30) as c:
+            with pytest.raises(Overloaded) as err:
+                c.generate(prompt_token_ids=spec_prompts[1], max_tokens=4)
+        assert err.value.reason == "front_end_full" and "--max-requests 1" in err.value.details
+        status, headers, body = _post(f"http://127.0.0.1:{fe.http_port}/v1/chat/completions",
+                                      {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert status == 429 and headers["Retry-After"] == "1" and body["error"]["code"] == "front_end_full"
+    finally:
+        _release(*held)
+        fe.stop(0.5)
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL])
+def test_the_router_never_retries_a_request_that_may_have_run(models, code, spec_prompts):
+    """UNKNOWN and INTERNAL may mean the request ran, or broke its worker: it is not tried on another one."""
+    fake, real = FakeWorker(code), Worker(models["llama"], "real")
+
+    async def relay():
+        router = TargetRouter()
+        router.update({"fake": fake.address, "real": real.address})  # a fresh router picks the first on a tie
+        try:
+            req = pb.GenerateRequest(prompt_token_ids=spec_prompts[0], sampling=sampling_to_proto(
+                SamplingParams(max_tokens=4)))
+            return [r async for r in router.generate(req, timeout=30)]
+        finally:
+            await router.close()
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            asyncio.run(relay())
+        assert err.value.code() == code and fake.service.calls == 1
+    finally:
+        fake.close()
+        real.close()
