@@ -12,15 +12,30 @@ import time
 
 
 class ServerProcess:
-    def __init__(self, *args: str, threads: int = 1, module: str = "controller.cli serve"):
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    def __init__(self, *args: str, threads: int = 1, module: str = "controller.cli serve", log_path=None,
+                 env: dict | None = None):
+        """log_path: append the server's stderr (its log) to this file instead of discarding it."""
+        env = dict(env or os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_VERBOSITY="error")
         self.args = args
-        self.proc = subprocess.Popen([sys.executable, "-m", *module.split(), *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.log_path = log_path
+        stderr = open(log_path, "ab") if log_path else subprocess.PIPE
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", *module.split(), *args],
+                                         stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        finally:
+            if log_path:
+                stderr.close()  # the child holds its own copy
         self.ready: dict = {}
         self.address = self._wait_ready()
-        # Keep draining stderr so the server never blocks on a full pipe.
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
+        if not log_path:  # keep draining stderr so the server never blocks on a full pipe
+            threading.Thread(target=self.proc.stderr.read, daemon=True).start()
+
+    def _log_tail(self) -> str:
+        if self.log_path:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-2000:]
+        return self.proc.stderr.read()[-2000:]
 
     def _wait_ready(self, timeout: float = 120.0) -> str:
         deadline = time.time() + timeout
@@ -36,7 +51,7 @@ class ServerProcess:
         t.join(max(0.0, deadline - time.time()))
         if "line" not in result:
             self.kill()
-            raise RuntimeError(f"server {self.args} did not start: {self.proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"server {self.args} did not start: {self._log_tail()}")
         self.ready = json.loads(result["line"])
         return self.ready["address"]
 

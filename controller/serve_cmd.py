@@ -57,6 +57,9 @@ def add_serve_parsers(sub) -> None:
     t.add_argument("--device", default="cpu")
     t.add_argument("--dtype", default="float32")
     t.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    t.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds generations in flight may take to finish while new ones are refused "
+                        "(default 30)")
 
 
 def _announce(kind: str, host: str, registry=None, metrics_port: int | None = None):
@@ -98,6 +101,8 @@ def run_serve(args) -> int:
         raise InvalidArgument("--draft-deadline", "must be > 0", args.draft_deadline)
     if args.max_waiting < 0:
         raise InvalidArgument("--max-waiting", "must be >= 0", args.max_waiting)
+    if args.drain_timeout < 0:
+        raise InvalidArgument("--drain-timeout", "must be >= 0", args.drain_timeout)
     model = load_model(args.model or build_default_pair()["target"], args.device, args.dtype, what="model")
     worker_id = args.worker_id or f"{os.uname().nodename}:{os.getpid()}"
     from controller.spec_defaults import speculation_defaults
@@ -111,6 +116,6 @@ def run_serve(args) -> int:
     server = TargetServer(model, args.draft, worker_id, policy,
                           EngineConfig(max_batch_size=args.batch_size, max_gamma=max(8, chosen.gamma)),
                           args.host, args.port, args.draft_deadline, exit_on_engine_death=True,
-                          max_waiting=args.max_waiting)
+                          drain_timeout_s=args.drain_timeout, max_waiting=args.max_waiting)
     serve_target(server, _announce("target", args.host, server.metrics.registry, args.metrics_port))
     return 0

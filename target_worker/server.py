@@ -8,6 +8,7 @@ import os
 
 import grpc
 
+from starjar.drain import DrainGate
 from starjar.models import LoadedModel
 from starjar.policy import FixedGamma, SpeculationPolicy
 from starjar.serving import HealthAndReflection, run_until_signalled
@@ -26,10 +27,11 @@ class TargetServer:
     def __init__(self, model: LoadedModel, draft_address: str | None, worker_id: str,
                  policy: SpeculationPolicy | None = None, config: EngineConfig | None = None,
                  host: str = "127.0.0.1", port: int = 0, draft_deadline_s: float = 0.5,
-                 exit_on_engine_death: bool = False, max_waiting: int = DEFAULT_MAX_WAITING):
+                 exit_on_engine_death: bool = False, drain_timeout_s: float = 30.0,
+                 max_waiting: int = DEFAULT_MAX_WAITING):
         """exit_on_engine_death: when the engine cannot go on, exit the process after a second of NOT_SERVING
         (so a supervisor, Ray or systemd, restarts it); a server embedded in another process only turns
-        NOT_SERVING.
+        NOT_SERVING. drain_timeout_s: on stop, how long generations in flight may take to finish.
         max_waiting: requests queued beyond a full batch; past that new ones are refused (queue_full)."""
         self.proposer = (RemoteProposer(draft_address, model.fingerprint, worker_id, draft_deadline_s)
                          if draft_address else None)
@@ -46,9 +48,11 @@ class TargetServer:
         self._server: grpc.aio.Server | None = None
         self._health: HealthAndReflection | None = None
         self.exit_on_engine_death = exit_on_engine_death
+        self.drain_timeout_s = drain_timeout_s
+        self.gate = DrainGate(SERVICE_NAME)
 
     async def start(self) -> int:
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(interceptors=[self.gate])
         service = GenerateService(self.runner, self.model_name, self.admission)
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(service, self._server)
         self._health = HealthAndReflection(self._server, SERVICE_NAME)
@@ -70,10 +74,22 @@ class TargetServer:
             await asyncio.sleep(1.0)  # let the failed requests' errors reach their clients
             os._exit(70)
 
-    async def stop(self, grace: float = 5.0) -> None:
+    async def drain(self, timeout: float) -> int:
+        """Refuse new generations (UNAVAILABLE "draining", health NOT_SERVING) and wait up to `timeout` s for
+        those in flight to finish; how many are left."""
+        self.gate.start_draining()
+        if self._health is not None:
+            await self._health.set_serving(False)
+        return await self.gate.wait_idle(timeout)
+
+    async def stop(self, grace: float = 1.0, drain_timeout: float | None = None) -> None:
+        """Drain (drain_timeout, default the server's), then close; what is still running after that gets
+        `grace` seconds more before it is cancelled."""
         if self._server is None:
             return
-        await self._health.set_serving(False)
+        left = await self.drain(self.drain_timeout_s if drain_timeout is None else drain_timeout)
+        if left:
+            log.warning("drain timed out with %d generation(s) in flight; cancelling them", left)
         await self._server.stop(grace)
         self.runner.stop()
         if self.proposer:
