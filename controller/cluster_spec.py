@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, fields
 
+from controller.frontend_limits import (DEFAULT_MAX_REQUESTS, DEFAULT_REQUEST_TIMEOUT_S, check_max_requests,
+                                        check_request_timeout)
 from starjar.errors import InvalidArgument
+from target_worker.admission import DEFAULT_MAX_WAITING
 
 NAMESPACE = "starjar"
 CONTROLLER = "starjar-controller"
@@ -41,6 +44,7 @@ class ClusterSpec:
     profile: str | None = None  # `starjar profile` JSON (C_switch, T(n), D0) for nightjar and tide
     buckets: str | None = None  # nightjar's batch-size buckets, "1,2,4,8" (default: octaves 1,2,4,...,128)
     batch_size: int = 8  # running requests per target worker
+    max_waiting: int = DEFAULT_MAX_WAITING  # requests queued per worker beyond its batch; then queue_full
     draft_mode: str = "batched"  # batched | fifo
     max_targets: int = 8  # N_max on the draft server (with admission "auto": its upper bound)
     admission: str = "fixed"  # fixed: N_max = max_targets | auto: the controller recomputes N_max (StarSD 4.2)
@@ -54,8 +58,11 @@ class ClusterSpec:
     grpc_port: int = 50051
     http_port: int = 8000
     auth_token: str | None = None  # required as "Bearer <token>" by the front end when set
+    max_requests: int = DEFAULT_MAX_REQUESTS  # requests the front end relays at once; then front_end_full
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # the longest one request may take at the front end
     metrics: bool = True  # a Prometheus endpoint in every actor
     prometheus_sd: str | None = None  # file-SD JSON the controller keeps current (on the head node)
+    drain_timeout_s: float = 30.0  # on `starjar down`: how long generations in flight may take to finish
 
     def validate(self) -> "ClusterSpec":
         if not os.path.isdir(self.target):
@@ -77,6 +84,10 @@ class ClusterSpec:
             raise InvalidArgument("--profile", "must be a file written by `starjar profile`", self.profile)
         if not 1 <= self.batch_size <= 256:
             raise InvalidArgument("--batch-size", "must be in [1, 256]", self.batch_size)
+        if self.max_waiting < 0:
+            raise InvalidArgument("--max-waiting", "must be >= 0", self.max_waiting)
+        check_max_requests(self.max_requests)
+        check_request_timeout(self.request_timeout_s)
         if self.draft_mode not in ("batched", "fifo"):
             raise InvalidArgument("--draft-mode", "must be batched or fifo", self.draft_mode)
         if self.admission not in ("fixed", "auto"):
@@ -92,6 +103,8 @@ class ClusterSpec:
         for name in ("grpc_port", "http_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise InvalidArgument(f"--{name.replace('_', '-')}", "must be in [0, 65535]", getattr(self, name))
+        if not 0 <= self.drain_timeout_s <= 3600:
+            raise InvalidArgument("--drain-timeout", "must be in [0, 3600] seconds", self.drain_timeout_s)
         return self
 
     def to_dict(self) -> dict:

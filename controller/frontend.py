@@ -13,9 +13,11 @@ import threading
 import grpc
 from aiohttp import web
 
-from controller.frontend_grpc import DEFAULT_REQUEST_TIMEOUT_S, FrontendGenerateService, check_request_timeout
+from controller.frontend_grpc import FrontendGenerateService
+from controller.frontend_limits import (DEFAULT_MAX_REQUESTS, DEFAULT_REQUEST_TIMEOUT_S, check_max_requests,
+                                        check_request_timeout)
 from controller.openai_http import OpenAIServer
-from controller.router import DEFAULT_MAX_REQUESTS, TargetRouter, check_max_requests
+from controller.router import TargetRouter
 from starjar.serving import HealthAndReflection
 from starjar.v1 import generate_pb2, generate_pb2_grpc
 

@@ -18,19 +18,12 @@ from contextlib import aclosing
 
 import grpc
 
+from controller.frontend_limits import DEFAULT_REQUEST_TIMEOUT_S, check_request_timeout
 from controller.router import NoTargets, Overloaded, TargetRouter
 from starjar.errors import InvalidArgument
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
 from starjar.wire import REASON_METADATA, check_request_shape, refusal_reason, sampling_from_proto
-
-DEFAULT_REQUEST_TIMEOUT_S = 600.0  # a whole generation, queueing included (the OpenAI SDK's own default)
-
-
-def check_request_timeout(seconds: float) -> float:
-    if not seconds > 0:
-        raise InvalidArgument("--request-timeout", "must be > 0 seconds", seconds)
-    return seconds
 
 
 def relay_timeout(caller_left: float | None, limit: float) -> float:

@@ -27,8 +27,8 @@ from typing import Any, AsyncIterator
 import grpc
 from aiohttp import web
 
-from controller.frontend_grpc import (DEFAULT_REQUEST_TIMEOUT_S, check_bearer, check_request_timeout,
-                                      timeout_message)
+from controller.frontend_grpc import check_bearer, timeout_message
+from controller.frontend_limits import DEFAULT_REQUEST_TIMEOUT_S, check_request_timeout
 from controller.router import NoTargets, Overloaded, TargetRouter
 from controller.stop_strings import StopStrings
 from starjar.errors import InvalidArgument

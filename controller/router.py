@@ -20,7 +20,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from starjar.errors import InvalidArgument
+from controller.frontend_limits import DEFAULT_MAX_REQUESTS, FRONT_END_FULL, check_max_requests
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
 
@@ -29,14 +29,6 @@ log = logging.getLogger(__name__)
 # Codes that mean "this worker did not start it", not "the request is wrong" or "it failed while running".
 _NOT_STARTED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 COOL_DOWN_S = 2.0  # a worker that refused is tried after the others for this long
-DEFAULT_MAX_REQUESTS = 1024  # relays in flight at once, over all workers
-FRONT_END_FULL = "front_end_full"
-
-
-def check_max_requests(n: int) -> int:
-    if n < 1:
-        raise InvalidArgument("--max-requests", "must be >= 1", n)
-    return n
 
 
 class NoTargets(RuntimeError):
