@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from draft_server.engine import DraftEngine, DraftJob
+from draft_server.faults import FaultPlan, Faults
 from draft_server.stats import ServerStats
 from draft_server.work_queue import ReleaseWork, RoundWork, WorkQueue
 
@@ -40,13 +41,14 @@ class _Active:
 
 class ComputeLoop(threading.Thread):
     def __init__(self, engine: DraftEngine, queue: WorkQueue, stats: ServerStats, continuous: bool = True,
-                 max_active_rounds: int = 64):
+                 max_active_rounds: int = 64, faults: Faults | None = None):
         super().__init__(name="draft-compute", daemon=True)
         self.engine = engine
         self.queue = queue
         self.stats = stats
         self.continuous = continuous
         self.max_active_rounds = max_active_rounds
+        self.faults = faults or Faults(FaultPlan())
         # The engine is this thread's; the offload check (from the server's sweeper) takes this lock too.
         self.lock = threading.Lock()
         self.last_round_s = time.perf_counter()
@@ -117,6 +119,7 @@ class ComputeLoop(threading.Thread):
         jobs = [j for a in self._active for _, j in a.jobs if not j.done]
         if jobs:
             self.engine.advance(jobs)
+            self.faults.after_pass()
         self.stats.record_pass(len(self._active), len(jobs), es.passes - passes0,
                                es.catchup_s + es.step_s - pass_s0, es.drafted_tokens - drafted0)
         finished = [a for a in self._active if a.done]
@@ -127,7 +130,8 @@ class ComputeLoop(threading.Thread):
                 a.replies[i] = job.drafts
             wait, service = a.started_s - a.work.enqueued_s, now - a.started_s
             self.stats.record_round(wait, service, a.work.worker_id)
-            a.work.reply(a.work, a.replies, wait, service, len(finished) + len(self._active))
+            replies = self.faults.before_reply(a.replies)
+            a.work.reply(a.work, replies, wait, service, len(finished) + len(self._active))
 
     def _apply_releases(self) -> None:
         # Releases go after the rounds taken with them (a stream that ends with a round in flight must not

@@ -22,6 +22,17 @@ class DraftServerConfig:
     # Offload (Nightjar section 6): after this many seconds without a round (every target speculation-free),
     # move the draft weights to host memory and drop all draft KV; the next round reloads in the background.
     offload_after_s: float | None = None
+    # Memory: the draft KV cache in tokens (live sequences x the longest; None = a quarter of this machine's
+    # memory, or the GPU's), and what one target may hold (None = twice its fair share of N_max).
+    max_kv_tokens: int | None = None
+    max_kv_tokens_per_target: int | None = None
+    max_rounds_in_flight: int = 2  # per stream: the reader stops reading past this (flow control)
+    max_queued_rounds: int = 1024  # the global queue; past it a stream is ended RESOURCE_EXHAUSTED
+    # Dead peers: HTTP/2 pings every keepalive_s, unanswered within keepalive_timeout_s close the connection
+    # (and the session with it); a stream with no round for stream_idle_s is ended (the target reattaches).
+    keepalive_s: float = 20.0
+    keepalive_timeout_s: float = 10.0
+    stream_idle_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -34,5 +45,16 @@ class DraftServerConfig:
                 raise InvalidArgument(name, f"must be in [{lo}, {hi}]", v)
         if self.offload_after_s is not None and not self.offload_after_s > 0:
             raise InvalidArgument("offload_after_s", "must be > 0 (or unset: never offload)", self.offload_after_s)
+        for name in ("max_kv_tokens", "max_kv_tokens_per_target"):
+            v = getattr(self, name)
+            if v is not None and not 16 <= v <= 1 << 40:
+                raise InvalidArgument(name, "must be in [16, 2^40] (or unset: sized from memory)", v)
+        for name, lo, hi in (("max_rounds_in_flight", 1, 64), ("max_queued_rounds", 1, 1 << 20)):
+            v = getattr(self, name)
+            if not lo <= v <= hi:
+                raise InvalidArgument(name, f"must be in [{lo}, {hi}]", v)
+        for name in ("keepalive_s", "keepalive_timeout_s", "stream_idle_s"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgument(name, "must be > 0", getattr(self, name))
         if not self.lease_s > 0:
             raise InvalidArgument("lease_s", "must be > 0", self.lease_s)

@@ -29,6 +29,10 @@ from starjar.proposer import DraftReply, DraftRequest
 
 
 SHORT_FEED = 8  # feeds up to this many tokens share one pass whatever their padding
+# A long catch-up (a new sequence's prompt) is fed in chunks, and a pass holds at most this many fed tokens:
+# a pass's masks and attention scores grow with its tokens x its context, and must stay bounded.
+MAX_FEED = 512
+MAX_PASS_TOKENS = 2048
 
 
 @dataclass(eq=False)
@@ -68,11 +72,21 @@ class DraftStats:
 class DraftEngine:
     """Implements starjar.proposer.Proposer in process."""
 
-    def __init__(self, model: LoadedModel, max_sequences: int = 256, auto_reload: bool = True):
+    def __init__(self, model: LoadedModel, max_sequences: int = 256, auto_reload: bool = True,
+                 max_kv_tokens: int | None = None, max_kv_tokens_per_owner: int | None = None):
+        """`max_kv_tokens` bounds the cache's size in tokens (live slots x the longest; the cache is a
+        rectangle), `max_kv_tokens_per_owner` the tokens one owner holds (a seq_id (owner, id) is owned by
+        its first element: on the draft server, the target's tag). A sequence that would break either is
+        answered resync and dropped."""
         self.model = model
-        self.cache = model.new_cache()
+        self.max_kv_tokens = max_kv_tokens
+        self.max_kv_tokens_per_owner = max_kv_tokens_per_owner
+        self.cache = self._new_cache()
         self.max_sequences = max_sequences
         self._seqs: dict[Hashable, _DraftSeq] = {}
+        self._owner_tokens: dict[Hashable, int] = {}
+        self._longest = 0  # the longest sequence's verified tokens, as of the round being started
+        self.over_budget = 0  # sequences answered resync for the KV budget
         self.stats = DraftStats()
         # Offload (Nightjar section 6): weights to host memory and all KV dropped while nobody speculates.
         self.auto_reload = auto_reload  # propose() while offloaded starts the reload itself
@@ -103,7 +117,8 @@ class DraftEngine:
         if self._offloaded:
             return
         self._seqs.clear()
-        self.cache = self.model.new_cache()
+        self._owner_tokens.clear()
+        self.cache = self._new_cache()
         if self.model.device.type != "cpu":
             import torch
 
@@ -159,6 +174,7 @@ class DraftEngine:
         self.stats.rounds += 1
         replies: list[DraftReply] = [None] * len(requests)
         jobs: list[tuple[int, DraftJob]] = []
+        self._longest = max((len(q.verified) for q in self._seqs.values()), default=0)
         for i, req in enumerate(requests):
             seq = self._record(req)
             if seq is None:
@@ -181,10 +197,11 @@ class DraftEngine:
         # Rows of very different lengths (a new sequence's whole prompt next to one-token deltas) go in
         # separate passes: a padded pass costs as if every row were the longest. A usual round's catch-up
         # (accepted drafts + the bonus token) is short enough to ride with the one-token steps.
-        for group in length_groups(live, lambda j: len(j.feed), short=SHORT_FEED):
+        for group in _capped(length_groups(live, lambda j: min(len(j.feed), MAX_FEED), short=SHORT_FEED)):
+            feeds = [j.feed[:MAX_FEED] for j in group]
             t0 = time.perf_counter()
-            logits = self.model.forward(self.cache, [j.seq.slot for j in group], [j.feed for j in group],
-                                        [[len(j.feed) - 1] for j in group])
+            logits = self.model.forward(self.cache, [j.seq.slot for j in group], feeds,
+                                        [[len(f) - 1] for f in feeds])
             took = time.perf_counter() - t0
             if all(j.passes == 0 for j in group):
                 self.stats.catchup_s += took
@@ -192,8 +209,11 @@ class DraftEngine:
                 self.stats.step_s += took
                 self.stats.steps += 1
             self.stats.passes += 1
-            for j, l in zip(group, logits):
-                j.seq.cached.extend(j.feed)
+            for j, f, l in zip(group, feeds, logits):
+                j.seq.cached.extend(f)
+                if len(f) < len(j.feed):  # a chunk of a long catch-up: no draft until it is all in
+                    j.feed = j.feed[len(f):]
+                    continue
                 j.drafts.append(int(l[0].argmax()))
                 j.feed = [j.drafts[-1]]
                 j.passes += 1
@@ -204,28 +224,87 @@ class DraftEngine:
             seq = self._seqs.pop(sid, None)
             if seq is None:
                 continue
+            self._count(sid, -len(seq.verified))
             self.cache.free(seq.slot)  # keeps the slot of the sequence it moves current
+
+    def owner_tokens(self, owner: Hashable) -> int:
+        return self._owner_tokens.get(owner, 0)
 
     # ---- internals ------------------------------------------------------------------------
 
+    def _new_cache(self):
+        cache = self.model.new_cache()
+        cache.max_cells = self.max_kv_tokens
+        return cache
+
     def _record(self, req: DraftRequest) -> _DraftSeq | None:
-        """Apply a delta; None when the prefix before req.start is unknown (resync)."""
+        """Apply a delta; None when the prefix before req.start is unknown (resync: the target resends the
+        sequence from 0, so what is kept of it now is dropped) or the sequence breaks a limit."""
         seq = self._seqs.get(req.seq_id)
+        if seq is not None and req.start > len(seq.verified):
+            self.release([req.seq_id])
+            return None
+        new_len = req.start + len(req.tokens)
+        if not self._fits(req, seq, new_len):
+            self.over_budget += 1
+            self.release([req.seq_id])
+            return None
         if seq is None:
             if req.start != 0 or len(self._seqs) >= self.max_sequences:
                 return None
             seq = _DraftSeq(slot=-1)
             self.cache.allocate(seq)
             self._seqs[req.seq_id] = seq
-        if req.start > len(seq.verified):
-            return None
+        self._count(req.seq_id, new_len - len(seq.verified))
         del seq.verified[req.start:]
         seq.verified.extend(int(t) for t in req.tokens)
         if len(seq.verified) > self.model.max_context or any(
                 not 0 <= t < self.model.vocab_size for t in req.tokens):
             self.release([req.seq_id])
             return None
+        self._longest = max(self._longest, len(seq.verified))
         return seq
+
+    def _fits(self, req: DraftRequest, seq: _DraftSeq | None, new_len: int) -> bool:
+        """Whether the cache stays within the budgets once this sequence holds new_len tokens + its drafts."""
+        need = new_len + req.gamma + 1
+        if self.max_kv_tokens is not None:
+            rows = len(self._seqs) + (seq is None)
+            if rows * (max(self._longest, new_len) + req.gamma + 1) > self.max_kv_tokens:
+                return False
+        if self.max_kv_tokens_per_owner is not None:
+            old = len(seq.verified) if seq is not None else 0
+            if self.owner_tokens(_owner(req.seq_id)) - old + need > self.max_kv_tokens_per_owner:
+                return False
+        return True
+
+    def _count(self, seq_id: Hashable, delta: int) -> None:
+        owner = _owner(seq_id)
+        left = self._owner_tokens.get(owner, 0) + delta
+        if left > 0:
+            self._owner_tokens[owner] = left
+        else:
+            self._owner_tokens.pop(owner, None)
+
+
+def _owner(seq_id: Hashable) -> Hashable:
+    return seq_id[0] if isinstance(seq_id, tuple) else None
+
+
+def _capped(groups: list[list[DraftJob]]) -> list[list[DraftJob]]:
+    """Split passes so none feeds more than MAX_PASS_TOKENS tokens."""
+    out = []
+    for g in groups:
+        part, n = [], 0
+        for j in g:
+            k = min(len(j.feed), MAX_FEED)
+            if part and n + k > MAX_PASS_TOKENS:
+                out.append(part)
+                part, n = [], 0
+            part.append(j)
+            n += k
+        out.append(part)
+    return out
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

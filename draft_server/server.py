@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import grpc
 
 from draft_server.compute import ComputeLoop
 from draft_server.config import DraftServerConfig
 from draft_server.engine import DraftEngine
+from draft_server.faults import Faults
 from draft_server.service import DraftService
 from draft_server.sessions import SessionTable
 from draft_server.stats import ServerStats
 from draft_server.work_queue import make_queue
-from starjar.models import LoadedModel
+from starjar.models import LoadedModel, kv_bytes_per_token
 from starjar.serving import HealthAndReflection
 from starjar.v1 import draft_pb2, draft_pb2_grpc
 
@@ -38,14 +40,18 @@ class DraftServer:
         self.stats = ServerStats()
         self.queue = make_queue(self.cfg.mode, self.cfg.max_batch_rounds)
         self.sessions = SessionTable(self.cfg.max_targets)
-        engine = DraftEngine(model, max_sequences=self.cfg.max_targets * self.cfg.max_sequences_per_target)
+        self.kv_budget = kv_budget(model, self.cfg)
+        engine = DraftEngine(model, max_sequences=self.cfg.max_targets * self.cfg.max_sequences_per_target,
+                             max_kv_tokens=self.kv_budget[0], max_kv_tokens_per_owner=self.kv_budget[1])
+        self.faults = Faults()  # chaos tests only: inert unless STARJAR_DRAFT_FAULTS is set
         self.compute = ComputeLoop(engine, self.queue, self.stats, continuous=self.cfg.mode == "batched",
-                                   max_active_rounds=self.cfg.max_batch_rounds)
+                                   max_active_rounds=self.cfg.max_batch_rounds, faults=self.faults)
         vocab_size, tok_hash = model.fingerprint.split(":", 1)
         self.service = DraftService(self.cfg, self.sessions, self.queue, self.stats, (int(vocab_size), tok_hash),
                                     draft_name=model.path.rstrip("/").split("/")[-1], vocab_size=model.vocab_size)
         from draft_server.metrics import DraftMetrics
 
+        self.service.faults = self.faults
         self.metrics = DraftMetrics(self, self.service.draft_name)
         self.stats.observer = self.metrics
         engine.on_reload = self.metrics.reload_s.observe
@@ -54,9 +60,18 @@ class DraftServer:
         self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> int:
-        opts = [("grpc.max_receive_message_length", self.cfg.max_message_bytes),
-                ("grpc.max_send_message_length", self.cfg.max_message_bytes),
-                ("grpc.so_reuseport", 0)]
+        c = self.cfg
+        opts = [("grpc.max_receive_message_length", c.max_message_bytes),
+                ("grpc.max_send_message_length", c.max_message_bytes),
+                ("grpc.so_reuseport", 0),
+                # A target host that vanished (no FIN, no RST) is found by an unanswered ping, not in hours.
+                ("grpc.keepalive_time_ms", int(c.keepalive_s * 1000)),
+                ("grpc.keepalive_timeout_ms", int(c.keepalive_timeout_s * 1000)),
+                ("grpc.http2.ping_timeout_ms", int(c.keepalive_timeout_s * 1000)),
+                ("grpc.keepalive_permit_without_calls", 1),
+                # The targets ping too (to find a hung draft server): allow it, every 5 s at most.
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+                ("grpc.http2.max_ping_strikes", 0), ("grpc.http2.max_pings_without_data", 0)]
         self._server = grpc.aio.server(options=opts)
         draft_pb2_grpc.add_DraftServiceServicer_to_server(self.service, self._server)
         self._health = HealthAndReflection(self._server, SERVICE_NAME)
@@ -65,12 +80,13 @@ class DraftServer:
         await self._server.start()
         await self._health.set_serving(True)
         self._sweeper = asyncio.create_task(self._sweep())
-        log.info("draft server on %s:%d (mode %s, N_max %d, draft %s)", self.host, self.port, self.cfg.mode,
-                 self.cfg.max_targets, self.service.draft_name)
+        log.info("draft server on %s:%d (mode %s, N_max %d, draft %s, KV budget %d tokens, %d per target)",
+                 self.host, self.port, self.cfg.mode, self.cfg.max_targets, self.service.draft_name,
+                 *self.kv_budget)
         return self.port
 
     async def _sweep(self) -> None:
-        period = max(0.05, min(5.0, self.cfg.lease_s / 4))
+        period = max(0.05, min(5.0, self.cfg.lease_s / 4, self.cfg.stream_idle_s / 4))
         if self.cfg.offload_after_s:
             period = min(period, max(0.05, self.cfg.offload_after_s / 4))
         serving = True
@@ -100,9 +116,28 @@ class DraftServer:
             return
         await self._health.set_serving(False)
         self.service.start_draining()
+        self.faults.release()
         await self._server.stop(grace)
         if self._sweeper:
             self._sweeper.cancel()
         self.queue.close()
         self.compute.join(timeout=grace)
         self._server = None
+
+
+def kv_budget(model: LoadedModel, cfg: DraftServerConfig) -> tuple[int, int]:
+    """(global, per target) KV tokens: as configured, or a quarter of the device's memory and twice a
+    target's fair share of it."""
+    total = cfg.max_kv_tokens
+    if total is None:
+        if model.device.type == "cuda":
+            import torch
+
+            memory = torch.cuda.get_device_properties(model.device).total_memory
+        else:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = max(cfg.max_tokens_per_sequence, memory // 4 // kv_bytes_per_token(model))
+    per_target = cfg.max_kv_tokens_per_target
+    if per_target is None:
+        per_target = max(cfg.max_tokens_per_sequence, 2 * total // max(1, cfg.max_targets))
+    return total, min(per_target, total)

@@ -33,10 +33,13 @@ MAX_WORKER_ID = 64
 
 
 class BadRequest(Exception):
-    def __init__(self, code: grpc.StatusCode, field: str, limit: str, value=None):
+    """Ends a stream with `code`; `reason` (machine-readable) travels as starjar-reason trailing metadata."""
+
+    def __init__(self, code: grpc.StatusCode, field: str, limit: str, value=None, reason: str = ""):
         shown = "" if value is None else f" (got {value})"
         super().__init__(f"{field}: {limit}{shown}")
         self.code = code
+        self.reason = reason
 
 
 class DraftService(pb_grpc.DraftServiceServicer):
@@ -50,12 +53,15 @@ class DraftService(pb_grpc.DraftServiceServicer):
         self.draft_name = draft_name
         self.vocab_size = vocab_size
         self.draining = False
+        self.faults = None  # draft_server.faults.Faults, set by the server (chaos tests)
         self.refusals: Counter[str] = Counter()  # refused Attach calls by reason (exported as a metric)
         self._streams: set[asyncio.Queue] = set()
 
     # ---- Attach ---------------------------------------------------------------------------
 
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
+        if self.faults is not None and self.faults.refuse_attach():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fault injection: refusing")
         if self.draining:
             self.refusals["draining"] += 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draft server is shutting down")
@@ -94,7 +100,13 @@ class DraftService(pb_grpc.DraftServiceServicer):
         out: asyncio.Queue = asyncio.Queue()
         self._streams.add(out)
         inflight = 0
+        room = asyncio.Event()  # set while fewer than max_rounds_in_flight rounds are in flight
+        room.set()
         reader_done = False
+        session.last_round_s = time.monotonic()
+        ended = {"detached": (grpc.StatusCode.NOT_FOUND, "session", "detached by Release"),
+                 "idle": (grpc.StatusCode.UNAVAILABLE, "stream", f"no round for {self.cfg.stream_idle_s:g} s")}
+        session.end_stream = lambda why: out.put_nowait(BadRequest(*ended[why], reason=why))
 
         def reply(work: RoundWork, replies, wait_s, compute_s, batched):
             resp = pb.SpeculateResponse(round_id=work.round_id, timings=pb.RoundTimings(
@@ -109,12 +121,30 @@ class DraftService(pb_grpc.DraftServiceServicer):
 
         async def read():
             nonlocal inflight, reader_done
+            c = self.cfg
             try:
-                async for request in request_iterator:
+                requests = request_iterator.__aiter__()
+                while True:
+                    # At most max_rounds_in_flight rounds per stream: past it this stream is not read, and
+                    # HTTP/2 flow control holds the target back.
+                    await room.wait()
+                    try:
+                        request = await requests.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    if session.detached:
+                        return
                     if self.draining:
-                        raise BadRequest(grpc.StatusCode.UNAVAILABLE, "stream", "draft server is shutting down")
+                        raise BadRequest(grpc.StatusCode.UNAVAILABLE, "stream", "draft server is shutting down",
+                                         reason="draining")
+                    if len(self.queue) >= c.max_queued_rounds:
+                        self.stats.queue_full += 1
+                        raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue",
+                                         f"{c.max_queued_rounds} rounds waiting", reason="queue_full")
                     work = self._round(session, request, reply)
                     inflight += 1
+                    if inflight >= c.max_rounds_in_flight:
+                        room.clear()
                     self.queue.put(work)
             except BadRequest as exc:
                 out.put_nowait(exc)
@@ -131,12 +161,15 @@ class DraftService(pb_grpc.DraftServiceServicer):
             while True:
                 item = await out.get()
                 if isinstance(item, BadRequest):
+                    if item.reason:
+                        context.set_trailing_metadata(((REASON_METADATA, item.reason),))
                     await context.abort(item.code, str(item))
                 if item is None:  # reader finished (or draining): end once replies are out
                     if inflight == 0:
                         return
                     continue
                 inflight -= 1
+                room.set()
                 yield item
                 if reader_done and inflight == 0:
                     return
@@ -144,6 +177,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
                     return
         finally:
             reader.cancel()
+            session.end_stream = None
             self._streams.discard(out)
             self._detach(session)
 
@@ -171,6 +205,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
             session.seq_last_used[s.seq_id] = now
             reqs.append(DraftRequest((session.tag, s.seq_id), s.start, list(s.tokens), s.gamma))
         session.rounds += 1
+        session.last_round_s = now
         return RoundWork(session.tag, session.worker_id, request.round_id, reqs, reply)
 
     def _sequence_problem(self, session: Session, s) -> str | None:
@@ -203,19 +238,28 @@ class DraftService(pb_grpc.DraftServiceServicer):
             self.queue.put(ReleaseWork([(session.tag, q) for q in ids]))
         return pb.ReleaseResponse(released=len(ids))
 
-    def _detach(self, session: Session) -> int:
+    def _detach(self, session: Session, why: str = "detached") -> int:
+        """Free a session's sequences and slot, and end its stream if one is open (on the event loop)."""
         if self.sessions.detach(session.tag) is None:
             return 0
+        if session.end_stream is not None:
+            session.end_stream(why)
         ids = list(session.seq_last_used)
         session.seq_last_used.clear()
+        # The engine applies this release after the tag's rounds in flight (it waits for their jobs).
         if ids:
             self.queue.put(ReleaseWork([(session.tag, q) for q in ids]))
-        log.info("detached worker %s (%d sequences freed)", session.worker_id, len(ids))
+        if not any(s.worker_id == session.worker_id for s in self.sessions.sessions()):
+            self.stats.forget_worker(session.worker_id)
+        log.info("detached worker %s (%s; %d sequences freed)", session.worker_id, why, len(ids))
         return len(ids)
 
     # ---- housekeeping ---------------------------------------------------------------------
 
     def reclaim_expired(self) -> int:
+        """Run on the event loop (it may end streams)."""
+        for s in self.sessions.idle_streams(self.cfg.stream_idle_s):
+            self._detach(s, "idle")
         tags, seqs = self.sessions.expired(self.cfg.lease_s)
         n = 0
         for tag in tags:
@@ -224,6 +268,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
                 n += len(s.seq_last_used)
                 self.queue.put(ReleaseWork([(tag, q) for q in s.seq_last_used]))
                 s.seq_last_used.clear()
+                self.stats.forget_worker(s.worker_id)
         by_tag: dict[bytes, list[int]] = {}
         for tag, q in seqs:
             by_tag.setdefault(tag, []).append(q)

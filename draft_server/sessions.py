@@ -13,6 +13,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 TAG_BYTES = 16
 
@@ -36,6 +37,10 @@ class Session:
     streaming: bool = False
     rounds: int = 0
     seq_last_used: dict[int, float] = field(default_factory=dict)  # seq_id -> monotonic time
+    last_round_s: float = field(default_factory=time.monotonic)
+    detached: bool = False
+    # Set by the tag's open stream: ends it (a detach, or an idle stream) from the event loop.
+    end_stream: Callable[[str], None] | None = None
 
 
 class SessionTable:
@@ -76,7 +81,15 @@ class SessionTable:
 
     def detach(self, tag: bytes) -> Session | None:
         with self._lock:
-            return self._by_tag.pop(tag, None)
+            s = self._by_tag.pop(tag, None)
+            if s is not None:
+                s.detached = True
+            return s
+
+    def idle_streams(self, idle_s: float) -> list[Session]:
+        now = time.monotonic()
+        with self._lock:
+            return [s for s in self._by_tag.values() if s.streaming and now - s.last_round_s > idle_s]
 
     def expired(self, lease_s: float) -> tuple[list[bytes], list[tuple[bytes, int]]]:
         """Tags never streamed within the lease, and sequences unused for the lease."""

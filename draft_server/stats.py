@@ -34,6 +34,7 @@ class ServerStats:
         self.wait_s = 0.0
         self.rounds_by_worker: Counter[str] = Counter()
         self.reclaimed_sequences = 0
+        self.queue_full = 0  # streams ended because the global queue was full
         self.bad_sequences = 0  # sequences answered resync for breaking a limit (the stream went on)
         self.observer = None  # DraftMetrics, when exported: sees each event as it is recorded
 
@@ -74,6 +75,11 @@ class ServerStats:
         if self.observer is not None:
             self.observer.observe_round(wait_s, service_s)
 
+    def forget_worker(self, worker: str) -> None:
+        """A detached target's per-worker figures go (a worker id is the caller's choice: unbounded)."""
+        with self._lock:
+            self.rounds_by_worker.pop(worker, None)
+
     def snapshot(self) -> dict:
         with self._lock:
             now = time.perf_counter()
@@ -90,5 +96,5 @@ class ServerStats:
                 "per_worker": {w: (n, n / span if span else 0.0) for w, n in self.rounds_by_worker.items()},
                 "busy_s": self.busy_s, "idle_s": self.idle_s,
                 "uptime_s": now - self.start_s, "reclaimed_sequences": self.reclaimed_sequences,
-                "bad_sequences": self.bad_sequences,
+                "bad_sequences": self.bad_sequences, "queue_full": self.queue_full,
             }

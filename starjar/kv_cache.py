@@ -27,8 +27,11 @@ from transformers.cache_utils import Cache
 
 class RaggedKVCache(Cache):
     def __init__(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 initial_slots: int = 4, initial_capacity: int = 256):
+                 initial_slots: int = 4, initial_capacity: int = 256, max_cells: int | None = None):
         super().__init__(layers=[])
+        # Growth doubles, but never past slots x length = max_cells unless a pass needs more (the draft
+        # server keeps what it admits within this, so its KV memory stays within its budget).
+        self.max_cells = max_cells
         self.device = torch.device(device)
         self.dtype = dtype
         self._keys: list[torch.Tensor] = []
@@ -138,12 +141,19 @@ class RaggedKVCache(Cache):
     # ---- storage --------------------------------------------------------------------------
 
     def _grow(self, slots: int | None = None, length: int | None = None) -> None:
+        """Grow to at least (slots, length); the doubling is clamped to max_cells."""
         slots = slots or self._slot_cap
         length = length or self._len_cap
+        if self.max_cells:  # the length may even shrink to the longest live slot, to make room for a slot
+            need_slots = max(self.num_slots, self._slot_cap)
+            need_len = max([self._kv_len, *self.lengths])
+            slots = max(need_slots, min(slots, self.max_cells // max(1, need_len)))
+            length = max(need_len, min(length, self.max_cells // max(1, slots)))
         for bufs in (self._keys, self._values):
             for i, old in enumerate(bufs):
                 new = torch.zeros((slots, old.shape[1], length, old.shape[3]), dtype=old.dtype, device=old.device)
-                new[: old.shape[0], :, : old.shape[2]] = old
+                n = min(length, old.shape[2])
+                new[: old.shape[0], :, :n] = old[:, :, :n]
                 bufs[i] = new
         self._slot_cap, self._len_cap = slots, length
 

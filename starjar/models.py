@@ -158,3 +158,11 @@ def check_pair(target: LoadedModel, draft: LoadedModel) -> None:
                             f"draft {draft.fingerprint})")
     if draft.vocab_size > target.vocab_size:
         raise ModelMismatch("draft", f"vocabulary must be <= the target's {target.vocab_size}", draft.vocab_size)
+
+
+def kv_bytes_per_token(model: LoadedModel) -> int:
+    """KV cache bytes one token costs (keys and values, every layer)."""
+    cfg = model.model.config
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * heads * head_dim * model.dtype.itemsize

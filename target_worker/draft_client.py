@@ -32,6 +32,47 @@ HISTORY = 100_000
 _CLOSE = object()
 
 
+MAX_OUTSTANDING = 2  # rounds a stream may have unanswered (the server reads no more than this either)
+
+
+class Breaker:
+    """Stops proposing to a draft server that misses `after` deadlines in a row, then lets one round through
+    after `probe_s` (doubling to `max_probe_s` while probes keep failing). While open a step costs nothing:
+    it runs without drafts at once instead of waiting out the deadline."""
+
+    def __init__(self, after: int = 3, probe_s: float = 1.0, max_probe_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.after, self.probe_s, self.max_probe_s, self.clock = after, probe_s, max_probe_s, clock
+        self.misses = 0  # in a row
+        self.opened = 0  # times it opened
+        self._delay = probe_s
+        self._open_until: float | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._open_until is not None
+
+    def allow(self) -> bool:
+        """Whether a round may be sent now (a probe, when open and its time has come)."""
+        return self._open_until is None or self.clock() >= self._open_until
+
+    def missed(self) -> None:
+        self.misses += 1
+        if self._open_until is not None:  # a failed probe: wait longer before the next
+            self._delay = min(self.max_probe_s, self._delay * 2)
+            self._open_until = self.clock() + self._delay
+        elif self.misses >= self.after:
+            self.opened += 1
+            log.warning("draft server missed %d deadlines in a row: no drafts for %.1f s, then a probe",
+                        self.misses, self._delay)
+            self._open_until = self.clock() + self._delay
+
+    def answered(self) -> None:
+        if self._open_until is not None:
+            log.info("draft server answered again: proposing")
+        self.misses, self._delay, self._open_until = 0, self.probe_s, None
+
+
 class DraftUnavailable(RuntimeError):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
@@ -56,9 +97,15 @@ class ClientStats:
 class RemoteProposer:
     def __init__(self, address: str | Callable[[], str | None], fingerprint: str, worker_id: str,
                  deadline_s: float = 0.5, backoff_s: tuple[float, float] = (0.05, 5.0),
-                 max_message_bytes: int = 4 << 20):
+                 max_message_bytes: int = 4 << 20, breaker: "Breaker | None" = None,
+                 keepalive_s: float = 10.0):
         """`address` is HOST:PORT, or a function returning the current one (None = unknown yet): under Ray
-        a restarted draft server comes back on a new port, and the attach loop asks again before each try."""
+        a restarted draft server comes back on a new port, and the attach loop asks again before each try.
+        `breaker` stops proposing to a server that keeps missing deadlines; `keepalive_s` is how often the
+        channel pings (a hung or vanished server breaks the stream within twice that)."""
+        self.breaker = breaker or Breaker()
+        self._keepalive_s = keepalive_s
+        self._outstanding: set[int] = set()  # rounds sent and not answered yet (at most MAX_OUTSTANDING)
         self._resolve = address if callable(address) else None
         self.address = "" if callable(address) else address
         self.worker_id = worker_id
@@ -106,6 +153,11 @@ class RemoteProposer:
         sent, index = self._within_limits(requests, limits)  # index[k]: which request sent[k] stands for
         if not sent:
             return [None for _ in requests]
+        if not self.breaker.allow():
+            self._fallback("breaker_open")
+        if len(self._outstanding) >= MAX_OUTSTANDING:  # the server has not answered the last ones: no more
+            self.breaker.missed()
+            self._fallback("backlog", f"{len(self._outstanding)} rounds unanswered")
         round_id = next(self._round_ids)
         msg = pb.SpeculateRequest(round_id=round_id)
         wire = []
@@ -116,8 +168,10 @@ class RemoteProposer:
             wire.append(wid)
             msg.sequences.add(seq_id=wid, start=r.start, tokens=r.tokens, gamma=r.gamma)
         t0 = time.perf_counter()
+        self._outstanding.add(round_id)
         reqs_q.put(msg)
         resp = self._await_reply(round_id, t0 + self.deadline_s)
+        self.breaker.answered()
         elapsed = time.perf_counter() - t0
         if len(resp.sequences) != len(wire) or any(s.seq_id != w for s, w in zip(resp.sequences, wire)):
             self._fallback("malformed", f"round {round_id}")
@@ -187,7 +241,12 @@ class RemoteProposer:
             ("grpc.max_receive_message_length", self._max_message_bytes),
             # Reconnect soon after a draft server restarts (gRPC's default backoff grows to 120 s).
             ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", int(self._backoff[1] * 1000))])
+            ("grpc.max_reconnect_backoff_ms", int(self._backoff[1] * 1000)),
+            # A hung or vanished server: an unanswered ping breaks the stream instead of TCP staying open.
+            ("grpc.keepalive_time_ms", int(self._keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self._keepalive_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(self._keepalive_s * 1000)),  # what newer cores time pings by
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)])
         self._stub = pb_grpc.DraftServiceStub(self._channel)
         self.address = address
         if old is not None:
@@ -215,6 +274,7 @@ class RemoteProposer:
         while True:
             left = deadline - time.perf_counter()
             if left <= 0:
+                self.breaker.missed()
                 self._fallback("deadline", f"no drafts within {self.deadline_s * 1000:.0f} ms")
             try:
                 resp = self._replies.get(timeout=left)
@@ -222,6 +282,7 @@ class RemoteProposer:
                 continue
             if resp is _CLOSE:
                 self._fallback("stream_broken")
+            self._outstanding.discard(resp.round_id)
             if resp.round_id == round_id:
                 return resp
             # else: a late answer to a round we gave up on; drop it
@@ -268,6 +329,7 @@ class RemoteProposer:
             self._tag, self.limits, self._requests = resp.tag, resp.limits, requests
         while not self._replies.empty():  # a stale close marker from the previous stream
             self._replies.get_nowait()
+        self._outstanding.clear()
         self._wire_ids.clear()  # a new tag knows no sequence: ids restart, the server asks for resyncs
         threading.Thread(target=self._read, args=(stream, requests), name="draft-reader", daemon=True).start()
         self._attached.set()

@@ -16,12 +16,7 @@ from __future__ import annotations
 import math
 import time
 
-
-def kv_bytes_per_token(model) -> int:
-    cfg = model.model.config
-    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * heads * head_dim * model.dtype.itemsize
+from starjar.models import kv_bytes_per_token  # noqa: F401  (re-exported: the benches import it here)
 
 
 T_PERSIST_STEPS, TAU_LOW_TOKENS = 16, 64  # defaults for the engine and the simulated benchmark alike

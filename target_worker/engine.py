@@ -286,8 +286,10 @@ class TargetEngine:
         self.stats.drafted_tokens += drafted
         self.stats.accepted_tokens += accepted
         # The policy sees the whole step, drafting included: that is what gamma trades off. A step whose
-        # drafts failed ran without speculation, and is reported as such.
-        self.policy.observe(len(batch), gamma if drafted else 0, now - step_start, tokens, accepted, drafted)
+        # drafts failed (a missed deadline, a broken stream) is neither: it would make plain decoding look
+        # as slow as the wait, so it is kept out of the policy's statistics.
+        if kind is not self.stats.fallback:
+            self.policy.observe(len(batch), gamma if drafted else 0, now - step_start, tokens, accepted, drafted)
         if self.elastic is not None:
             self.elastic.after_decode(gamma)
 

@@ -41,7 +41,8 @@ def test_three_targets_share_one_draft_server(models, spec_prompts, reference):
             assert outs == ref
             assert es.accepted_tokens > 0 and cs.rounds > 0 and not cs.fallbacks
         stats = srv.server.stats.snapshot()
-        assert set(stats["per_worker"]) == {"t0", "t1", "t2"}
+        assert stats["rounds"] == sum(cs.rounds for _, _, cs in results.values())
+        assert stats["per_worker"] == {}  # each target's figures went with its detach
         time.sleep(0.2)
         assert srv.server.compute.engine.num_sequences == 0  # released as requests finished
 
