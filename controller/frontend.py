@@ -14,12 +14,13 @@ import grpc
 from aiohttp import web
 
 from controller.frontend_grpc import FrontendGenerateService
-from controller.frontend_limits import (DEFAULT_MAX_REQUESTS, DEFAULT_REQUEST_TIMEOUT_S, check_max_requests,
-                                        check_request_timeout)
+from controller.frontend_limits import (DEFAULT_MAX_REQUESTS, DEFAULT_REQUEST_TIMEOUT_S, FRONT_END_FULL,
+                                        check_max_requests, check_request_timeout)
 from controller.openai_http import OpenAIServer
 from controller.router import TargetRouter
 from starjar.serving import HealthAndReflection
 from starjar.v1 import generate_pb2, generate_pb2_grpc
+from target_worker.admission import QUEUE_FULL
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
@@ -115,7 +116,7 @@ class _RouterCollector:
         self.frontend = frontend
 
     def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         router = self.frontend.router
         in_flight = dict(router.in_flight()) if router is not None else {}
@@ -125,3 +126,10 @@ class _RouterCollector:
             g.add_metric([name], n)
         yield g
         yield GaugeMetricFamily("starjar_frontend_targets", "target workers routable now", value=len(in_flight))
+        refused = CounterMetricFamily("starjar_frontend_requests_refused", "requests no worker started (every "
+                                      "one full or down) or the front end refused itself, by reason",
+                                      labels=["reason"])
+        counts = router.refused if router is not None else {}
+        for reason in sorted({QUEUE_FULL, FRONT_END_FULL, "unavailable"} | set(counts)):
+            refused.add_metric([reason], counts.get(reason, 0))
+        yield refused

@@ -13,6 +13,7 @@ front end refuses new requests itself (Overloaded).
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 import logging
 import time
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ import grpc
 
 from controller.frontend_limits import DEFAULT_MAX_REQUESTS, FRONT_END_FULL, check_max_requests
 from starjar.v1 import generate_pb2 as pb
+from starjar.wire import refusal_reason
+from target_worker.admission import QUEUE_FULL
 from starjar.v1 import generate_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,7 @@ class TargetRouter:
         self._rr = itertools.count()
         self.max_attempts = max_attempts
         self.max_requests = max_requests
+        self.refused: Counter[str] = Counter()  # requests this front end refused or saw refused, by reason
 
     def update(self, addresses: dict[str, str]) -> None:
         """Set the workers (name -> HOST:PORT); a moved worker gets a fresh channel."""
@@ -104,6 +108,7 @@ class TargetRouter:
         retries included."""
         relaying = sum(t.in_flight for t in self._targets.values())
         if relaying >= self.max_requests:
+            self.refused[FRONT_END_FULL] += 1
             raise Overloaded(f"the front end is relaying {relaying} requests, its limit (--max-requests "
                              f"{self.max_requests}); retry later")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -128,6 +133,7 @@ class TargetRouter:
                 if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
                     full = exc
                 if not self._may_retry(tried):
+                    self.refused[(refusal_reason(full) or QUEUE_FULL) if full else "unavailable"] += 1
                     raise full or exc  # every worker refused; if one was full, the caller hears "retry later"
                 log.warning("target %s did not start the request (%s); trying another", target.name,
                             exc.code().name)

@@ -37,6 +37,19 @@ class AdmissionQueue:
     def leave(self) -> None:
         self.held -= 1
 
+    def collect(self):
+        """Prometheus collector protocol: the server registers the queue itself."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        yield GaugeMetricFamily("starjar_target_admission_held", "requests held (running, waiting or being "
+                                "tokenized)", value=self.held)
+        yield GaugeMetricFamily("starjar_target_admission_limit", "requests held at most (batch + --max-waiting)",
+                                value=self.limit)
+        refused = CounterMetricFamily("starjar_target_requests_refused", "requests refused, by reason",
+                                      labels=["reason"])
+        refused.add_metric([QUEUE_FULL], self.refused)
+        yield refused
+
     def refusal(self) -> str:
         """The human half of a refusal: what is full and which limits make it so."""
         return (f"target worker full: {self.held} requests running or waiting, its limit "

@@ -42,6 +42,7 @@ class TargetServer:
 
         self.metrics = TargetMetrics(engine, self.proposer, model.path.rstrip("/").split("/")[-1])
         self.runner.metrics = self.metrics
+        self.metrics.registry.register(self.admission)  # held, limit, refused: read at scrape time
         self.host, self.requested_port = host, port
         self.port: int | None = None
         self.model_name = model.path.rstrip("/").split("/")[-1]

@@ -12,6 +12,7 @@ import urllib.request
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 
 from controller.frontend import FrontEnd
 from controller.router import TargetRouter
@@ -68,6 +69,8 @@ def test_a_full_worker_refuses_with_queue_full_naming_the_limit(models, spec_pro
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert dict(err.value.trailing_metadata())[REASON_METADATA] == "queue_full"
         assert "--max-waiting 1" in err.value.details() and "batch size 1" in err.value.details()
+        scrape = generate_latest(w.server.metrics.registry).decode()
+        assert 'starjar_target_requests_refused_total{reason="queue_full"} 1.0' in scrape
         _release(*held)
         assert wait_until(lambda: w.server.admission.held == 0)
         with Client(w.address, timeout=30) as c:  # room again; the output is the target's own
@@ -104,6 +107,8 @@ def test_the_front_end_tries_another_worker_then_answers_429_when_all_are_full(m
                                       {"prompt": "hi", "max_tokens": 4, "stream": True})
         assert status == 429 and body["error"]["code"] == "queue_full"
         assert fe.in_flight() == {"a": 0, "b": 0}
+        scrape = generate_latest(fe.registry).decode()
+        assert 'starjar_frontend_requests_refused_total{reason="queue_full"} 3.0' in scrape
     finally:
         _release(*held)
         fe.stop(0.5)
