@@ -32,11 +32,15 @@ def slowed(model, seconds: float):
     return copy
 
 
-def broken(model):
-    """Every forward pass raises: the engine fails its steps, then stops."""
+def broken(model, gate: threading.Event | None = None, entered: threading.Event | None = None):
+    """Every forward pass raises: the engine fails its steps, then stops. With a gate, each pass first sets
+    `entered` and waits for the gate to open (so requests can be queued behind it)."""
     copy = own_copy(model)
 
     def fail(*a, **k):
+        if gate is not None:
+            entered.set()
+            gate.wait(30)
         raise RuntimeError("injected fault")
     object.__setattr__(copy, "forward", fail)
     return copy

@@ -58,6 +58,50 @@ def test_requests_go_around_a_worker_whose_engine_died(models, spec_prompts, ref
         alive.close()
 
 
+def test_a_request_queued_on_an_engine_that_dies_is_retried_elsewhere(models, spec_prompts, reference):
+    """It never ran there (UNAVAILABLE "engine stopped"), so the front end may run it on another worker; the
+    requests that failed while running (INTERNAL) are not retried."""
+    gate, entered = threading.Event(), threading.Event()
+    dying = Worker(broken(models["llama"], gate, entered), "dying", batch_size=1)
+    alive = Worker(models["llama"], "alive")
+    fe = FrontEnd("llama", models["llama"].tokenizer).start()
+    errors, result = [], {}
+
+    def direct(i):
+        try:
+            with Client(dying.address, timeout=30) as c:
+                c.generate(prompt_token_ids=spec_prompts[i], max_tokens=4)
+        except Exception as exc:  # noqa: BLE001 - each must fail; the test checks how
+            errors.append(str(exc))
+
+    def relayed():
+        try:
+            with Client(f"127.0.0.1:{fe.grpc_port}", timeout=30) as c:
+                result["out"] = c.generate(prompt_token_ids=spec_prompts[3], max_tokens=8)
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = exc
+    try:
+        fe.set_targets({"dying": dying.address, "alive": alive.address})  # a fresh router tries "dying" first
+        threads = [threading.Thread(target=direct, args=(i,)) for i in range(MAX_FAILED_STEPS)]
+        threads.append(threading.Thread(target=relayed))
+        threads[0].start()
+        assert entered.wait(10)  # the first failing step holds the engine; the rest queue behind it
+        for n, t in enumerate(threads[1:], start=2):
+            t.start()
+            assert wait_until(lambda: dying.server.runner.load == n)  # submitted, in this order
+        gate.set()  # three steps fail in a row: the engine stops with the relayed request still queued
+        for t in threads:
+            t.join(30)
+        assert len(errors) == MAX_FAILED_STEPS and all("INTERNAL" in e for e in errors)
+        assert "out" in result, result.get("error")
+        assert result["out"].token_ids == reference("llama")[3][:8]
+    finally:
+        gate.set()
+        fe.stop(0.5)
+        dying.close()
+        alive.close()
+
+
 def test_no_relay_outlives_the_request_timeout(models):
     hung = FakeWorker(None)  # accepts the call and never answers
     fe = FrontEnd("llama", models["llama"].tokenizer, request_timeout_s=1.0).start()
