@@ -17,7 +17,8 @@ from starjar.kernels import machine_info
 
 BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "benchmarks.star",
               "cluster": "benchmarks.cluster", "draft": "benchmarks.draft", "api": "benchmarks.api",
-              "nightjar": "benchmarks.nightjar", "offload": "benchmarks.offload"}
+              "nightjar": "benchmarks.nightjar", "offload": "benchmarks.offload",
+              "faults": "benchmarks.faults"}
 
 
 def run_bench(args) -> int:

@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
 
     be = sub.add_parser("bench", help="run a benchmark and write its results as JSON")
-    be.add_argument("name", help="benchmark name: core, tax, star, cluster, draft, api, nightjar, offload")
+    be.add_argument("name", help="benchmark name: core, tax, star, cluster, draft, api, nightjar, offload, faults")
     be.add_argument("--quick", action="store_true", help="a small version for smoke runs")
     be.add_argument("--replay", action="store_true", help="replay targets (bench star): simulated target compute")
     be.add_argument("--real", action="store_true", help="bench nightjar: also run a subset on the real models")

@@ -32,6 +32,15 @@ def add_serve_parsers(sub) -> None:
     d.add_argument("--lease", type=float, default=60.0, help="seconds before unused sessions are reclaimed")
     d.add_argument("--offload-after", type=float, default=None,
                    help="offload the draft after this many seconds without rounds (default: never)")
+    d.add_argument("--max-kv-tokens", type=int, default=None,
+                   help="draft KV cache budget in tokens (live sequences x the longest); a sequence past it is "
+                        "answered resync (default: a quarter of this machine's memory)")
+    d.add_argument("--max-kv-tokens-per-target", type=int, default=None,
+                   help="KV tokens one target may hold (default: twice its fair share, budget / N_max)")
+    d.add_argument("--keepalive", type=float, default=20.0,
+                   help="seconds between pings to each target; an unanswered ping ends its session (default 20)")
+    d.add_argument("--stream-idle", type=float, default=600.0,
+                   help="seconds a stream may send no round before it is ended (default 600)")
     d.add_argument("--device", default="cpu")
     d.add_argument("--dtype", default="float32")
     d.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
@@ -85,7 +94,10 @@ def run_serve(args) -> int:
 
         cfg = DraftServerConfig(mode=args.mode, max_targets=args.max_targets,
                                 max_sequences_per_target=args.max_sequences, max_gamma=args.max_gamma,
-                                lease_s=args.lease, offload_after_s=args.offload_after)
+                                lease_s=args.lease, offload_after_s=args.offload_after,
+                                max_kv_tokens=args.max_kv_tokens,
+                                max_kv_tokens_per_target=args.max_kv_tokens_per_target,
+                                keepalive_s=args.keepalive, stream_idle_s=args.stream_idle)
         model = load_model(args.model or build_default_pair()["draft"], args.device, args.dtype, what="model")
         server = DraftServer(model, cfg, args.host, args.port)
         run_until_signalled(server.start, server.stop,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
 from starjar.batching import length_groups
-from starjar.models import LoadedModel
+from starjar.models import LoadedModel, kv_bytes_per_token
 from starjar.proposer import DraftReply, DraftRequest
 
 
@@ -81,6 +81,7 @@ class DraftEngine:
         self.model = model
         self.max_kv_tokens = max_kv_tokens
         self.max_kv_tokens_per_owner = max_kv_tokens_per_owner
+        self.max_pass_tokens = _pass_tokens(model, max_kv_tokens)
         self.cache = self._new_cache()
         self.max_sequences = max_sequences
         self._seqs: dict[Hashable, _DraftSeq] = {}
@@ -197,8 +198,10 @@ class DraftEngine:
         # Rows of very different lengths (a new sequence's whole prompt next to one-token deltas) go in
         # separate passes: a padded pass costs as if every row were the longest. A usual round's catch-up
         # (accepted drafts + the bonus token) is short enough to ride with the one-token steps.
-        for group in _capped(length_groups(live, lambda j: min(len(j.feed), MAX_FEED), short=SHORT_FEED)):
-            feeds = [j.feed[:MAX_FEED] for j in group]
+        cap = min(MAX_FEED, self.max_pass_tokens)
+        for group in _capped(length_groups(live, lambda j: min(len(j.feed), cap), short=SHORT_FEED), cap,
+                             self.max_pass_tokens):
+            feeds = [j.feed[:cap] for j in group]
             t0 = time.perf_counter()
             logits = self.model.forward(self.cache, [j.seq.slot for j in group], feeds,
                                         [[len(f) - 1] for f in feeds])
@@ -291,14 +294,24 @@ def _owner(seq_id: Hashable) -> Hashable:
     return seq_id[0] if isinstance(seq_id, tuple) else None
 
 
-def _capped(groups: list[list[DraftJob]]) -> list[list[DraftJob]]:
-    """Split passes so none feeds more than MAX_PASS_TOKENS tokens."""
+def _pass_tokens(model: LoadedModel, max_kv_tokens: int | None) -> int:
+    """Tokens one pass may feed: MAX_PASS_TOKENS, or fewer where a pass's scratch (mask, attention scores and
+    probabilities in fp32, per query token over the longest context) would pass a tenth of the KV budget."""
+    if max_kv_tokens is None:
+        return MAX_PASS_TOKENS
+    heads = model.model.config.num_attention_heads
+    per_query = 3 * model.max_context * heads * 4
+    return max(SHORT_FEED, min(MAX_PASS_TOKENS, max_kv_tokens * kv_bytes_per_token(model) // 10 // per_query))
+
+
+def _capped(groups: list[list[DraftJob]], feed_cap: int, pass_cap: int) -> list[list[DraftJob]]:
+    """Split passes so none feeds more than pass_cap tokens."""
     out = []
     for g in groups:
         part, n = [], 0
         for j in g:
-            k = min(len(j.feed), MAX_FEED)
-            if part and n + k > MAX_PASS_TOKENS:
+            k = min(len(j.feed), feed_cap)
+            if part and n + k > pass_cap:
                 out.append(part)
                 part, n = [], 0
             part.append(j)
