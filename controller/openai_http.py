@@ -429,11 +429,13 @@ class OpenAIServer:
     async def _first(self, parsed: Parsed, pump, merged: asyncio.Queue):
         """Start every choice and wait for the first piece, so an error before any output is a plain HTTP error."""
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(parsed.requests)]
-        item = await merged.get()
-        err = item[3]
-        if err is not None:
+        try:
+            item = await merged.get()
+            if item[3] is not None:
+                raise item[3]
+        except BaseException:  # an error, or the client left while we waited: no pump may outlive it
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            raise err
+            raise
         return tasks, item

@@ -122,12 +122,15 @@ def test_no_relay_outlives_the_request_timeout(models):
         hung.close()
 
 
-def test_a_non_streaming_client_that_leaves_stops_its_generation(models, spec_prompts):
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_http_client_that_leaves_stops_its_generation(models, spec_prompts, stream):
+    """Non-streaming requests write nothing until the end, so only the handler's cancellation can notice."""
     w = Worker(slowed(models["llama"], 0.02), "w")  # 300 tokens would take 6 s or more
     fe = FrontEnd("llama", models["llama"].tokenizer).start()
     try:
         fe.set_targets({"w": w.address})
-        body = json.dumps({"prompt": spec_prompts[0], "max_tokens": 300, "ignore_eos": True}).encode()
+        body = json.dumps({"prompt": spec_prompts[0], "max_tokens": 300, "ignore_eos": True,
+                           "stream": stream}).encode()
         sock = socket.create_connection(("127.0.0.1", fe.http_port))
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
