@@ -6,6 +6,10 @@ actor starts on a new port; the controller notices and republishes, and target
 workers find the draft server again by asking the controller (never a fixed
 address). Model actors pin their torch threads, and set OpenMP to passive
 waiting before torch loads, because they share cores with each other.
+
+Each also has `stop()`, which the controller calls before it kills the actor
+(after draining the targets, see Controller.drain), so that what a server has
+accepted ends with its last message sent rather than with a killed process.
 """
 
 from __future__ import annotations
@@ -74,6 +78,10 @@ class DraftServerActor:
     def set_max_targets(self, n: int) -> None:
         self.server.call(self.server.server.set_max_targets, n)
 
+    def stop(self) -> None:
+        """Answer the rounds queued, refuse new ones (targets decode on without drafts), close."""
+        self.server.stop(grace=1.0)
+
 
 def _resolve_draft_address() -> str | None:
     """Ask the controller where the draft server is now (None until it is known)."""
@@ -101,7 +109,8 @@ class TargetWorkerActor:
                                    EngineConfig(max_batch_size=self.spec.batch_size,
                                                 max_gamma=max(8, self.spec.gamma)),
                                    host=self.host, port=0, draft_deadline_s=self.spec.draft_deadline_s,
-                                   exit_on_engine_death=True)  # Ray restarts the actor
+                                   exit_on_engine_death=True,  # Ray restarts the actor
+                                   drain_timeout_s=self.spec.drain_timeout_s)
         self.loop = BackgroundLoop("target-server-loop")
         self.loop.run(self.server.start())
         self.metrics = _start_metrics(self.server.metrics.registry, self.host) if self.spec.metrics else None
@@ -128,6 +137,18 @@ class TargetWorkerActor:
         if gamma is not None and gamma < 0:
             raise ValueError("gamma must be >= 0")
         self.policy.override = gamma if (gamma is None or self.spec.draft) else 0
+
+    def begin_drain(self) -> None:
+        """From now on refuse new generations (UNAVAILABLE "draining"); those in flight go on."""
+        self.loop.run(self.server.drain(timeout=0))
+
+    def in_flight(self) -> int:
+        """Generations accepted and not yet ended."""
+        return self.server.gate.in_flight
+
+    def stop(self) -> None:
+        """Close the server (after the controller's drain: nothing is waited for here)."""
+        self.loop.run(self.server.stop(grace=1.0, drain_timeout=0))
 
 
 class FrontEndActor:
@@ -157,3 +178,6 @@ class FrontEndActor:
 
     def in_flight(self) -> dict[str, int]:
         return self.frontend.in_flight()
+
+    def stop(self) -> None:
+        self.frontend.stop(grace=1.0)

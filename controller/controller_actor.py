@@ -29,6 +29,7 @@ STATS_TIMEOUT_S = 4.0  # stats samples: a loaded machine answers slowly, and a s
 
 HEAD = {"node:__internal_head__": 0.001}  # the controller and front end live on the head node
 STATS_EVERY = 10  # polls between draft-stats samples for N_full (5 s)
+DRAIN_POLL_S = 0.1
 
 
 def _options(name: str, resources: dict | None = None, gpus: float = 0) -> dict:
@@ -298,12 +299,51 @@ class Controller:
         """The cluster's settings (the auth token left out)."""
         return {**self.spec.to_dict(), "auth_token": "***" if self.spec.auth_token else None}
 
-    async def shutdown(self) -> None:
-        """Kill every actor of the cluster (for clusters this controller did not start itself)."""
+    async def drain(self, timeout: float | None = None) -> dict:
+        """Stop taking generations and let those in flight finish, for at most `timeout` seconds (default the
+        spec's drain_timeout_s). Every target refuses new requests with UNAVAILABLE "draining", which the front
+        end passes on (HTTP 503); the draft server keeps proposing meanwhile. Returns what was left and when."""
+        timeout = self.spec.drain_timeout_s if timeout is None else timeout
+        t0 = time.monotonic()
+        await asyncio.gather(*(_bounded(h.begin_drain.remote()) for h in self.targets.values()))
+        left = await self._in_flight()
+        while left and time.monotonic() - t0 < timeout:
+            await asyncio.sleep(DRAIN_POLL_S)
+            left = await self._in_flight()
+        took = time.monotonic() - t0
+        if left:
+            log.warning("drain: %d request(s) still in flight after %.0f s; they will be cut", left, took)
+        else:
+            log.info("drain: nothing in flight after %.1f s", took)
+        return {"in_flight_left": left, "seconds": took}
+
+    async def _in_flight(self) -> int:
+        """Generations on the targets plus relays on the front end; an actor that does not answer counts 0."""
+        asks = [_bounded(h.in_flight.remote()) for h in self.targets.values()]
+        counts = await asyncio.gather(*asks, _bounded(self.frontend.in_flight.remote()))
+        return sum(c for c in counts[:-1] if c) + sum((counts[-1] or {}).values())
+
+    async def shutdown(self, drain: bool = True) -> dict | None:
+        """Drain (unless told not to), stop each server, then kill every actor of the cluster: the front end
+        and targets first, the draft server last (it serves the targets' rounds until they are done)."""
+        drained = await self.drain() if drain else None
         if self._monitor:
             self._monitor.cancel()
-        for name in self._names():
+        order = [FRONTEND, *self.targets, *([DRAFT] if self.draft is not None else [])]
+        for name in order:
             try:
-                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                handle = ray.get_actor(name, namespace=NAMESPACE)
             except ValueError:
-                pass
+                continue
+            await _bounded(handle.stop.remote())
+            ray.kill(handle, no_restart=True)
+        return drained
+
+
+async def _bounded(ref, timeout: float = INFO_TIMEOUT_S * 5):
+    """An actor call's result, or None when it fails or does not answer in time (dead, restarting)."""
+    try:
+        return await asyncio.wait_for(ref, timeout)
+    except Exception as exc:  # noqa: BLE001 - shutting down: one unresponsive actor must not stop the rest
+        log.info("shutdown: an actor call failed: %r", exc)
+        return None

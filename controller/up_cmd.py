@@ -6,7 +6,11 @@ controller, and holds the cluster until `starjar down` sends it SIGTERM, when
 ray.shutdown() takes every Ray process it started with it. A state file
 ($STARJAR_HOME/run/cluster.json) says where the keeper and the cluster are.
 With --address (a cluster from `ray up`), `up` creates the detached actors
-there and returns; `down --address` kills them.
+there and returns; `down --address` stops them.
+
+Either way `down` (and SIGTERM to the keeper) drains first: new generations
+are refused (UNAVAILABLE "draining", HTTP 503) while those in flight finish,
+for at most --drain-timeout seconds; only then do the actors go.
 """
 
 from __future__ import annotations
@@ -74,6 +78,9 @@ def add_up_parsers(sub) -> None:
                         "(default $STARJAR_HOME/run/prometheus_sd.json for a local cluster)")
     u.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoints")
     u.add_argument("--json", action="store_true", help='print {"grpc", "http", "metrics"} once serving')
+    u.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on `starjar down`: seconds generations in flight may take to finish while new ones are "
+                        "refused (default 30)")
     d = sub.add_parser("down", help="stop the cluster `starjar up` started")
     d.add_argument("--address", help="the Ray cluster given to `starjar up --address`")
 
@@ -120,7 +127,7 @@ def _spec(args) -> ClusterSpec:
                       saturation_guard=not args.no_saturation_guard, threads=args.threads,
                       draft_threads=args.draft_threads, device=args.device, dtype=args.dtype, host=args.host,
                       grpc_port=args.grpc_port, http_port=args.http_port, auth_token=args.auth_token,
-                      metrics=not args.no_metrics,
+                      metrics=not args.no_metrics, drain_timeout_s=args.drain_timeout,
                       # On a cluster of someone else's (--address) there is no local file to keep current.
                       prometheus_sd=sd if sd or not args.address else None)
 
@@ -223,10 +230,16 @@ def run_down(args) -> int:
         except ValueError:
             print("no starjar cluster on this Ray cluster", file=sys.stderr)
             return 0
-        ray.get(ctl.shutdown.remote(), timeout=60)
+        drain_s = ray.get(ctl.describe.remote(), timeout=60).get("drain_timeout_s", 30.0)
+        print(f"draining generations in flight (at most {drain_s:.0f} s) ...", file=sys.stderr, flush=True)
+        ray.get(ctl.shutdown.remote(), timeout=drain_s + 60)
         ray.kill(ctl, no_restart=True)
         print("starjar actors stopped")
         return 0
+    state = read_state()
+    if state is not None:
+        print(f"draining generations in flight (at most {state.get('drain_timeout_s', 30.0):.0f} s) ...",
+              file=sys.stderr, flush=True)
     stopped = stop_local()
     if stopped is None:
         print("no local starjar cluster is running", file=sys.stderr)
@@ -244,8 +257,8 @@ def stop_local() -> tuple[int, int] | None:
     keeper = state["keeper_pid"]
     pids = set(state.get("pids", [])) | set(_descendants(keeper))  # actors restarted since `up` included
     if _alive(keeper):
-        os.kill(keeper, signal.SIGTERM)
-    left = _wait_gone([keeper, *pids], 60.0)
+        os.kill(keeper, signal.SIGTERM)  # the keeper drains the cluster, then shuts Ray down
+    left = _wait_gone([keeper, *pids], state.get("drain_timeout_s", 30.0) + 60.0)
     for pid in left:  # what ray.shutdown() did not take with it
         try:
             os.kill(pid, signal.SIGKILL)
@@ -283,6 +296,18 @@ def _is_zombie(pid: int) -> bool:
         return False
 
 
+def _drain_and_stop(ctl, drain_timeout_s: float) -> None:
+    """Let generations in flight finish (see Controller.drain), then stop the actors before Ray goes."""
+    import ray
+
+    print(f"draining generations in flight (at most {drain_timeout_s:.0f} s)", file=sys.stderr, flush=True)
+    try:
+        drained = ray.get(ctl.shutdown.remote(), timeout=drain_timeout_s + 60)
+        print(f"drained: {drained}", file=sys.stderr, flush=True)
+    except Exception as exc:  # noqa: BLE001 - Ray's shutdown still takes every process with it
+        print(f"drain failed: {exc!r}", file=sys.stderr, flush=True)
+
+
 def keeper_main(spec_path: str, state_file: str) -> int:
     """The keeper process: owns the local Ray cluster until SIGTERM."""
     local_ray_env()
@@ -292,8 +317,12 @@ def keeper_main(spec_path: str, state_file: str) -> int:
         print(json.dumps(msg), flush=True)
 
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def on_signal() -> None:
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    on_signal()
     spec = ClusterSpec.from_dict(json.loads(Path(spec_path).read_text()))
     try:
         import psutil
@@ -306,6 +335,7 @@ def keeper_main(spec_path: str, state_file: str) -> int:
                  resources={"starjar_draft": 1, "starjar_target": spec.targets}, _node_ip_address="127.0.0.1",
                  # starjar passes no large objects through Ray: a small object store spares memory and /dev/shm.
                  object_store_memory=200 * 1024 * 1024, log_to_driver=False)
+        on_signal()  # ray.init installs a handler that dies at once on SIGTERM; ours drains first
         say(progress=f"loading models: draft server {'on' if spec.draft else 'off'}, {spec.targets} target "
                      "worker(s), front end")
         ctl = ray.remote(Controller).options(**_options(CONTROLLER, HEAD)).remote(spec.to_dict())
@@ -325,7 +355,7 @@ def keeper_main(spec_path: str, state_file: str) -> int:
         addrs = ray.get(ready)
         pids = [p.pid for p in psutil.Process().children(recursive=True)]
         state = {"keeper_pid": os.getpid(), "ray_address": ray.get_runtime_context().gcs_address,
-                 "addresses": addrs, "pids": pids, "started": time.time()}
+                 "addresses": addrs, "pids": pids, "started": time.time(), "drain_timeout_s": spec.drain_timeout_s}
         tmp = Path(state_file + ".tmp")
         tmp.write_text(json.dumps(state, indent=1))
         tmp.replace(state_file)
@@ -334,6 +364,7 @@ def keeper_main(spec_path: str, state_file: str) -> int:
         os.dup2(devnull, 1)  # `starjar up` has gone; nothing must write to its closed pipe
         while not stop.wait(1.0):
             pass
+        _drain_and_stop(ctl, spec.drain_timeout_s)
     except KeyboardInterrupt:
         pass
     except Exception as exc:

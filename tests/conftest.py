@@ -61,3 +61,15 @@ def reference(models, spec_prompts):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def long_prompts(models, spec_prompts):
+    """Two prompts whose llama greedy continuation runs 300 tokens without EOS, and those continuations:
+    generations long enough to be mid-stream when a signal lands (see streams.py)."""
+    from starjar.reference import hf_greedy
+
+    prompts = spec_prompts[:2]
+    refs = [hf_greedy(models["llama"], p, 300) for p in prompts]
+    assert all(len(r) == 300 for r in refs), "a prompt whose reference ends early makes a short stream"
+    return prompts, refs

@@ -1,54 +1,19 @@
 """Draining on SIGTERM, with real processes on loopback: generations in flight when the signal lands finish,
-exactly as the target alone would have written them, and new ones are refused at once."""
+exactly as the target alone would have written them, and new ones are refused at once.
+(`starjar down` on a Ray cluster: tests/test_ray_cluster.py.)"""
 
 from __future__ import annotations
 
 import signal
-import threading
 import time
 import urllib.request
 
-import pytest
-
 from controller.launch import ServerProcess
-from starjar import Client, Unavailable
+from starjar import Client
+from streams import Stream, refused_while_draining, wait_streaming
 
-MAX_TOKENS = 300  # long enough to be mid-stream when the signal lands (no EOS within it for these prompts)
+MAX_TOKENS = 300  # the long_prompts' references run this long without EOS
 N_STREAMS = 8  # with --batch-size 2: two running, six queued; the queued ones are in flight too
-
-
-@pytest.fixture(scope="module")
-def long_prompts(spec_prompts, models):
-    """Two prompts and the target's own greedy continuation of each (Hugging Face generate, batch 1)."""
-    from starjar.reference import hf_greedy
-
-    prompts = spec_prompts[:2]
-    refs = [hf_greedy(models["llama"], p, MAX_TOKENS) for p in prompts]
-    assert all(len(r) == MAX_TOKENS for r in refs), "a prompt whose reference ends early makes a short stream"
-    return prompts, refs
-
-
-class Stream(threading.Thread):
-    """One generation streamed on its own thread; `started` is set at its first tokens."""
-
-    def __init__(self, address: str, prompt: list[int]):
-        super().__init__(daemon=True)
-        self.address, self.prompt = address, prompt
-        self.started = threading.Event()
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-        self.error: Exception | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            with Client(self.address, timeout=180) as c:
-                for chunk in c.generate_stream(prompt_token_ids=self.prompt, max_tokens=MAX_TOKENS):
-                    self.tokens += chunk.token_ids
-                    self.finish_reason = chunk.finish_reason or self.finish_reason
-                    self.started.set()
-        except Exception as exc:  # noqa: BLE001 - any failure is the test's failure
-            self.error = exc
 
 
 def _gauges(metrics_address: str) -> dict[str, float]:
@@ -69,26 +34,6 @@ def _wait_accepted(metrics_address: str, n: int, timeout: float = 60.0) -> None:
     raise AssertionError(f"the worker never held {n} requests: {_gauges(metrics_address)}")
 
 
-def _wait_streaming(streams: list[Stream], timeout: float = 60.0) -> None:
-    deadline = time.time() + timeout
-    while not any(s.tokens for s in streams):
-        assert time.time() < deadline, "no stream produced tokens"
-        time.sleep(0.01)
-
-
-def _refused_while_draining(address: str, timeout: float = 10.0) -> Unavailable:
-    """Probe with short requests until one is refused; those that got in before the signal must just finish."""
-    deadline = time.time() + timeout
-    with Client(address, timeout=30) as c:
-        while time.time() < deadline:
-            try:
-                assert c.generate("probe", max_tokens=1).finish_reason in ("stop", "length")
-            except Unavailable as exc:
-                return exc
-            time.sleep(0.01)
-    raise AssertionError("new requests were still accepted 10 s after SIGTERM")
-
-
 def test_sigterm_target_finishes_generations_in_flight_and_refuses_new_ones(model_dirs, long_prompts):
     prompts, refs = long_prompts
     draft = ServerProcess("draft", "--model", model_dirs["draft"], "--port", "0")
@@ -96,13 +41,13 @@ def test_sigterm_target_finishes_generations_in_flight_and_refuses_new_ones(mode
                            "--gamma", "3", "--batch-size", "2", "--worker-id", "drain", "--metrics-port", "0",
                            "--drain-timeout", "120")
     try:
-        streams = [Stream(target.address, prompts[k % 2]) for k in range(N_STREAMS)]
+        streams = [Stream(target.address, prompts[k % 2], MAX_TOKENS) for k in range(N_STREAMS)]
         _wait_accepted(target.ready["metrics"], N_STREAMS)
-        _wait_streaming(streams)
+        wait_streaming(streams)
         t_signal = time.time()
         target.proc.send_signal(signal.SIGTERM)
 
-        refused = _refused_while_draining(target.address)
+        refused = refused_while_draining(target.address)
         assert "draining" in refused.details, refused.details
         assert not all(s.finish_reason for s in streams), "every stream was done before the refusal: no drain seen"
 
@@ -126,9 +71,10 @@ def test_sigterm_draft_server_mid_run_loses_nothing(model_dirs, long_prompts):
     target = ServerProcess("target", "--model", model_dirs["llama"], "--draft", draft.address, "--port", "0",
                            "--gamma", "3", "--batch-size", "4", "--worker-id", "drain-d")
     try:
-        streams = [Stream(target.address, prompts[k % 2]) for k in range(4)]
-        assert all(s.started.wait(60) for s in streams), "the streams never produced tokens"  # batch 4: all run
+        streams = [Stream(target.address, prompts[k % 2], MAX_TOKENS) for k in range(4)]
+        wait_streaming(streams, n=4)  # batch 4: all four run
         assert draft.terminate() == 0
+        assert not all(s.finish_reason for s in streams), "every stream was done before the draft server went"
         for s in streams:
             s.join(120)
         assert [s.error for s in streams] == [None] * 4

@@ -25,6 +25,7 @@ from benchmarks.api import mixed_clients
 from starjar import Client
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
+from streams import Stream, refused_while_draining, wait_streaming
 
 MAX_TOKENS = 24
 N_REQUESTS = 100
@@ -264,16 +265,38 @@ def test_draft_server_killed_mid_run_loses_nothing(cluster, controller, spec_pro
     assert sum(s["drafted_tokens"] for s in ray.get(controller.target_stats.remote()).values()) > drafted
 
 
-def test_down_leaves_no_process_behind(cluster):
+def test_down_drains_generations_in_flight_then_leaves_no_process_behind(cluster, controller, long_prompts):
+    """`starjar down` while 24 long generations are in flight (16 streaming, 8 queued): they all finish as the
+    target alone writes them, new requests are refused meanwhile (gRPC UNAVAILABLE "draining", HTTP 503), then
+    every process is gone."""
     import psutil
     import ray
 
+    prompts, refs = long_prompts
     keeper = cluster["state"]["keeper_pid"]
     pids = {keeper, *cluster["state"]["pids"], *(p.pid for p in psutil.Process(keeper).children(recursive=True))}
-    if ray.is_initialized():
-        ray.shutdown()
-    down = _cli("down", env=cluster["env"], timeout=120)
-    assert down.returncode == 0, down.stderr
+    streams = [Stream(cluster["addrs"]["grpc"], prompts[k % 2], 300) for k in range(24)]  # 2 workers x batch 8
+    wait_streaming(streams, n=16)
+    t0 = time.time()
+    while _counts(controller)[0] < len(streams):  # every request reached a worker before `down`
+        assert time.time() - t0 < 30, _counts(controller)
+        time.sleep(0.05)
+    ray.shutdown()
+    down = subprocess.Popen([sys.executable, "-m", "controller.cli", "down"], env=cluster["env"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    refused = refused_while_draining(cluster["addrs"]["grpc"], timeout=30)
+    assert "draining" in refused.details, refused.details
+    status, raw = _http(f"{cluster['addrs']['http']}/v1/completions", {"prompt": "probe", "max_tokens": 1})
+    assert status == 503 and b"draining" in raw, (status, raw)
+    assert not all(s.finish_reason for s in streams), "every stream was done before the refusals: no drain seen"
+
+    for s in streams:
+        s.join(180)
+    assert [s.error for s in streams] == [None] * len(streams)
+    assert [s.tokens for s in streams] == [refs[k % 2] for k in range(len(streams))]
+    out, err = down.communicate(timeout=180)
+    assert down.returncode == 0, err
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not alive, [psutil.Process(p).cmdline() for p in alive]
     assert not (cluster["home"] / "run" / "cluster.json").exists()
