@@ -25,6 +25,8 @@ from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
 from starjar.wire import REASON_METADATA, check_request_shape, refusal_reason, sampling_from_proto
 
+log = logging.getLogger(__name__)
+
 
 def relay_timeout(caller_left: float | None, limit: float) -> float:
     """The relay's deadline: the front end's limit, or the caller's own deadline when sooner."""
@@ -33,8 +35,6 @@ def relay_timeout(caller_left: float | None, limit: float) -> float:
 
 def timeout_message(timeout: float, limit: float) -> str:
     return f"the request did not finish within {timeout:g} s (the front end's --request-timeout is {limit:g} s)"
-
-log = logging.getLogger(__name__)
 
 
 def check_bearer(header: str | None, token: str | None) -> bool:

@@ -13,9 +13,9 @@ front end refuses new requests itself (Overloaded).
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -23,9 +23,9 @@ import grpc
 
 from controller.frontend_limits import DEFAULT_MAX_REQUESTS, FRONT_END_FULL, check_max_requests
 from starjar.v1 import generate_pb2 as pb
+from starjar.v1 import generate_pb2_grpc as pb_grpc
 from starjar.wire import refusal_reason
 from target_worker.admission import QUEUE_FULL
-from starjar.v1 import generate_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
