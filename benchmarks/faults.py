@@ -36,8 +36,12 @@ def run(args) -> dict:
         target = make_tiny_model(Path(tmp) / "target", "llama", seed=0, max_context=4096)
         draft = make_tiny_model(Path(tmp) / "draft", "llama", seed=0, layers=1, tokenizer_from=target,
                                 max_context=4096)
+        # The abusive run's draft has 8 layers, as real drafts have several: the cache grows one layer's
+        # buffer at a time, so its transient over the budget is a layer's share (with 1 layer, half the cache).
+        deep = make_tiny_model(Path(tmp) / "deep_draft", "llama", seed=0, layers=8, tokenizer_from=target,
+                               max_context=4096)
         return {"hung": _hung(str(target), str(draft), 12 if args.quick else 30),
-                "abusive": _abusive(str(target), str(draft), quick=args.quick)}
+                "abusive": _abusive(str(target), str(deep), quick=args.quick)}
 
 
 def _hung(target_dir: str, draft_dir: str, n: int) -> dict:
@@ -77,9 +81,10 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
-def _abusive(target_dir: str, draft_dir: str, quick: bool) -> dict:
+def _abusive(target_dir: str, draft_dir: str, quick: bool, budget_tokens: int = 262144,
+             per_target: int = 65536) -> dict:
     draft = load_model(draft_dir)
-    budget_tokens, per_target, n_max, max_len = 262144, 65536, 4, 4000
+    n_max, max_len = 4, 4000
     budget_bytes = budget_tokens * kv_bytes_per_token(draft)
     server = ServerProcess("draft", "--model", draft_dir, "--port", "0", "--max-targets", str(n_max),
                            "--max-kv-tokens", str(budget_tokens), "--max-kv-tokens-per-target", str(per_target),

@@ -29,6 +29,21 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def return_large_frees_to_the_os(threshold: int = 1 << 20) -> bool:
+    """Serve allocations of `threshold` bytes or more with mmap, so freeing them gives the memory back.
+    glibc otherwise raises its threshold after the first large free, and a KV cache that grew by doubling
+    keeps every smaller copy it outgrew in the heap (measured: RSS about twice the cache). glibc only."""
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
 class DraftServer:
     def __init__(self, model: LoadedModel, cfg: DraftServerConfig | None = None, host: str = "127.0.0.1",
                  port: int = 0):
@@ -40,6 +55,7 @@ class DraftServer:
         self.stats = ServerStats()
         self.queue = make_queue(self.cfg.mode, self.cfg.max_batch_rounds)
         self.sessions = SessionTable(self.cfg.max_targets)
+        return_large_frees_to_the_os()
         self.kv_budget = kv_budget(model, self.cfg)
         engine = DraftEngine(model, max_sequences=self.cfg.max_targets * self.cfg.max_sequences_per_target,
                              max_kv_tokens=self.kv_budget[0], max_kv_tokens_per_owner=self.kv_budget[1])
