@@ -40,6 +40,13 @@ def _device(spec: ClusterSpec) -> str:
     return spec.device
 
 
+def _security(spec: ClusterSpec):
+    """Every actor's server requires the cluster token, and every internal call carries it."""
+    from starjar.security import Security
+
+    return Security(token=spec.cluster_token)
+
+
 def _start_metrics(registry, host: str) -> str:
     from starjar.metrics import serve
 
@@ -57,7 +64,8 @@ class DraftServerActor:
         self.host = ray.util.get_node_ip_address()
         model = load_model(self.spec.draft, _device(self.spec), self.spec.dtype, what="draft")
         cfg = DraftServerConfig(mode=self.spec.draft_mode, max_targets=self.spec.max_targets)
-        self.server = BackgroundDraftServer(model, cfg, host=self.host, port=0).start()
+        self.server = BackgroundDraftServer(model, cfg, host=self.host, port=0,
+                                            security=_security(self.spec)).start()
         self.metrics = _start_metrics(self.server.server.metrics.registry, self.host) if self.spec.metrics else None
         log.info("draft server actor ready at %s", self.server.address)
 
@@ -71,8 +79,10 @@ class DraftServerActor:
 
         from starjar.v1 import draft_pb2, draft_pb2_grpc
 
-        with grpc.insecure_channel(self.server.address) as ch:
-            msg = draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.GetStatsRequest(), timeout=5)
+        security = _security(self.spec)
+        with security.channel(self.server.address) as ch:
+            msg = draft_pb2_grpc.DraftServiceStub(ch).GetStats(draft_pb2.GetStatsRequest(), timeout=5,
+                                                               metadata=security.metadata())
         return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
     def set_max_targets(self, n: int) -> None:
@@ -110,7 +120,8 @@ class TargetWorkerActor:
                                                 max_gamma=max(8, self.spec.gamma)),
                                    host=self.host, port=0, draft_deadline_s=self.spec.draft_deadline_s,
                                    exit_on_engine_death=True,  # Ray restarts the actor
-                                   drain_timeout_s=self.spec.drain_timeout_s)
+                                   drain_timeout_s=self.spec.drain_timeout_s, max_waiting=self.spec.max_waiting,
+                                   security=_security(self.spec))
         self.loop = BackgroundLoop("target-server-loop")
         self.loop.run(self.server.start())
         self.metrics = _start_metrics(self.server.metrics.registry, self.host) if self.spec.metrics else None
@@ -165,7 +176,9 @@ class FrontEndActor:
         name = self.spec.target.rstrip("/").split("/")[-1]
         self.node = ray.util.get_node_ip_address()
         self.frontend = FrontEnd(name, tokenizer, self.spec.host, self.spec.grpc_port, self.spec.http_port,
-                                 self.spec.auth_token).start()
+                                 self.spec.auth_token, max_requests=self.spec.max_requests,
+                                 request_timeout_s=self.spec.request_timeout_s,
+                                 upstream=_security(self.spec)).start()
         self.metrics = _start_metrics(self.frontend.registry, self.node) if self.spec.metrics else None
 
     def info(self) -> dict:

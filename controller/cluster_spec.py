@@ -58,6 +58,9 @@ class ClusterSpec:
     grpc_port: int = 50051
     http_port: int = 8000
     auth_token: str | None = None  # required as "Bearer <token>" by the front end when set
+    # The cluster's own secret: every internal RPC (front end -> targets -> draft server) carries it, and
+    # every actor's server requires it. `starjar up` generates one unless --auth-token-file names it.
+    cluster_token: str | None = None
     max_requests: int = DEFAULT_MAX_REQUESTS  # requests the front end relays at once; then front_end_full
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # the longest one request may take at the front end
     metrics: bool = True  # a Prometheus endpoint in every actor

@@ -297,7 +297,8 @@ class Controller:
 
     async def describe(self) -> dict:
         """The cluster's settings (the auth token left out)."""
-        return {**self.spec.to_dict(), "auth_token": "***" if self.spec.auth_token else None}
+        return {**self.spec.to_dict(), "auth_token": "***" if self.spec.auth_token else None,
+                "cluster_token": "***" if self.spec.cluster_token else None}
 
     async def drain(self, timeout: float | None = None) -> dict:
         """Stop taking generations and let those in flight finish, for at most `timeout` seconds (default the

@@ -18,6 +18,7 @@ from controller.frontend_limits import (DEFAULT_MAX_REQUESTS, DEFAULT_REQUEST_TI
                                         check_max_requests, check_request_timeout)
 from controller.openai_http import OpenAIServer
 from controller.router import TargetRouter
+from starjar.security import Security
 from starjar.serving import HealthAndReflection
 from starjar.v1 import generate_pb2, generate_pb2_grpc
 from target_worker.admission import QUEUE_FULL
@@ -37,13 +38,15 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 class FrontEnd:
     def __init__(self, model_name: str, tokenizer, host: str = "127.0.0.1", grpc_port: int = 0,
                  http_port: int = 0, auth_token: str | None = None, max_requests: int = DEFAULT_MAX_REQUESTS,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
-        """max_requests: relays in flight at once before new requests are refused (429 / RESOURCE_EXHAUSTED);
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, upstream: Security | None = None):
+        """upstream: the cluster token and TLS of the calls to the target workers (auth_token is the users').
+        max_requests: relays in flight at once before new requests are refused (429 / RESOURCE_EXHAUSTED);
         request_timeout_s: the longest a request may take, queueing included (then 504 / DEADLINE_EXCEEDED)."""
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.host = host
         self.auth_token = auth_token
+        self.upstream = upstream
         self.max_requests = check_max_requests(max_requests)
         self.request_timeout_s = check_request_timeout(request_timeout_s)
         self._ports = (grpc_port, http_port)
@@ -66,7 +69,7 @@ class FrontEnd:
         return self
 
     async def _start(self) -> None:
-        self.router = TargetRouter(max_requests=self.max_requests)
+        self.router = TargetRouter(max_requests=self.max_requests, security=self.upstream)
         self._grpc = grpc.aio.server()
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(
             FrontendGenerateService(self.router, self.model_name, self.auth_token, self.request_timeout_s),

@@ -11,7 +11,6 @@ answers cannot hold a caller forever.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import secrets
 from contextlib import aclosing
@@ -20,6 +19,7 @@ import grpc
 
 from controller.frontend_limits import DEFAULT_REQUEST_TIMEOUT_S, check_request_timeout
 from controller.router import NoTargets, Overloaded, TargetRouter
+from starjar.security import token_matches
 from starjar.errors import InvalidArgument
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
@@ -39,11 +39,7 @@ def timeout_message(timeout: float, limit: float) -> str:
 
 def check_bearer(header: str | None, token: str | None) -> bool:
     """True when no token is configured, or the header is 'Bearer <token>' (constant-time compare)."""
-    if not token:
-        return True
-    if not header or not header.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(header[7:].encode(), token.encode())
+    return token_matches(header, token or None)
 
 
 class FrontendGenerateService(pb_grpc.GenerateServiceServicer):

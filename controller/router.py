@@ -22,6 +22,7 @@ from typing import AsyncIterator
 import grpc
 
 from controller.frontend_limits import DEFAULT_MAX_REQUESTS, FRONT_END_FULL, check_max_requests
+from starjar.security import Security
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
 from starjar.wire import refusal_reason
@@ -57,8 +58,12 @@ class _Target:
 class TargetRouter:
     """Create and use it on one event loop (grpc.aio channels belong to their loop)."""
 
-    def __init__(self, max_attempts: int | None = None, max_requests: int = DEFAULT_MAX_REQUESTS):
-        """max_attempts: workers tried per request (default: each one once)."""
+    def __init__(self, max_attempts: int | None = None, max_requests: int = DEFAULT_MAX_REQUESTS,
+                 security: Security | None = None):
+        """max_attempts: workers tried per request (default: each one once). security: the cluster token
+        and TLS of the calls to the workers."""
+        self.security = security or Security()
+        self._auth = self.security.metadata()
         check_max_requests(max_requests)
         self._targets: dict[str, _Target] = {}
         self._rr = itertools.count()
@@ -76,7 +81,7 @@ class TargetRouter:
                 log.info("target %s left (%s)", name, t.address)
         for name, address in addresses.items():
             if name not in self._targets:
-                ch = grpc.aio.insecure_channel(address)
+                ch = self.security.channel(address, aio=True)
                 self._targets[name] = _Target(name, address, ch, pb_grpc.GenerateServiceStub(ch))
                 log.info("target %s at %s", name, address)
 
@@ -119,7 +124,7 @@ class TargetRouter:
             tried.add(target.name)
             target.in_flight += 1
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            call = target.stub.Generate(request, timeout=left)
+            call = target.stub.Generate(request, timeout=left, metadata=self._auth)
             sent = False
             try:
                 async for resp in call:

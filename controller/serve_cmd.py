@@ -45,6 +45,8 @@ def add_serve_parsers(sub) -> None:
     d.add_argument("--dtype", default="float32")
     d.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
 
+    add_security_flags(d)
+
     t = ssub.add_parser("target", help="a target worker with its own Generate service")
     t.add_argument("--model", help="target model directory (default: the default pair's target)")
     t.add_argument("--draft", help="draft server HOST:PORT (default: none, no speculation)")
@@ -69,6 +71,32 @@ def add_serve_parsers(sub) -> None:
     t.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds generations in flight may take to finish while new ones are refused "
                         "(default 30)")
+    add_security_flags(t, client=True)
+
+
+def add_security_flags(p, client: bool = False) -> None:
+    g = p.add_argument_group("security (see README: Security)")
+    g.add_argument("--auth-token-file", default=None,
+                   help="the cluster token, required on every RPC as 'authorization: Bearer TOKEN' "
+                        "(default: $STARJAR_AUTH_TOKEN; none: no auth, loopback only)")
+    g.add_argument("--tls-cert", default=None, help="this server's certificate (PEM): serve TLS")
+    g.add_argument("--tls-key", default=None, help="its private key (PEM)")
+    g.add_argument("--tls-client-ca", default=None,
+                   help="CA (PEM) whose certificates callers must show: mutual TLS")
+    if client:
+        g.add_argument("--tls-ca", default=None,
+                       help="CA (PEM) that signed the draft server's certificate: call it over TLS "
+                            "(with --tls-cert/--tls-key as this worker's client certificate)")
+        g.add_argument("--tls-server-name", default=None,
+                       help="the name in the draft server's certificate, when it is not the host of --draft")
+
+
+def security_from(args) -> "Security":
+    from starjar.security import Security, read_token
+
+    return Security(token=read_token(args.auth_token_file), tls_cert=args.tls_cert, tls_key=args.tls_key,
+                    tls_client_ca=args.tls_client_ca, tls_ca=getattr(args, "tls_ca", None),
+                    server_name=getattr(args, "tls_server_name", None))
 
 
 def _announce(kind: str, host: str, registry=None, metrics_port: int | None = None):
@@ -99,7 +127,7 @@ def run_serve(args) -> int:
                                 max_kv_tokens_per_target=args.max_kv_tokens_per_target,
                                 keepalive_s=args.keepalive, stream_idle_s=args.stream_idle)
         model = load_model(args.model or build_default_pair()["draft"], args.device, args.dtype, what="model")
-        server = DraftServer(model, cfg, args.host, args.port)
+        server = DraftServer(model, cfg, args.host, args.port, security_from(args))
         run_until_signalled(server.start, server.stop,
                             _announce("draft", args.host, server.metrics.registry, args.metrics_port))
         return 0
@@ -128,6 +156,7 @@ def run_serve(args) -> int:
     server = TargetServer(model, args.draft, worker_id, policy,
                           EngineConfig(max_batch_size=args.batch_size, max_gamma=max(8, chosen.gamma)),
                           args.host, args.port, args.draft_deadline, exit_on_engine_death=True,
-                          drain_timeout_s=args.drain_timeout, max_waiting=args.max_waiting)
+                          drain_timeout_s=args.drain_timeout, max_waiting=args.max_waiting,
+                          security=security_from(args))
     serve_target(server, _announce("target", args.host, server.metrics.registry, args.metrics_port))
     return 0

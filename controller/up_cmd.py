@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from controller.cluster_spec import CONTROLLER, NAMESPACE, ClusterSpec, local_ray_env
 from starjar.errors import InvalidArgument, StarjarError
+from starjar.security import read_token
 
 READY_TIMEOUT_S = 900.0
 
@@ -72,6 +74,15 @@ def add_up_parsers(sub) -> None:
     u.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0 = any free)")
     u.add_argument("--auth-token", default=os.environ.get("STARJAR_AUTH_TOKEN"),
                    help="require 'Authorization: Bearer TOKEN' (default $STARJAR_AUTH_TOKEN; none)")
+    u.add_argument("--auth-token-file", default=None,
+                   help="the cluster's internal secret (every actor's port requires it; default: a new random "
+                        "one per cluster, which nobody outside the cluster needs)")
+    u.add_argument("--max-waiting", type=int, default=None,
+                   help="requests queued per target worker beyond its batch; then queue_full (default 256)")
+    u.add_argument("--max-requests", type=int, default=None,
+                   help="requests the front end relays at once; then 429 / RESOURCE_EXHAUSTED (default 1024)")
+    u.add_argument("--request-timeout", type=float, default=None,
+                   help="the longest one request may take at the front end, queueing included (default 600 s)")
     u.add_argument("--address", help="an existing Ray cluster (e.g. auto, after `ray up`) instead of a local one")
     u.add_argument("--prometheus-sd", default=None,
                    help="file-SD JSON for Prometheus, kept current by the controller "
@@ -95,6 +106,8 @@ def local_spec(target: str | None = None, draft: str | None = None, no_draft: bo
         target = target or pair["target"]
         draft = draft or pair["draft"]
     fields.setdefault("prometheus_sd", str(run_dir() / "prometheus_sd.json"))
+    if not fields.get("cluster_token"):  # no internal port is ever open: a fresh secret per cluster
+        fields["cluster_token"] = secrets.token_urlsafe(32)
     return ClusterSpec(target=os.path.abspath(target), draft=None if no_draft else os.path.abspath(draft),
                        **fields).validate()
 
@@ -128,6 +141,9 @@ def _spec(args) -> ClusterSpec:
                       draft_threads=args.draft_threads, device=args.device, dtype=args.dtype, host=args.host,
                       grpc_port=args.grpc_port, http_port=args.http_port, auth_token=args.auth_token,
                       metrics=not args.no_metrics, drain_timeout_s=args.drain_timeout,
+                      cluster_token=read_token(args.auth_token_file) if args.auth_token_file else None,
+                      **{k: v for k, v in (("max_waiting", args.max_waiting), ("max_requests", args.max_requests),
+                                           ("request_timeout_s", args.request_timeout)) if v is not None},
                       # On a cluster of someone else's (--address) there is no local file to keep current.
                       prometheus_sd=sd if sd or not args.address else None)
 

@@ -22,6 +22,7 @@ from draft_server.sessions import SessionTable
 from draft_server.stats import ServerStats
 from draft_server.work_queue import make_queue
 from starjar.models import LoadedModel, kv_bytes_per_token
+from starjar.security import Security
 from starjar.serving import HealthAndReflection
 from starjar.v1 import draft_pb2, draft_pb2_grpc
 
@@ -46,8 +47,10 @@ def return_large_frees_to_the_os(threshold: int = 1 << 20) -> bool:
 
 class DraftServer:
     def __init__(self, model: LoadedModel, cfg: DraftServerConfig | None = None, host: str = "127.0.0.1",
-                 port: int = 0):
+                 port: int = 0, security: Security | None = None):
+        """security: the cluster token every RPC must carry, and TLS / mutual TLS (default: neither)."""
         self.cfg = cfg or DraftServerConfig()
+        self.security = security or Security()
         self.model = model
         self.host = host
         self.requested_port = port
@@ -88,10 +91,10 @@ class DraftServer:
                 # The targets ping too (to find a hung draft server): allow it, every 5 s at most.
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
                 ("grpc.http2.max_ping_strikes", 0), ("grpc.http2.max_pings_without_data", 0)]
-        self._server = grpc.aio.server(options=opts)
+        self._server = grpc.aio.server(options=opts, interceptors=self.security.interceptors())
         draft_pb2_grpc.add_DraftServiceServicer_to_server(self.service, self._server)
         self._health = HealthAndReflection(self._server, SERVICE_NAME)
-        self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        self.port = self.security.add_port(self._server, f"{self.host}:{self.requested_port}")
         self.compute.start()
         await self._server.start()
         await self._health.set_serving(True)

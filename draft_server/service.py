@@ -20,6 +20,7 @@ from draft_server.sessions import AdmissionRefused, Session, SessionTable, Unkno
 from draft_server.stats import ServerStats
 from draft_server.work_queue import ReleaseWork, RoundWork, WorkQueue
 from starjar.proposer import DraftRequest
+from starjar.security import caller_identity
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 
@@ -77,7 +78,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
                                 f"fingerprint: the target's tokenizer must equal the draft's "
                                 f"(vocab_size {self.fingerprint[0]}, tokenizer_hash {self.fingerprint[1]})")
         try:
-            s = self.sessions.attach(request.worker_id)
+            s = self.sessions.attach(request.worker_id, caller_identity(context))
         except AdmissionRefused as exc:
             self.refusals[exc.reason] += 1
             context.set_trailing_metadata(((REASON_METADATA, exc.reason),))
@@ -93,7 +94,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
     async def Speculate(self, request_iterator, context: grpc.aio.ServicerContext):
         tag = _tag_from_metadata(context)
         try:
-            session = self.sessions.open_stream(tag)
+            session = self.sessions.open_stream(tag, caller_identity(context))
         except UnknownTag:
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown tag")
         loop = asyncio.get_running_loop()
@@ -225,7 +226,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         try:
-            session = self.sessions.get(bytes(request.tag))
+            session = self.sessions.get(bytes(request.tag), caller_identity(context))
         except UnknownTag:
             await context.abort(grpc.StatusCode.NOT_FOUND, "unknown tag")
         if len(request.seq_ids) > self.cfg.max_sequences_per_target:

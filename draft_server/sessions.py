@@ -32,6 +32,7 @@ class AdmissionRefused(Exception):
 class Session:
     tag: bytes
     worker_id: str
+    caller: str = ""  # who attached it (starjar.security.caller_identity): only they may use the tag
     attached_s: float = field(default_factory=time.monotonic)
     last_seen_s: float = field(default_factory=time.monotonic)
     streaming: bool = False
@@ -52,29 +53,30 @@ class SessionTable:
         self._lock = threading.Lock()
         self.refused_admission = 0
 
-    def attach(self, worker_id: str) -> Session:
+    def attach(self, worker_id: str, caller: str = "") -> Session:
         with self._lock:
             if len(self._by_tag) >= self.max_targets:
                 self.refused_admission += 1
                 raise AdmissionRefused("admission", f"{len(self._by_tag)} targets attached; N_max is "
                                        f"{self.max_targets}")
             tag = secrets.token_bytes(TAG_BYTES)
-            s = Session(tag=tag, worker_id=worker_id)
+            s = Session(tag=tag, worker_id=worker_id, caller=caller)
             self._by_tag[tag] = s
             return s
 
-    def get(self, tag: bytes) -> Session:
+    def get(self, tag: bytes, caller: str | None = None) -> Session:
+        """caller: the RPC's caller, who must be the one that attached (None: the server itself)."""
         with self._lock:
             s = self._by_tag.get(tag)
-            if s is None:
+            if s is None or (caller is not None and s.caller != caller):  # another's tag looks like no tag
                 raise UnknownTag()
             s.last_seen_s = time.monotonic()
             return s
 
-    def open_stream(self, tag: bytes) -> Session:
+    def open_stream(self, tag: bytes, caller: str = "") -> Session:
         with self._lock:
             s = self._by_tag.get(tag)
-            if s is None or s.streaming:
+            if s is None or s.streaming or s.caller != caller:
                 raise UnknownTag()
             s.streaming = True
             return s

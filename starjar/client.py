@@ -118,23 +118,26 @@ def _chunk(resp: pb.GenerateResponse) -> GenerationChunk:
                            resp.timing.ttft_s, resp.timing.e2e_s)
 
 
-def _credentials(tls, root_certificates):
+def _credentials(tls, root_certificates, private_key=None, certificate_chain=None):
     if tls is None or tls is False:
         return None
     if isinstance(tls, grpc.ChannelCredentials):
         return tls
-    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    # A client certificate is shown to servers that ask for one (mutual TLS).
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates, private_key=private_key,
+                                        certificate_chain=certificate_chain)
 
 
 class _Base:
     def __init__(self, address: str, *, timeout: float | None = None, auth_token: str | None = None,
                  tls: bool | grpc.ChannelCredentials | None = None, root_certificates: bytes | None = None,
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None,
                  model: str | None = None):
         self.address = address
         self.timeout = timeout
         self.model = model
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
-        self._creds = _credentials(tls, root_certificates)
+        self._creds = _credentials(tls, root_certificates, private_key, certificate_chain)
 
     def _call_args(self, timeout):
         return {"timeout": timeout if timeout is not None else self.timeout, "metadata": self._metadata}

@@ -23,6 +23,7 @@ from typing import Callable, Hashable, Sequence
 import grpc
 
 from starjar.proposer import DraftReply, DraftRequest
+from starjar.security import Security
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 
@@ -98,12 +99,14 @@ class RemoteProposer:
     def __init__(self, address: str | Callable[[], str | None], fingerprint: str, worker_id: str,
                  deadline_s: float = 0.5, backoff_s: tuple[float, float] = (0.05, 5.0),
                  max_message_bytes: int = 4 << 20, breaker: "Breaker | None" = None,
-                 keepalive_s: float = 10.0):
+                 keepalive_s: float = 10.0, security: Security | None = None):
         """`address` is HOST:PORT, or a function returning the current one (None = unknown yet): under Ray
         a restarted draft server comes back on a new port, and the attach loop asks again before each try.
         `breaker` stops proposing to a server that keeps missing deadlines; `keepalive_s` is how often the
         channel pings (a hung or vanished server breaks the stream within twice that)."""
         self.breaker = breaker or Breaker()
+        self.security = security or Security()  # the cluster token on every call; TLS when it has a CA
+        self._auth = self.security.metadata()
         self._keepalive_s = keepalive_s
         self._outstanding: set[int] = set()  # rounds sent and not answered yet (at most MAX_OUTSTANDING)
         self._resolve = address if callable(address) else None
@@ -215,7 +218,8 @@ class RemoteProposer:
         tag = self._tag
         if not wire or tag is None or not self._attached.is_set() or self._stub is None:
             return  # the server frees them with the stream or the lease
-        fut = self._stub.Release.future(pb.ReleaseRequest(tag=tag, seq_ids=wire), timeout=2.0)
+        fut = self._stub.Release.future(pb.ReleaseRequest(tag=tag, seq_ids=wire), timeout=2.0,
+                                        metadata=self._auth)
         fut.add_done_callback(lambda f: f.exception() and log.debug("release failed: %s", f.exception()))
 
     def close(self) -> None:
@@ -227,7 +231,7 @@ class RemoteProposer:
             return
         if tag is not None:
             try:
-                self._stub.Release(pb.ReleaseRequest(tag=tag, detach=True), timeout=1.0)
+                self._stub.Release(pb.ReleaseRequest(tag=tag, detach=True), timeout=1.0, metadata=self._auth)
             except grpc.RpcError:
                 pass
         self._channel.close()
@@ -236,7 +240,7 @@ class RemoteProposer:
 
     def _connect(self, address: str) -> None:
         old = self._channel
-        self._channel = grpc.insecure_channel(address, options=[
+        self._channel = self.security.channel(address, options=[
             ("grpc.max_send_message_length", self._max_message_bytes),
             ("grpc.max_receive_message_length", self._max_message_bytes),
             # Reconnect soon after a draft server restarts (gRPC's default backoff grows to 120 s).
@@ -300,6 +304,7 @@ class RemoteProposer:
                 continue
             try:
                 resp = self._stub.Attach(pb.AttachRequest(worker_id=self.worker_id, fingerprint=self._fingerprint),
+                                         metadata=self._auth,
                                          timeout=5.0)
                 self._open_stream(resp)
                 self.stats.attaches += 1
@@ -324,7 +329,7 @@ class RemoteProposer:
                     return
                 yield item
 
-        stream = self._stub.Speculate(gen(), metadata=((TAG_METADATA, resp.tag.hex()),))
+        stream = self._stub.Speculate(gen(), metadata=((TAG_METADATA, resp.tag.hex()), *self._auth))
         with self._lock:
             self._tag, self.limits, self._requests = resp.tag, resp.limits, requests
         while not self._replies.empty():  # a stale close marker from the previous stream

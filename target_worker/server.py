@@ -11,6 +11,7 @@ import grpc
 from starjar.drain import DrainGate
 from starjar.models import LoadedModel
 from starjar.policy import FixedGamma, SpeculationPolicy
+from starjar.security import Security
 from starjar.serving import HealthAndReflection, run_until_signalled
 from starjar.v1 import generate_pb2, generate_pb2_grpc
 from target_worker.admission import DEFAULT_MAX_WAITING, AdmissionQueue
@@ -28,12 +29,15 @@ class TargetServer:
                  policy: SpeculationPolicy | None = None, config: EngineConfig | None = None,
                  host: str = "127.0.0.1", port: int = 0, draft_deadline_s: float = 0.5,
                  exit_on_engine_death: bool = False, drain_timeout_s: float = 30.0,
-                 max_waiting: int = DEFAULT_MAX_WAITING):
+                 max_waiting: int = DEFAULT_MAX_WAITING, security: Security | None = None):
         """exit_on_engine_death: when the engine cannot go on, exit the process after a second of NOT_SERVING
         (so a supervisor, Ray or systemd, restarts it); a server embedded in another process only turns
         NOT_SERVING. drain_timeout_s: on stop, how long generations in flight may take to finish.
-        max_waiting: requests queued beyond a full batch; past that new ones are refused (queue_full)."""
-        self.proposer = (RemoteProposer(draft_address, model.fingerprint, worker_id, draft_deadline_s)
+        max_waiting: requests queued beyond a full batch; past that new ones are refused (queue_full).
+        security: the cluster token and TLS, for this server and for its calls to the draft server."""
+        self.security = security or Security()
+        self.proposer = (RemoteProposer(draft_address, model.fingerprint, worker_id, draft_deadline_s,
+                                        security=self.security)
                          if draft_address else None)
         engine = TargetEngine(model, self.proposer, policy or FixedGamma(4 if draft_address else 0), config)
         self.runner = EngineRunner(engine)
@@ -53,11 +57,11 @@ class TargetServer:
         self.gate = DrainGate(SERVICE_NAME)
 
     async def start(self) -> int:
-        self._server = grpc.aio.server(interceptors=[self.gate])
+        self._server = grpc.aio.server(interceptors=[*self.security.interceptors(), self.gate])
         service = GenerateService(self.runner, self.model_name, self.admission)
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(service, self._server)
         self._health = HealthAndReflection(self._server, SERVICE_NAME)
-        self.port = self._server.add_insecure_port(f"{self.host}:{self.requested_port}")
+        self.port = self.security.add_port(self._server, f"{self.host}:{self.requested_port}")
         loop = asyncio.get_running_loop()
         self.runner.on_dead = lambda: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._engine_died()))
         self.runner.start()

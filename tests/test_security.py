@@ -1,0 +1,182 @@
+"""Issue 15, item 2: every port authenticated (the cluster token on every RPC, health open), TLS and mutual
+TLS on the draft server and the target workers, and a draft session usable only by whoever attached it."""
+
+import datetime
+import ipaddress
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from draft_server.background import BackgroundDraftServer
+from starjar.policy import FixedGamma
+from starjar.sampling import SamplingParams
+from starjar.security import Security, read_token
+from starjar.serving import BackgroundLoop
+from starjar.v1 import draft_pb2 as pb
+from starjar.v1 import draft_pb2_grpc as pb_grpc
+from starjar.v1 import generate_pb2, generate_pb2_grpc
+from target_worker.draft_client import RemoteProposer
+from target_worker.engine import EngineConfig, TargetEngine
+from target_worker.server import TargetServer
+from test_draft_service import fingerprint
+
+TOKEN = "s3cret-cluster-token-0123456789"
+
+
+def _code(fn) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        fn()
+    return err.value.code()
+
+
+def test_the_draft_server_requires_the_cluster_token_and_health_stays_open(models):
+    with BackgroundDraftServer(models["draft"], security=Security(token=TOKEN)) as srv:
+        ch = grpc.insecure_channel(srv.address)
+        stub = pb_grpc.DraftServiceStub(ch)
+        attach = pb.AttachRequest(worker_id="w", fingerprint=fingerprint(models["llama"]))
+        assert _code(lambda: stub.Attach(attach)) == grpc.StatusCode.UNAUTHENTICATED
+        bad = (("authorization", "Bearer " + "x" * len(TOKEN)),)
+        assert _code(lambda: stub.Attach(attach, metadata=bad)) == grpc.StatusCode.UNAUTHENTICATED
+        for call in (lambda: stub.GetStats(pb.GetStatsRequest()),
+                     lambda: stub.Release(pb.ReleaseRequest(tag=b"x" * 16, detach=True))):
+            assert _code(call) == grpc.StatusCode.UNAUTHENTICATED
+        assert len(srv.server.sessions) == 0  # before: anyone on the network took an N_max slot
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert stub.Attach(attach, metadata=(("authorization", f"Bearer {TOKEN}"),)).tag
+        ch.close()
+
+
+def test_a_target_with_the_token_speculates_and_one_without_decodes_alone(models, spec_prompts, reference):
+    ref = reference("llama", 24)
+    with BackgroundDraftServer(models["draft"], security=Security(token=TOKEN)) as srv:
+        for security, drafts in ((Security(token=TOKEN), True), (Security(), False)):
+            rp = RemoteProposer(srv.address, models["llama"].fingerprint, "t", deadline_s=2.0,
+                                backoff_s=(0.02, 0.1), security=security)
+            assert rp.wait_attached(3) == drafts
+            eng = TargetEngine(models["llama"], rp, FixedGamma(3), EngineConfig(max_batch_size=4))
+            out = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=24))]
+            assert out == ref[:8]
+            assert (eng.stats.accepted_tokens > 0) == drafts
+            if not drafts:
+                assert rp.stats.refusals["unauthenticated"] >= 1
+            rp.close()
+
+
+def test_a_target_worker_requires_the_cluster_token(models):
+    server = TargetServer(models["llama"], None, "w", security=Security(token=TOKEN))
+    loop = BackgroundLoop("target-loop")
+    loop.run(server.start())
+    try:
+        ch = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        stub = generate_pb2_grpc.GenerateServiceStub(ch)
+        req = generate_pb2.GenerateRequest(prompt_token_ids=[5, 6, 7],
+                                           sampling=generate_pb2.SamplingParams(max_tokens=4))
+        assert _code(lambda: list(stub.Generate(req, timeout=30))) == grpc.StatusCode.UNAUTHENTICATED
+        out = list(stub.Generate(req, timeout=30, metadata=(("authorization", f"Bearer {TOKEN}"),)))
+        assert sum(len(r.token_ids) for r in out) == 4
+        ch.close()
+    finally:
+        loop.run(server.stop())
+        loop.stop()
+
+
+def test_read_token_refuses_short_tokens(tmp_path, monkeypatch):
+    f = tmp_path / "token"
+    f.write_text("short\n")
+    with pytest.raises(Exception, match="at least 16"):
+        read_token(str(f))
+    f.write_text(TOKEN + "\n")
+    assert read_token(str(f)) == TOKEN
+    monkeypatch.delenv("STARJAR_AUTH_TOKEN", raising=False)
+    assert read_token(None) is None
+
+
+# ---- TLS ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1/localhost and two client certificates, made on the fly."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    root = tmp_path_factory.mktemp("pki")
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def name(cn):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def write(stem, key, cert):
+        (root / f"{stem}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                             serialization.PrivateFormat.PKCS8,
+                                                             serialization.NoEncryption()))
+        (root / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("starjar test CA")).issuer_name(name("starjar test CA"))
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
+    write("ca", ca_key, ca)
+    for stem, cn in (("server", "localhost"), ("client_a", "target-a"), ("client_b", "target-b")):
+        key = ec.generate_private_key(ec.SECP256R1())
+        b = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca.subject).public_key(key.public_key())
+             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1)))
+        if stem == "server":
+            b = b.add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                             x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                                critical=False)
+        write(stem, key, b.sign(ca_key, hashes.SHA256()))
+    return {k: str(root / k) for k in ("ca.pem", "server.pem", "server.key", "client_a.pem", "client_a.key",
+                                       "client_b.pem", "client_b.key")}
+
+
+def _client(pki, who: str | None) -> Security:
+    if who is None:
+        return Security(token=TOKEN, tls_ca=pki["ca.pem"])
+    return Security(token=TOKEN, tls_ca=pki["ca.pem"], tls_cert=pki[f"{who}.pem"], tls_key=pki[f"{who}.key"])
+
+
+def test_mutual_tls_speculates_losslessly_and_binds_each_session_to_its_caller(models, pki, spec_prompts, reference):
+    server_security = Security(token=TOKEN, tls_cert=pki["server.pem"], tls_key=pki["server.key"],
+                               tls_client_ca=pki["ca.pem"])
+    with BackgroundDraftServer(models["draft"], security=server_security) as srv:
+        attach = pb.AttachRequest(worker_id="w", fingerprint=fingerprint(models["llama"]))
+        # No client certificate: the handshake fails, nothing is attached.
+        anonymous = _client(pki, None)
+        ch = anonymous.channel(srv.address)
+        assert _code(lambda: pb_grpc.DraftServiceStub(ch).Attach(attach, metadata=anonymous.metadata(),
+                                                                 timeout=5)) == grpc.StatusCode.UNAVAILABLE
+        ch.close()
+        # Plain text to a TLS port fails too.
+        plain = grpc.insecure_channel(srv.address)
+        assert _code(lambda: pb_grpc.DraftServiceStub(plain).Attach(attach, metadata=anonymous.metadata(),
+                                                                    timeout=5)) == grpc.StatusCode.UNAVAILABLE
+        plain.close()
+        # Target A attaches; target B (another certificate, same CA, same token) cannot use A's tag.
+        a, b = _client(pki, "client_a"), _client(pki, "client_b")
+        ch_a, ch_b = a.channel(srv.address), b.channel(srv.address)
+        tag = pb_grpc.DraftServiceStub(ch_a).Attach(attach, metadata=a.metadata(), timeout=5).tag
+        stub_b = pb_grpc.DraftServiceStub(ch_b)
+        assert _code(lambda: stub_b.Release(pb.ReleaseRequest(tag=tag, detach=True), metadata=b.metadata(),
+                                            timeout=5)) == grpc.StatusCode.NOT_FOUND
+        stream = stub_b.Speculate(iter([pb.SpeculateRequest(round_id=1, sequences=[
+            pb.SequenceRound(seq_id=1, start=0, tokens=[5, 6], gamma=1)])]),
+            metadata=(("starjar-tag", tag.hex()), *b.metadata()), timeout=5)
+        assert _code(lambda: list(stream)) == grpc.StatusCode.NOT_FOUND
+        assert len(srv.server.sessions) == 1  # A's session is untouched
+        assert pb_grpc.DraftServiceStub(ch_a).Release(pb.ReleaseRequest(tag=tag, detach=True),
+                                                      metadata=a.metadata(), timeout=5).released == 0
+        ch_a.close()
+        ch_b.close()
+        # A whole target over mutual TLS: drafts flow, output is the target's own.
+        rp = RemoteProposer(srv.address, models["llama"].fingerprint, "t", deadline_s=2.0, security=a)
+        assert rp.wait_attached(10)
+        eng = TargetEngine(models["llama"], rp, FixedGamma(3), EngineConfig(max_batch_size=4))
+        out = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=24))]
+        assert out == reference("llama", 24)[:8] and eng.stats.accepted_tokens > 0
+        rp.close()
