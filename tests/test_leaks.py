@@ -1,0 +1,77 @@
+"""Issue 15, item 12 (leaks): targets SIGKILLed mid-session, wave after wave, leave no session, no sequence
+and no memory behind on a real `starjar serve draft` process."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from controller.launch import ServerProcess
+from starjar.v1 import draft_pb2 as pb
+from starjar.v1 import draft_pb2_grpc as pb_grpc
+
+HERE = Path(__file__).parent
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _stats(address: str) -> pb.DraftStats:
+    with grpc.insecure_channel(address) as ch:
+        return pb_grpc.DraftServiceStub(ch).GetStats(pb.GetStatsRequest(), timeout=10)
+
+
+def _wave(address: str, fingerprint: str, n: int, sequences: int) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, str(HERE / "abandoning_target.py"), address, fingerprint,
+                               str(sequences)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(n)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    for p in procs:  # killed mid-session: no detach, no FIN from the application
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+
+
+def _run(model_dirs, models, waves: int, per_wave: int, sequences: int) -> list[int]:
+    draft = ServerProcess("draft", "--model", model_dirs["draft"], "--port", "0", "--lease", "1",
+                          "--max-targets", str(per_wave), "--keepalive", "1")
+    try:
+        rss = []
+        for w in range(waves):
+            _wave(draft.address, models["llama"].fingerprint, per_wave, sequences)
+            deadline = time.time() + 15
+            while time.time() < deadline:
+                s = _stats(draft.address)
+                if s.attached_targets == 0 and s.live_sequences == 0:
+                    break
+                time.sleep(0.1)
+            s = _stats(draft.address)
+            assert (s.attached_targets, s.live_sequences) == (0, 0), f"wave {w}: {s}"
+            assert len(s.targets) == 0  # per-target figures went with them
+            rss.append(_rss(draft.proc.pid))
+        return rss
+    finally:
+        draft.kill()
+
+
+def test_abandoned_sessions_are_reclaimed_wave_after_wave(model_dirs, models):
+    rss = _run(model_dirs, models, waves=4, per_wave=5, sequences=8)
+    assert rss[-1] <= rss[1] * 1.05, [r >> 20 for r in rss]
+
+
+@pytest.mark.chaos
+def test_ten_waves_of_twenty_abandoned_sessions_leak_nothing(model_dirs, models):
+    rss = _run(model_dirs, models, waves=10, per_wave=20, sequences=16)
+    growth = rss[-1] / rss[1] - 1
+    print(f"RSS MiB per wave: {[r >> 20 for r in rss]}; wave 2 -> 10: {growth:+.1%}")
+    assert growth < 0.05
