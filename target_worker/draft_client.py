@@ -97,11 +97,13 @@ class ClientStats:
 
 class RemoteProposer:
     def __init__(self, address: str | Callable[[], str | None], fingerprint: str, worker_id: str,
-                 deadline_s: float = 0.5, backoff_s: tuple[float, float] = (0.05, 5.0),
+                 deadline_s: float = 0.5, backoff_s: tuple[float, float] = (0.05, 1.0),
                  max_message_bytes: int = 4 << 20, breaker: "Breaker | None" = None,
                  keepalive_s: float = 10.0, security: Security | None = None):
         """`address` is HOST:PORT, or a function returning the current one (None = unknown yet): under Ray
         a restarted draft server comes back on a new port, and the attach loop asks again before each try.
+        `backoff_s` bounds the waits between attach tries (1 s at most: a restarted draft server is found
+        again within about a second, at the price of one refused Attach a second while it is down).
         `breaker` stops proposing to a server that keeps missing deadlines; `keepalive_s` is how often the
         channel pings (a hung or vanished server breaks the stream within twice that)."""
         self.breaker = breaker or Breaker()
