@@ -24,7 +24,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
     run_state_machine_as_test
@@ -264,7 +264,8 @@ def test_fuzz_speculate(live, models, budget):
 
     @fuzz_settings(budget["examples"])
     @given(speculate_request)
-    def run(msg):
+    @example(pb.SpeculateRequest(round_id=1, sequences=[pb.SequenceRound(seq_id=1, start=0, tokens=[5, 6], gamma=2)]))
+    def run(msg):  # the explicit example: a drafted round in every run, whatever the draw
         tag = stub.Attach(pb.AttachRequest(worker_id="fuzz", fingerprint=good), timeout=10).tag
         s = RawStream(stub, tag)
         kind, want = expected_round(msg, vocab)
