@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import grpc
+import psutil
 
 from controller.launch import ServerProcess
 from starjar.models import kv_bytes_per_token, load_model
@@ -75,10 +76,7 @@ def _hung(target_dir: str, draft_dir: str, n: int) -> dict:
 
 
 def _rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return psutil.Process(pid).memory_info().rss
 
 
 def _abusive(target_dir: str, draft_dir: str, quick: bool, budget_tokens: int = 262144,

@@ -264,12 +264,10 @@ class DraftService(pb_grpc.DraftServiceServicer):
         tags, seqs = self.sessions.expired(self.cfg.lease_s)
         n = 0
         for tag in tags:
-            s = self.sessions.detach(tag)
-            if s is not None:
-                n += len(s.seq_last_used)
-                self.queue.put(ReleaseWork([(tag, q) for q in s.seq_last_used]))
-                s.seq_last_used.clear()
-                self.stats.forget_worker(s.worker_id)
+            try:
+                n += self._detach(self.sessions.get(tag), "lease expired")
+            except UnknownTag:
+                continue
         by_tag: dict[bytes, list[int]] = {}
         for tag, q in seqs:
             by_tag.setdefault(tag, []).append(q)

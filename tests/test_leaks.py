@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from controller.launch import ServerProcess
@@ -19,10 +20,7 @@ HERE = Path(__file__).parent
 
 
 def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return psutil.Process(pid).memory_info().rss
 
 
 def _stats(address: str) -> pb.DraftStats:
