@@ -11,6 +11,7 @@ All speeds are ratios within this run; absolute numbers hold only for this machi
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -61,7 +62,9 @@ def run(args) -> dict:
                          "mean_accepted_len": round(s.mean_accepted_len, 4) if g else 1.0,
                          "tokens": tokens, "wall_s": round(wall, 2),
                          "greedy_equal": sum(r.output_ids == ref[i] for i, r in enumerate(reqs)),
-                         "requests": len(reqs)})
+                         "requests": len(reqs),
+                         # Same digest before and after a refactor = the same greedy tokens, request by request.
+                         "outputs_sha256": outputs_digest(r.output_ids for r in reqs)})
             bar.set_postfix(bs=bs, g=g, tok_s=runs[-1]["tokens_per_s"], eq=runs[-1]["greedy_equal"])
             bar.update()
     bar.close()
@@ -112,6 +115,13 @@ def run(args) -> dict:
         "switching_cost": switching_cost(draft, prompts, quick),
     }
     return result
+
+
+def outputs_digest(outputs) -> str:
+    h = hashlib.sha256()
+    for ids in outputs:
+        h.update(",".join(map(str, ids)).encode() + b";")
+    return h.hexdigest()[:16]
 
 
 def fixed_length_batching(target, prompts, max_new: int, batch_sizes: list[int]) -> dict:
