@@ -203,7 +203,7 @@ def test_exported_load_and_idle_agree_with_the_star_benchmark(model_dirs, models
     from benchmarks.star import _run_n
 
     prompts = [p[:48] for p in spec_prompts[:4]]
-    scripts = list(zip(prompts, target_continuations(models["llama"], prompts, 32)))
+    scripts = list(zip(prompts, target_continuations(models["llama"], prompts, 32), strict=True))
     # Z = 30 ms, far above 2 S on the tiny draft: the server must wait on an empty queue (T_idle > 0).
     row = _run_n(model_dirs["draft"], mode, 3, scripts, 0.03, 3.0, models["llama"].fingerprint)
     exported = row["exported"]
