@@ -12,20 +12,26 @@ from __future__ import annotations
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+
+from starjar.errors import NotFound, ServerBusy
 
 TAG_BYTES = 16
 
 
-class UnknownTag(LookupError):
+class UnknownTag(NotFound, LookupError):
     """NOT_FOUND on the wire; deliberately carries no detail."""
 
+    def __init__(self):
+        super().__init__("unknown tag")
 
-class AdmissionRefused(Exception):
+
+class AdmissionRefused(ServerBusy):
+    """N_max targets are attached (RESOURCE_EXHAUSTED, the reason first in the message too)."""
+
     def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
+        super().__init__(f"reason={reason}: {detail}", reason)
 
 
 @dataclass
