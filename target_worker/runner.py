@@ -25,17 +25,19 @@ ENGINE_STOPPED = "engine stopped"
 
 
 class EngineRunner(threading.Thread):
-    def __init__(self, engine: TargetEngine):
+    def __init__(self, engine: TargetEngine, metrics=None, on_dead: Callable[[], None] | None = None):
+        """metrics: TargetMetrics, when exported. on_dead: called (from this thread) when the engine cannot go
+        on; the server turns NOT_SERVING (and exits)."""
         super().__init__(name="target-engine", daemon=True)
         self.engine = engine
         self._inbox: deque = deque()
         self._cv = threading.Condition()
         self._listeners: dict[int, OnOutput] = {}
         self._stop = False
-        self.metrics = None  # TargetMetrics, when exported
+        self.metrics = metrics
         self.failed_steps = 0  # in a row
         self.dead = threading.Event()  # set when the engine cannot go on (the server turns NOT_SERVING, exits)
-        self.on_dead: Callable[[], None] | None = None
+        self.on_dead = on_dead
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, on_output: OnOutput) -> Request:
         """prompt_ids and params must already be validated (engine.validate_prompt, params.validate).

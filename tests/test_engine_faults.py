@@ -76,11 +76,10 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(models, spec_p
 
 def test_an_engine_that_keeps_failing_is_dead_and_refuses_new_work(models, spec_prompts):
     eng = colocated_engine(models["llama"], None, 0, 4)
-    runner = EngineRunner(eng)
+    died = threading.Event()
+    runner = EngineRunner(eng, on_dead=died.set)
     eng.model = type(eng.model)(**{**eng.model.__dict__})
     object.__setattr__(eng.model, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("broken")))
-    died = threading.Event()
-    runner.on_dead = died.set
     runner.start()
     for i in range(MAX_FAILED_STEPS):
         assert _run(runner, spec_prompts[i], SamplingParams(max_tokens=4))[-1].error
