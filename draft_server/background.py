@@ -11,9 +11,8 @@ from starjar.models import LoadedModel
 
 
 class BackgroundDraftServer:
-    def __init__(self, model: LoadedModel, cfg: DraftServerConfig | None = None, host: str = "127.0.0.1",
-                 port: int = 0, security=None):
-        self.server = DraftServer(model, cfg, host, port, security)
+    def __init__(self, model: LoadedModel, cfg: DraftServerConfig | None = None, security=None):
+        self.server = DraftServer(model, cfg, security)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="draft-server-loop", daemon=True)
 

@@ -40,14 +40,16 @@ class _Active:
 
 
 class ComputeLoop(threading.Thread):
-    def __init__(self, engine: DraftEngine, queue: WorkQueue, stats: ServerStats, continuous: bool = True,
-                 max_active_rounds: int = 64, faults: Faults | None = None):
+    def __init__(self, engine: DraftEngine, queue: WorkQueue, stats: ServerStats, mode: str = "batched",
+                 max_batch_rounds: int = 64, faults: Faults | None = None):
+        """mode and max_batch_rounds: DraftServerConfig's. batched: rounds join the passes in flight
+        (continuous batching, at most max_batch_rounds at once); fifo: one round at a time."""
         super().__init__(name="draft-compute", daemon=True)
         self.engine = engine
         self.queue = queue
         self.stats = stats
-        self.continuous = continuous
-        self.max_active_rounds = max_active_rounds
+        self.continuous = mode == "batched"
+        self.max_batch_rounds = max_batch_rounds
         self.faults = faults or Faults(FaultPlan())
         # The engine is this thread's; the offload check (from the server's sweeper) takes this lock too.
         self.lock = threading.Lock()
@@ -66,7 +68,7 @@ class ComputeLoop(threading.Thread):
             if busy and not self.continuous:
                 items = []
             else:
-                room = self.max_active_rounds - len(self._active) if self.continuous else 1
+                room = self.max_batch_rounds - len(self._active) if self.continuous else 1
                 items = self.queue.take(block=not busy, max_rounds=max(0, room))
                 waited = self.queue.last_wait_s
             if items is None:

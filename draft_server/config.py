@@ -11,6 +11,8 @@ MODES = ("batched", "fifo")
 
 @dataclass(frozen=True)
 class DraftServerConfig:
+    host: str = "127.0.0.1"  # where the gRPC server listens
+    port: int = 0  # 0 = any free port
     mode: str = "batched"  # batched: one draft pass for all pending rounds; fifo: one round at a time
     max_targets: int = 8  # N_max: attached targets admitted at once
     max_sequences_per_target: int = 256
@@ -35,6 +37,8 @@ class DraftServerConfig:
     stream_idle_s: float = 600.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise InvalidArgument("port", "must be in [0, 65535]", self.port)
         if self.mode not in MODES:
             raise InvalidArgument("mode", f"one of {MODES}", self.mode)
         for name, lo, hi in (("max_targets", 0, 4096), ("max_sequences_per_target", 1, 65536),

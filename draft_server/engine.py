@@ -73,11 +73,12 @@ class DraftEngine:
     """Implements starjar.proposer.Proposer in process."""
 
     def __init__(self, model: LoadedModel, max_sequences: int = 256, auto_reload: bool = True,
-                 max_kv_tokens: int | None = None, max_kv_tokens_per_owner: int | None = None):
+                 max_kv_tokens: int | None = None, max_kv_tokens_per_owner: int | None = None,
+                 on_reload: Callable[[float], None] | None = None):
         """`max_kv_tokens` bounds the cache's size in tokens (live slots x the longest; the cache is a
         rectangle), `max_kv_tokens_per_owner` the tokens one owner holds (a seq_id (owner, id) is owned by
         its first element: on the draft server, the target's tag). A sequence that would break either is
-        answered resync and dropped."""
+        answered resync and dropped. on_reload(seconds): told how long each reload took (a metric)."""
         self.model = model
         self.max_kv_tokens = max_kv_tokens
         self.max_kv_tokens_per_owner = max_kv_tokens_per_owner
@@ -91,7 +92,7 @@ class DraftEngine:
         self.stats = DraftStats()
         # Offload (Nightjar section 6): weights to host memory and all KV dropped while nobody speculates.
         self.auto_reload = auto_reload  # propose() while offloaded starts the reload itself
-        self.on_reload: Callable[[float], None] | None = None  # seconds the reload took
+        self.on_reload = on_reload
         self.offloads = 0
         self.reloads: list[float] = []
         self._offloaded = False

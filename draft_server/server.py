@@ -24,6 +24,7 @@ from draft_server.work_queue import make_queue
 from starjar.models import LoadedModel, kv_bytes_per_token
 from starjar.security import Security
 from starjar.serving import HealthAndReflection
+from starjar.status import ErrorStatus
 from starjar.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -46,34 +47,31 @@ def return_large_frees_to_the_os(threshold: int = 1 << 20) -> bool:
 
 
 class DraftServer:
-    def __init__(self, model: LoadedModel, cfg: DraftServerConfig | None = None, host: str = "127.0.0.1",
-                 port: int = 0, security: Security | None = None):
-        """security: the cluster token every RPC must carry, and TLS / mutual TLS (default: neither)."""
-        self.cfg = cfg or DraftServerConfig()
-        self.security = security or Security()
-        self.model = model
-        self.host = host
-        self.requested_port = port
-        self.port: int | None = None
-        self.stats = ServerStats()
-        self.queue = make_queue(self.cfg.mode, self.cfg.max_batch_rounds)
-        self.sessions = SessionTable(self.cfg.max_targets)
-        return_large_frees_to_the_os()
-        self.kv_budget = kv_budget(model, self.cfg)
-        engine = DraftEngine(model, max_sequences=self.cfg.max_targets * self.cfg.max_sequences_per_target,
-                             max_kv_tokens=self.kv_budget[0], max_kv_tokens_per_owner=self.kv_budget[1])
-        self.faults = Faults()  # chaos tests only: inert unless STARJAR_DRAFT_FAULTS is set
-        self.compute = ComputeLoop(engine, self.queue, self.stats, continuous=self.cfg.mode == "batched",
-                                   max_active_rounds=self.cfg.max_batch_rounds, faults=self.faults)
-        vocab_size, tok_hash = model.fingerprint.split(":", 1)
-        self.service = DraftService(self.cfg, self.sessions, self.queue, self.stats, (int(vocab_size), tok_hash),
-                                    draft_name=model.path.rstrip("/").split("/")[-1], vocab_size=model.vocab_size)
+    def __init__(self, model: LoadedModel, cfg: DraftServerConfig | None = None, security: Security | None = None):
+        """cfg: every setting, the listening address included. security: the cluster token every RPC must carry,
+        and TLS / mutual TLS (default: neither)."""
         from draft_server.metrics import DraftMetrics
 
-        self.service.faults = self.faults
-        self.metrics = DraftMetrics(self, self.service.draft_name)
-        self.stats.observer = self.metrics
-        engine.on_reload = self.metrics.reload_s.observe
+        self.cfg = cfg = cfg or DraftServerConfig()
+        self.security = security or Security()
+        self.model = model
+        self.host = cfg.host
+        self.port: int | None = None
+        draft_name = model.path.rstrip("/").split("/")[-1]
+        self.metrics = DraftMetrics(self, draft_name)  # reads the server's state only when scraped
+        self.stats = ServerStats(observer=self.metrics)
+        self.queue = make_queue(cfg.mode, cfg.max_batch_rounds)
+        self.sessions = SessionTable(cfg.max_targets)
+        return_large_frees_to_the_os()
+        self.kv_budget = kv_budget(model, cfg)
+        engine = DraftEngine(model, max_sequences=cfg.max_targets * cfg.max_sequences_per_target,
+                             max_kv_tokens=self.kv_budget[0], max_kv_tokens_per_owner=self.kv_budget[1],
+                             on_reload=self.metrics.reload_s.observe)
+        self.faults = Faults()  # chaos tests only: inert unless STARJAR_DRAFT_FAULTS is set
+        self.compute = ComputeLoop(engine, self.queue, self.stats, cfg.mode, cfg.max_batch_rounds, self.faults)
+        vocab_size, tok_hash = model.fingerprint.split(":", 1)
+        self.service = DraftService(cfg, self.sessions, self.queue, self.stats, (int(vocab_size), tok_hash),
+                                    draft_name=draft_name, vocab_size=model.vocab_size, faults=self.faults)
         self._server: grpc.aio.Server | None = None
         self._health: HealthAndReflection | None = None
         self._sweeper: asyncio.Task | None = None
@@ -91,10 +89,10 @@ class DraftServer:
                 # The targets ping too (to find a hung draft server): allow it, every 5 s at most.
                 ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
                 ("grpc.http2.max_ping_strikes", 0), ("grpc.http2.max_pings_without_data", 0)]
-        self._server = grpc.aio.server(options=opts, interceptors=self.security.interceptors())
+        self._server = grpc.aio.server(options=opts, interceptors=[*self.security.interceptors(), ErrorStatus()])
         draft_pb2_grpc.add_DraftServiceServicer_to_server(self.service, self._server)
         self._health = HealthAndReflection(self._server, SERVICE_NAME)
-        self.port = self.security.add_port(self._server, f"{self.host}:{self.requested_port}")
+        self.port = self.security.add_port(self._server, f"{self.host}:{self.cfg.port}")
         self.compute.start()
         await self._server.start()
         await self._health.set_serving(True)

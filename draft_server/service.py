@@ -1,9 +1,10 @@
 """The DraftService servicer: the communication half.
 
-Thin by design: it validates what arrives, turns protobuf into domain work
-for the one global queue, and turns answers back into protobuf. One reader
-task per stream pushes rounds; replies come back from the compute thread
-through the event loop and the stream's own writer (this generator).
+Thin by design: it checks what arrives (draft_server.round_check), turns
+protobuf into domain work for the one global queue, and turns answers back
+into protobuf; each Speculate stream is a SpeculateStream. It raises typed
+errors (starjar.errors) and never aborts a call itself: the server's
+ErrorStatus interceptor maps them to status codes in one place.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from collections import Counter
 import grpc
 
 from draft_server.config import DraftServerConfig
+from draft_server.round_check import check_round
 from draft_server.sessions import AdmissionRefused, Session, SessionTable, UnknownTag
+from draft_server.speculate_stream import SpeculateStream
 from draft_server.stats import ServerStats
 from draft_server.work_queue import ReleaseWork, RoundWork, WorkQueue
+from starjar.errors import FailedPrecondition, InvalidArgument, NotServing, StarjarError
 from starjar.proposer import DraftRequest
 from starjar.security import caller_identity
 from starjar.v1 import draft_pb2 as pb
@@ -29,23 +33,13 @@ log = logging.getLogger(__name__)
 RESYNC_START = 1 << 62
 
 TAG_METADATA = "starjar-tag"
-REASON_METADATA = "starjar-reason"
 MAX_WORKER_ID = 64
-
-
-class BadRequest(Exception):
-    """Ends a stream with `code`; `reason` (machine-readable) travels as starjar-reason trailing metadata."""
-
-    def __init__(self, code: grpc.StatusCode, field: str, limit: str, value=None, reason: str = ""):
-        shown = "" if value is None else f" (got {value})"
-        super().__init__(f"{field}: {limit}{shown}")
-        self.code = code
-        self.reason = reason
 
 
 class DraftService(pb_grpc.DraftServiceServicer):
     def __init__(self, cfg: DraftServerConfig, sessions: SessionTable, queue: WorkQueue, stats: ServerStats,
-                 fingerprint: tuple[int, str], draft_name: str, vocab_size: int):
+                 fingerprint: tuple[int, str], draft_name: str, vocab_size: int, faults=None):
+        """faults: draft_server.faults.Faults (chaos tests; inert unless switched on)."""
         self.cfg = cfg
         self.sessions = sessions
         self.queue = queue
@@ -54,152 +48,66 @@ class DraftService(pb_grpc.DraftServiceServicer):
         self.draft_name = draft_name
         self.vocab_size = vocab_size
         self.draining = False
-        self.faults = None  # draft_server.faults.Faults, set by the server (chaos tests)
+        self.faults = faults
         self.refusals: Counter[str] = Counter()  # refused Attach calls by reason (exported as a metric)
-        self._streams: set[asyncio.Queue] = set()
+        self._streams: set[SpeculateStream] = set()
 
     # ---- Attach ---------------------------------------------------------------------------
 
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         if self.faults is not None and self.faults.refuse_attach():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "fault injection: refusing")
+            raise NotServing("fault injection: refusing")
         if self.draining:
-            self.refusals["draining"] += 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "draft server is shutting down")
+            raise self._refused("draining", NotServing("draft server is shutting down"))
         if not request.worker_id or len(request.worker_id) > MAX_WORKER_ID:
-            self.refusals["invalid"] += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"worker_id: must be 1 to {MAX_WORKER_ID} characters")
+            raise self._refused("invalid", InvalidArgument("worker_id", f"must be 1 to {MAX_WORKER_ID} characters"))
         fp = (request.fingerprint.vocab_size, request.fingerprint.tokenizer_hash)
         if fp != self.fingerprint:
-            self.refusals["fingerprint"] += 1
-            context.set_trailing_metadata(((REASON_METADATA, "fingerprint"),))
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"fingerprint: the target's tokenizer must equal the draft's "
-                                f"(vocab_size {self.fingerprint[0]}, tokenizer_hash {self.fingerprint[1]})")
+            raise self._refused("fingerprint", FailedPrecondition(
+                f"fingerprint: the target's tokenizer must equal the draft's (vocab_size {self.fingerprint[0]}, "
+                f"tokenizer_hash {self.fingerprint[1]})", reason="fingerprint"))
         try:
             s = self.sessions.attach(request.worker_id, caller_identity(context))
         except AdmissionRefused as exc:
-            self.refusals[exc.reason] += 1
-            context.set_trailing_metadata(((REASON_METADATA, exc.reason),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"reason={exc.reason}: {exc}")
+            raise self._refused(exc.reason, exc) from None
         log.info("attached worker %s (%d/%d targets)", s.worker_id, len(self.sessions), self.sessions.max_targets)
         c = self.cfg
         return pb.AttachResponse(tag=s.tag, draft_model=self.draft_name, limits=pb.Limits(
             max_sequences=c.max_sequences_per_target, max_tokens_per_sequence=c.max_tokens_per_sequence,
             max_gamma=c.max_gamma, max_message_bytes=c.max_message_bytes, lease_seconds=c.lease_s))
 
+    def _refused(self, counted_as: str, exc: StarjarError) -> StarjarError:
+        """Count a refused Attach by reason (a metric), and hand back the error to raise."""
+        self.refusals[counted_as] += 1
+        return exc
+
     # ---- Speculate ------------------------------------------------------------------------
 
     async def Speculate(self, request_iterator, context: grpc.aio.ServicerContext):
-        tag = _tag_from_metadata(context)
-        try:
-            session = self.sessions.open_stream(tag, caller_identity(context))
-        except UnknownTag:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown tag")
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
-        self._streams.add(out)
-        inflight = 0
-        room = asyncio.Event()  # set while fewer than max_rounds_in_flight rounds are in flight
-        room.set()
-        reader_done = False
+        session = self.sessions.open_stream(_tag_from_metadata(context), caller_identity(context))
+        stream = SpeculateStream(self, session, request_iterator)
+        self._streams.add(stream)
         session.last_round_s = time.monotonic()
-        ended = {"detached": (grpc.StatusCode.NOT_FOUND, "session", "detached by Release"),
-                 "idle": (grpc.StatusCode.UNAVAILABLE, "stream", f"no round for {self.cfg.stream_idle_s:g} s")}
-        session.end_stream = lambda why: out.put_nowait(BadRequest(*ended[why], reason=why))
-
-        def reply(work: RoundWork, replies, wait_s, compute_s, batched):
-            resp = pb.SpeculateResponse(round_id=work.round_id, timings=pb.RoundTimings(
-                queue_wait_s=wait_s, compute_s=compute_s, batched_rounds=batched))
-            for req, r in zip(work.requests, replies):
-                d = resp.sequences.add(seq_id=req.seq_id[1])
-                if r is None:
-                    d.resync = True
-                else:
-                    d.tokens.extend(r)
-            loop.call_soon_threadsafe(out.put_nowait, resp)
-
-        async def read():
-            nonlocal inflight, reader_done
-            c = self.cfg
-            try:
-                requests = request_iterator.__aiter__()
-                while True:
-                    # At most max_rounds_in_flight rounds per stream: past it this stream is not read, and
-                    # HTTP/2 flow control holds the target back.
-                    await room.wait()
-                    try:
-                        request = await requests.__anext__()
-                    except StopAsyncIteration:
-                        break
-                    if session.detached:
-                        return
-                    if self.draining:
-                        raise BadRequest(grpc.StatusCode.UNAVAILABLE, "stream", "draft server is shutting down",
-                                         reason="draining")
-                    if len(self.queue) >= c.max_queued_rounds:
-                        self.stats.queue_full += 1
-                        raise BadRequest(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue",
-                                         f"{c.max_queued_rounds} rounds waiting", reason="queue_full")
-                    work = self._round(session, request, reply)
-                    inflight += 1
-                    if inflight >= c.max_rounds_in_flight:
-                        room.clear()
-                    self.queue.put(work)
-            except BadRequest as exc:
-                out.put_nowait(exc)
-                return
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a broken client stream ends only this stream
-                log.debug("stream of %s ended: %s", session.worker_id, exc)
-            reader_done = True
-            out.put_nowait(None)
-
-        reader = asyncio.create_task(read())
+        session.end_stream = stream.end
+        reader = asyncio.create_task(stream.read())
         try:
-            while True:
-                item = await out.get()
-                if isinstance(item, BadRequest):
-                    if item.reason:
-                        context.set_trailing_metadata(((REASON_METADATA, item.reason),))
-                    await context.abort(item.code, str(item))
-                if item is None:  # reader finished (or draining): end once replies are out
-                    if inflight == 0:
-                        return
-                    continue
-                inflight -= 1
-                room.set()
-                yield item
-                if reader_done and inflight == 0:
-                    return
-                if self.draining and inflight == 0:
-                    return
+            async for reply in stream.replies():
+                yield reply
         finally:
             reader.cancel()
             session.end_stream = None
-            self._streams.discard(out)
+            self._streams.discard(stream)
             self._detach(session)
 
-    def _round(self, session: Session, request: pb.SpeculateRequest, reply) -> RoundWork:
-        c = self.cfg
-        seqs = request.sequences
-        if len(seqs) > c.max_sequences_per_target:
-            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "sequences",
-                             f"at most {c.max_sequences_per_target} per round", len(seqs))
-        seen = set()
-        reqs = []
+    def round_work(self, session: Session, request: pb.SpeculateRequest, deliver) -> RoundWork:
+        """One checked round as work for the queue; records the session's live sequences and its last round.
+        A sequence past a limit is sent as a resync request (the engine keeps no state for it)."""
+        problems = check_round(request.sequences, self.cfg, self.vocab_size, session.seq_last_used.keys())
         now = time.monotonic()
-        for i, s in enumerate(seqs):
-            f = f"sequences[{i}]"
-            if s.seq_id in seen:
-                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"{f}.seq_id", "must be unique in a round",
-                                 s.seq_id)
-            seen.add(s.seq_id)
-            bad = self._sequence_problem(session, s)
-            if bad:  # this sequence is answered resync; the stream and the other sequences go on
-                log.debug("round of %s: %s %s; resync", session.worker_id, f, bad)
+        reqs = []
+        for i, (s, problem) in enumerate(zip(request.sequences, problems, strict=True)):
+            if problem:
+                log.debug("round of %s: sequences[%d] %s; resync", session.worker_id, i, problem)
                 self.stats.bad_sequences += 1
                 reqs.append(DraftRequest((session.tag, s.seq_id), RESYNC_START, [], 0))
                 continue
@@ -207,31 +115,14 @@ class DraftService(pb_grpc.DraftServiceServicer):
             reqs.append(DraftRequest((session.tag, s.seq_id), s.start, list(s.tokens), s.gamma))
         session.rounds += 1
         session.last_round_s = now
-        return RoundWork(session.tag, session.worker_id, request.round_id, reqs, reply)
-
-    def _sequence_problem(self, session: Session, s) -> str | None:
-        """Why one sequence of a round cannot be drafted (its limits), or None."""
-        c = self.cfg
-        if s.gamma > c.max_gamma:
-            return f"gamma {s.gamma} > {c.max_gamma}"
-        if s.start + len(s.tokens) > c.max_tokens_per_sequence:
-            return f"start + len(tokens) {s.start + len(s.tokens)} > {c.max_tokens_per_sequence}"
-        if s.tokens and max(s.tokens) >= self.vocab_size:
-            return f"token id {max(s.tokens)} >= vocabulary {self.vocab_size}"
-        if s.seq_id not in session.seq_last_used and len(session.seq_last_used) >= c.max_sequences_per_target:
-            return f"more than {c.max_sequences_per_target} live sequences"
-        return None
+        return RoundWork(session.tag, session.worker_id, request.round_id, reqs, deliver)
 
     # ---- Release --------------------------------------------------------------------------
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
-        try:
-            session = self.sessions.get(bytes(request.tag), caller_identity(context))
-        except UnknownTag:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "unknown tag")
+        session = self.sessions.get(bytes(request.tag), caller_identity(context))
         if len(request.seq_ids) > self.cfg.max_sequences_per_target:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"seq_ids: at most {self.cfg.max_sequences_per_target}")
+            raise InvalidArgument("seq_ids", f"at most {self.cfg.max_sequences_per_target}", len(request.seq_ids))
         if request.detach:
             return pb.ReleaseResponse(released=self._detach(session))
         ids = [q for q in request.seq_ids if session.seq_last_used.pop(q, None) is not None]
@@ -287,8 +178,8 @@ class DraftService(pb_grpc.DraftServiceServicer):
 
     def start_draining(self) -> None:
         self.draining = True
-        for q in list(self._streams):
-            q.put_nowait(None)
+        for stream in list(self._streams):
+            stream.wake_to_drain()
 
     # ---- GetStats -------------------------------------------------------------------------
 

@@ -18,7 +18,8 @@ from collections import Counter
 
 
 class ServerStats:
-    def __init__(self):
+    def __init__(self, observer=None):
+        """observer: DraftMetrics, when exported: sees each event as it is recorded."""
         self._lock = threading.Lock()
         self.start_s = time.perf_counter()
         self.first_round_s: float | None = None
@@ -36,7 +37,7 @@ class ServerStats:
         self.reclaimed_sequences = 0
         self.queue_full = 0  # streams ended because the global queue was full
         self.bad_sequences = 0  # sequences answered resync for breaking a limit (the stream went on)
-        self.observer = None  # DraftMetrics, when exported: sees each event as it is recorded
+        self.observer = observer
 
     def record_idle(self, gap_s: float) -> None:
         with self._lock:

@@ -45,7 +45,7 @@ def run_loop(models, mode, at_pass):
 
     engine.advance = hooked
     queue = make_queue(mode, 64)
-    loop = ComputeLoop(engine, queue, ServerStats(), continuous=mode == "batched")
+    loop = ComputeLoop(engine, queue, ServerStats(), mode=mode)
     loop.start()
     return engine, queue, loop
 

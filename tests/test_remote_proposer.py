@@ -84,7 +84,7 @@ def test_draft_server_restart_mid_run(models, spec_prompts, reference):
         if steps == 10:
             srv.stop(grace=0)
         if steps == 25:
-            restarted = BackgroundDraftServer(models["draft"], port=port).start()
+            restarted = BackgroundDraftServer(models["draft"], DraftServerConfig(port=port)).start()
         if steps > 25:
             time.sleep(0.02)  # give the client real time to reattach while requests are running
     assert [r.output_ids for r in reqs] == reference("llama", 48)[:12]
