@@ -13,6 +13,7 @@ from starjar.models import LoadedModel
 from starjar.policy import FixedGamma, SpeculationPolicy
 from starjar.security import Security
 from starjar.serving import HealthAndReflection, run_until_signalled
+from starjar.status import ErrorStatus
 from starjar.v1 import generate_pb2, generate_pb2_grpc
 from target_worker.admission import DEFAULT_MAX_WAITING, AdmissionQueue
 from target_worker.draft_client import RemoteProposer
@@ -57,7 +58,7 @@ class TargetServer:
         self.gate = DrainGate(SERVICE_NAME)
 
     async def start(self) -> int:
-        self._server = grpc.aio.server(interceptors=[*self.security.interceptors(), self.gate])
+        self._server = grpc.aio.server(interceptors=[*self.security.interceptors(), self.gate, ErrorStatus()])
         service = GenerateService(self.runner, self.model_name, self.admission)
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(service, self._server)
         self._health = HealthAndReflection(self._server, SERVICE_NAME)

@@ -2,7 +2,9 @@
 
 A request is admitted into a bounded queue first (refused RESOURCE_EXHAUSTED
 when it is full), then tokenized on a worker thread, so a 1 MB prompt never
-holds up the event loop that streams every other request's tokens.
+holds up the event loop that streams every other request's tokens. Errors
+are raised as starjar.errors types; the server's ErrorStatus interceptor maps
+them to status codes.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from contextlib import aclosing
 
 import grpc
 
-from starjar.errors import InvalidArgument
+from starjar.errors import InternalFailure, NotServing, ServerBusy
 from starjar.text import encode_prompt
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
-from starjar.wire import REASON_METADATA, check_request_shape, sampling_from_proto
+from starjar.wire import check_request_shape, sampling_from_proto
 from target_worker.admission import QUEUE_FULL, AdmissionQueue
 from target_worker.detok import IncrementalDetokenizer
 from target_worker.engine import StepOutput
@@ -50,10 +52,9 @@ class GenerateService(pb_grpc.GenerateServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.runner.dead.is_set():  # not started: the front end retries it on another worker
-            await context.abort(grpc.StatusCode.UNAVAILABLE, ENGINE_STOPPED)
+            raise NotServing(ENGINE_STOPPED)
         if not self.admission.try_enter():
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.admission.refusal(),
-                                trailing_metadata=((REASON_METADATA, QUEUE_FULL),))
+            raise ServerBusy(self.admission.refusal(), reason=QUEUE_FULL)
         try:
             async with aclosing(self._generate(request, context)) as responses:  # closed now, not when collected
                 async for resp in responses:
@@ -63,10 +64,7 @@ class GenerateService(pb_grpc.GenerateServiceServicer):
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
-        try:
-            ids, params = await asyncio.to_thread(self._prepare, request)
-        except InvalidArgument as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        ids, params = await asyncio.to_thread(self._prepare, request)  # InvalidArgument names the field
         rid = request.request_id or f"gen-{next(_ids)}"
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
@@ -77,9 +75,9 @@ class GenerateService(pb_grpc.GenerateServiceServicer):
             while True:
                 out = await outputs.get()
                 if out.error == ENGINE_STOPPED:  # never ran here: the front end may retry it on another worker
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, out.error)
+                    raise NotServing(out.error)
                 if out.error is not None:
-                    await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                    raise InternalFailure(out.error)
                 final = out.finished
                 resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids,
                                            text=detok.push(out.new_token_ids, final))
