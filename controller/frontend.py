@@ -20,6 +20,7 @@ from controller.openai_http import OpenAIServer
 from controller.router import TargetRouter
 from starjar.security import Security
 from starjar.serving import HealthAndReflection
+from starjar.status import ErrorStatus
 from starjar.v1 import generate_pb2, generate_pb2_grpc
 from target_worker.admission import QUEUE_FULL
 
@@ -70,7 +71,7 @@ class FrontEnd:
 
     async def _start(self) -> None:
         self.router = TargetRouter(max_requests=self.max_requests, security=self.upstream)
-        self._grpc = grpc.aio.server()
+        self._grpc = grpc.aio.server(interceptors=[ErrorStatus()])
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(
             FrontendGenerateService(self.router, self.model_name, self.auth_token, self.request_timeout_s),
             self._grpc)

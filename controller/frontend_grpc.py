@@ -3,6 +3,8 @@
 The request is validated here first (shape, model name, sampling values) so a
 bad one never reaches a worker; what needs the tokenizer (the prompt length)
 is checked by the worker, whose INVALID_ARGUMENT is passed through unchanged.
+Errors are raised, never aborted here: the front end's ErrorStatus interceptor
+maps them (starjar.status), a worker's own verdict included.
 When the caller goes away, the relay is cancelled, and the worker frees the
 sequence and its draft session. No relay outlives the front end's request
 timeout (or the caller's deadline, when sooner), so a worker that never
@@ -18,12 +20,12 @@ from contextlib import aclosing
 import grpc
 
 from controller.frontend_limits import DEFAULT_REQUEST_TIMEOUT_S, check_request_timeout
-from controller.router import NoTargets, Overloaded, TargetRouter
+from controller.router import TargetRouter
+from starjar.errors import BadCredentials, TimedOut
 from starjar.security import token_matches
-from starjar.errors import InvalidArgument
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
-from starjar.wire import REASON_METADATA, check_request_shape, refusal_reason, sampling_from_proto
+from starjar.wire import check_request_shape, sampling_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,10 @@ def relay_timeout(caller_left: float | None, limit: float) -> float:
     return limit if caller_left is None else min(caller_left, limit)
 
 
-def timeout_message(timeout: float, limit: float) -> str:
-    return f"the request did not finish within {timeout:g} s (the front end's --request-timeout is {limit:g} s)"
+def timed_out(timeout: float, limit: float) -> TimedOut:
+    """What a relay that ran past its deadline answers (gRPC DEADLINE_EXCEEDED, HTTP 504, reason timeout)."""
+    return TimedOut(f"the request did not finish within {timeout:g} s (the front end's --request-timeout is "
+                    f"{limit:g} s)", reason="timeout")
 
 
 def check_bearer(header: str | None, token: str | None) -> bool:
@@ -53,12 +57,9 @@ class FrontendGenerateService(pb_grpc.GenerateServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         metadata = dict(context.invocation_metadata() or ())
         if not check_bearer(metadata.get("authorization"), self.auth_token):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        try:
-            check_request_shape(request, self.model_name)
-            sampling_from_proto(request.sampling)
-        except InvalidArgument as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise BadCredentials("missing or wrong bearer token")
+        check_request_shape(request, self.model_name)
+        sampling_from_proto(request.sampling)
         if not request.request_id:
             request.request_id = f"gen-{secrets.token_hex(8)}"
         timeout = relay_timeout(context.time_remaining(), self.request_timeout_s)
@@ -67,17 +68,9 @@ class FrontendGenerateService(pb_grpc.GenerateServiceServicer):
             async with aclosing(self.router.generate(request, timeout=timeout)) as upstream:
                 async for resp in upstream:
                     yield resp
-        except NoTargets as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except Overloaded as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
-                                trailing_metadata=((REASON_METADATA, exc.reason),))
         except grpc.aio.AioRpcError as exc:
-            # The worker's verdict (INVALID_ARGUMENT for a too-long prompt, queue_full, ...) reaches the caller
-            # as is, its reason included.
-            reason = refusal_reason(exc)
-            details = exc.details() or ""
+            # Any other verdict of the worker (INVALID_ARGUMENT for a too-long prompt, queue_full, ...) goes on
+            # to the caller as it came, its reason and field included; NoTargets and Overloaded are ours.
             if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                details = timeout_message(timeout, self.request_timeout_s)
-            await context.abort(exc.code(), details,
-                                trailing_metadata=((REASON_METADATA, reason),) if reason else ())
+                raise timed_out(timeout, self.request_timeout_s) from None
+            raise

@@ -2,12 +2,14 @@
 
 Load is what this front end has in flight on each worker (it is the only
 router, so that count is exact and costs nothing to read); ties go round-robin.
-A request whose worker refuses it before sending anything (UNAVAILABLE: down,
-draining, its engine stopped; RESOURCE_EXHAUSTED: its queue is full) is tried
-on another one: nothing was streamed yet, so nothing is lost or duplicated.
-Other failures (INTERNAL, UNKNOWN) may have run the request, or been caused by
-it, so they reach the caller as they are. Past max_requests relays at once the
-front end refuses new requests itself (Overloaded).
+A request whose worker did not start it (`not_started`: UNAVAILABLE before
+any token, i.e. down, draining or its engine stopped; RESOURCE_EXHAUSTED with
+reason queue_full, its queue is full) is tried on another one: nothing was
+streamed yet, so nothing is lost or duplicated. Every other failure (INTERNAL,
+UNKNOWN, a RESOURCE_EXHAUSTED of gRPC's own such as a message too large) may
+have run the request, or been caused by it, so it reaches the caller as it is.
+Past max_requests relays at once the front end refuses new requests itself
+(Overloaded).
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import grpc
 
 from controller.frontend_limits import DEFAULT_MAX_REQUESTS, FRONT_END_FULL, check_max_requests
+from starjar.errors import NotServing, ServerBusy
 from starjar.security import Security
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
@@ -30,19 +33,27 @@ from target_worker.admission import QUEUE_FULL
 
 log = logging.getLogger(__name__)
 
-# Codes that mean "this worker did not start it", not "the request is wrong" or "it failed while running".
-_NOT_STARTED = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 COOL_DOWN_S = 2.0  # a worker that refused is tried after the others for this long
 
 
-class NoTargets(RuntimeError):
+def not_started(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a failure before any token means "this worker did not start it" (so another may), not "the
+    request is wrong" or "it failed while running"."""
+    code = exc.code()
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return True
+    return code is grpc.StatusCode.RESOURCE_EXHAUSTED and refusal_reason(exc) == QUEUE_FULL
+
+
+class NoTargets(NotServing):
     """No target worker is known or reachable."""
 
 
-class Overloaded(RuntimeError):
-    """The front end already relays its limit of requests; `reason` is machine-readable."""
+class Overloaded(ServerBusy):
+    """The front end already relays its limit of requests (reason front_end_full)."""
 
-    reason = FRONT_END_FULL
+    def __init__(self, message: str):
+        super().__init__(message, FRONT_END_FULL)
 
 
 @dataclass
@@ -132,14 +143,15 @@ class TargetRouter:
                     yield resp
                 return
             except grpc.aio.AioRpcError as exc:
-                if sent or exc.code() not in _NOT_STARTED:
+                if sent or not not_started(exc):
                     raise
                 target.cool_until = time.monotonic() + COOL_DOWN_S
                 if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
                     full = exc
                 if not self._may_retry(tried):
-                    self.refused[(refusal_reason(full) or QUEUE_FULL) if full else "unavailable"] += 1
-                    raise full or exc  # every worker refused; if one was full, the caller hears "retry later"
+                    self.refused[QUEUE_FULL if full else "unavailable"] += 1
+                    # Every worker refused; if one was full, the caller hears "retry later".
+                    raise (full or exc) from None
                 log.warning("target %s did not start the request (%s); trying another", target.name,
                             exc.code().name)
             finally:
