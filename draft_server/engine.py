@@ -26,6 +26,7 @@ from typing import Callable, Hashable, Sequence
 from starjar.batching import length_groups
 from starjar.models import LoadedModel, kv_bytes_per_token
 from starjar.proposer import DraftReply, DraftRequest
+from starjar.token_ids import first_out_of_range
 
 
 SHORT_FEED = 8  # feeds up to this many tokens share one pass whatever their padding
@@ -262,8 +263,8 @@ class DraftEngine:
         self._count(req.seq_id, new_len - len(seq.verified))
         del seq.verified[req.start:]
         seq.verified.extend(int(t) for t in req.tokens)
-        if len(seq.verified) > self.model.max_context or any(
-                not 0 <= t < self.model.vocab_size for t in req.tokens):
+        if len(seq.verified) > self.model.max_context or (
+                first_out_of_range(req.tokens, self.model.vocab_size) is not None):
             self.release([req.seq_id])
             return None
         self._longest = max(self._longest, len(seq.verified))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from starjar.errors import InvalidArgument
+from starjar.token_ids import check_token_ids
 
 if TYPE_CHECKING:  # torch loads on first use, so `import starjar` (the SDK) stays light
     import torch
@@ -60,9 +61,7 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_IDS:
             raise InvalidArgument("stop_token_ids", f"at most {MAX_STOP_IDS} ids", len(self.stop_token_ids))
         if vocab_size is not None:
-            for t in self.stop_token_ids:
-                if not 0 <= t < vocab_size:
-                    raise InvalidArgument("stop_token_ids", f"ids must be in [0, {vocab_size})", t)
+            check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
 
     @property
     def greedy(self) -> bool:

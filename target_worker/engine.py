@@ -31,6 +31,7 @@ from starjar.models import LoadedModel
 from starjar.policy import FixedGamma, SpeculationPolicy
 from starjar.proposer import DraftRequest, Proposer
 from starjar.sampling import SamplingParams
+from starjar.token_ids import check_token_ids, first_out_of_range
 from starjar.verify import sample_next, verify
 from target_worker.request import Request, Status
 from target_worker.scheduler import Scheduler
@@ -163,9 +164,7 @@ class TargetEngine:
         if len(prompt) > limit:
             raise InvalidArgument("prompt", f"at most {limit} tokens (context {self.model.max_context}, "
                                   "one token left to generate)", f"{len(prompt)} tokens")
-        bad = next((t for t in prompt if not 0 <= t < self.model.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument("prompt_token_ids", f"ids must be in [0, {self.model.vocab_size})", bad)
+        check_token_ids("prompt_token_ids", prompt, self.model.vocab_size)
         return prompt
 
     def abort(self, req: Request) -> None:
@@ -348,7 +347,7 @@ class TargetEngine:
                 continue
             r.draft_synced = dreq.start + len(dreq.tokens)
             reply = [int(t) for t in reply[: gammas[i]]]
-            if any(not 0 <= t < vocab for t in reply):
+            if first_out_of_range(reply, vocab) is not None:
                 self.stats.proposer_failures += 1
                 continue
             drafts[i] = reply
