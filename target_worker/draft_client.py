@@ -150,19 +150,19 @@ class RemoteProposer:
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftReply]:
         if not self._attached.is_set():
-            self._fallback("detached")
+            raise self._no_drafts("detached")
         with self._lock:
             reqs_q, limits = self._requests, self.limits
         if reqs_q is None:
-            self._fallback("detached")
+            raise self._no_drafts("detached")
         sent, index = self._within_limits(requests, limits)  # index[k]: which request sent[k] stands for
         if not sent:
             return [None for _ in requests]
         if not self.breaker.allow():
-            self._fallback("breaker_open")
+            raise self._no_drafts("breaker_open")
         if len(self._outstanding) >= MAX_OUTSTANDING:  # the server has not answered the last ones: no more
             self.breaker.missed()
-            self._fallback("backlog", f"{len(self._outstanding)} rounds unanswered")
+            raise self._no_drafts("backlog", f"{len(self._outstanding)} rounds unanswered")
         round_id = next(self._round_ids)
         msg = pb.SpeculateRequest(round_id=round_id)
         wire = []
@@ -179,7 +179,7 @@ class RemoteProposer:
         self.breaker.answered()
         elapsed = time.perf_counter() - t0
         if len(resp.sequences) != len(wire) or any(s.seq_id != w for s, w in zip(resp.sequences, wire)):
-            self._fallback("malformed", f"round {round_id}")
+            raise self._no_drafts("malformed", f"round {round_id}")
         self.stats.rounds += 1
         self.stats.round_s.append(elapsed)
         self.stats.server_queue_s.append(resp.timings.queue_wait_s)
@@ -272,22 +272,24 @@ class RemoteProposer:
             self._connect(address)
         return self._stub is not None
 
-    def _fallback(self, reason: str, detail: str = ""):
+    def _no_drafts(self, reason: str, detail: str = "") -> DraftUnavailable:
+        """Count a step without drafts by reason, and hand back the error to raise (the engine then decodes
+        that step alone)."""
         self.stats.fallbacks[reason] += 1
-        raise DraftUnavailable(reason, detail)
+        return DraftUnavailable(reason, detail)
 
     def _await_reply(self, round_id: int, deadline: float) -> pb.SpeculateResponse:
         while True:
             left = deadline - time.perf_counter()
             if left <= 0:
                 self.breaker.missed()
-                self._fallback("deadline", f"no drafts within {self.deadline_s * 1000:.0f} ms")
+                raise self._no_drafts("deadline", f"no drafts within {self.deadline_s * 1000:.0f} ms")
             try:
                 resp = self._replies.get(timeout=left)
             except queue.Empty:
                 continue
             if resp is _CLOSE:
-                self._fallback("stream_broken")
+                raise self._no_drafts("stream_broken")
             self._outstanding.discard(resp.round_id)
             if resp.round_id == round_id:
                 return resp
