@@ -17,6 +17,7 @@ import grpc
 
 from starjar.errors import StarjarError
 from starjar.sampling import SamplingParams
+from starjar.status import error_field
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
 from starjar.wire import refusal_reason, sampling_to_proto
@@ -24,13 +25,15 @@ from starjar.wire import refusal_reason, sampling_to_proto
 
 class ClientError(StarjarError):
     """A call failed; `code` is the gRPC status code, `details` the server's message, `reason` the
-    machine-readable reason of a refusal (e.g. "queue_full"), when the server gave one."""
+    machine-readable reason of a refusal (e.g. "queue_full") and `field` the request field at fault, when the
+    server gave them."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, reason: str | None = None):
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str | None = None, field: str | None = None):
         super().__init__(f"{code.name}: {details}")
         self.code = code
         self.details = details
         self.reason = reason
+        self.field = field
 
 
 class InvalidRequest(ClientError):
@@ -61,7 +64,7 @@ _ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest, grpc.StatusCode.UNA
 def _error(exc: grpc.RpcError) -> ClientError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    return _ERRORS.get(code, ClientError)(code, details or "", refusal_reason(exc))
+    return _ERRORS.get(code, ClientError)(code, details or "", refusal_reason(exc), error_field(exc))
 
 
 @dataclass(frozen=True)
