@@ -134,9 +134,12 @@ def test_the_front_end_caps_its_own_relays(models, slow_workers, spec_prompts):
         fe.stop(0.5)
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL])
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED])
 def test_the_router_never_retries_a_request_that_may_have_run(models, code, spec_prompts):
-    """UNKNOWN and INTERNAL may mean the request ran, or broke its worker: it is not tried on another one."""
+    """UNKNOWN and INTERNAL may mean the request ran, or broke its worker: it is not tried on another one.
+    Nor is a RESOURCE_EXHAUSTED without reason queue_full (gRPC's own, e.g. a message too large): only a full
+    queue means "not started here, another may take it" (issue 16, item 2)."""
     fake, real = FakeWorker(code), Worker(models["llama"], "real")
 
     async def relay():
