@@ -11,6 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from draft_server.background import BackgroundDraftServer
 from draft_server.config import DraftServerConfig
+from draft_server.round_check import check_round
+from starjar.errors import InvalidArgument
 from starjar.reference import hf_greedy
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
@@ -231,3 +233,24 @@ def _wait(cond, timeout=3.0):
             return
         time.sleep(0.02)
     assert cond()
+
+
+def test_round_checks_are_pure():
+    """Issue 16, item 7: a round's checks touch no session: what is live goes in and comes out unchanged, and a
+    sequence past a limit is answered resync while the others go on; only a malformed round is an error."""
+    cfg = DraftServerConfig(max_sequences_per_target=3, max_gamma=4, max_tokens_per_sequence=16)
+    live = {1, 2}
+    seqs = [pb.SequenceRound(seq_id=1, start=0, tokens=[5], gamma=2),  # live: fine
+            pb.SequenceRound(seq_id=7, start=0, tokens=[5], gamma=2),  # new: the third live one
+            pb.SequenceRound(seq_id=8, start=0, tokens=[5], gamma=2),  # new: a fourth is one too many
+            pb.SequenceRound(seq_id=2, start=0, tokens=[5], gamma=9),  # gamma past the limit
+            pb.SequenceRound(seq_id=9, start=10, tokens=[5] * 7, gamma=1)]  # 17 tokens > 16
+    with pytest.raises(InvalidArgument, match="sequences: at most 3 per round"):
+        check_round(seqs, cfg, vocab_size=100, live=live)
+    problems = check_round(seqs[:3], cfg, vocab_size=100, live=live)
+    assert problems[:2] == [None, None] and "more than 3 live" in problems[2]
+    assert [p is None for p in check_round(seqs[3:] + [pb.SequenceRound(seq_id=3, tokens=[100])], cfg, 100, live)] \
+        == [False, False, False]
+    with pytest.raises(InvalidArgument, match=r"sequences\[1\]\.seq_id: must be unique"):
+        check_round([seqs[0], seqs[0]], cfg, 100, live)
+    assert live == {1, 2}
