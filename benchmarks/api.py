@@ -56,13 +56,24 @@ def mixed_clients(address: str, prompts: list[list[int]], max_tokens: int, on_do
     return results
 
 
+def _live_counts(controller) -> tuple[int, int]:
+    """(requests running or waiting on the target workers, sequences live on the draft server)."""
+    import ray
+
+    from controller.cluster_spec import DRAFT, NAMESPACE
+
+    targets = ray.get(controller.target_stats.remote())
+    draft = ray.get(ray.get_actor(DRAFT, namespace=NAMESPACE).stats.remote())
+    return sum(s["running"] + s["waiting"] for s in targets.values()), int(draft["live_sequences"])
+
+
 def run(args) -> dict:
     from controller.cluster_spec import CONTROLLER, NAMESPACE, local_ray_env
 
     local_ray_env()
     import ray
 
-    from controller.up_cmd import local_spec, read_state, start_local, stop_local
+    from controller.local_cluster import local_spec, read_state, start_local, stop_local
     from starjar import Client
 
     n_requests, max_new = (24, 16) if args.quick else (100, 32)
@@ -84,7 +95,7 @@ def run(args) -> dict:
         results = mixed_clients(addrs["grpc"], prompts, max_new, bar.update)
         wall = time.perf_counter() - t0
         bar.close()
-        identical = sum(r.token_ids == e for r, e in zip(results, ref))
+        identical = sum(r.token_ids == e for r, e in zip(results, ref, strict=True))
         drafted = sum(r.usage.draft_tokens for r in results)
         accepted = sum(r.usage.accepted_draft_tokens for r in results)
 
@@ -105,13 +116,13 @@ def run(args) -> dict:
             stream = c.generate_stream(prompt_token_ids=prompts[0], max_tokens=400, ignore_eos=True)
             for _ in range(3):
                 next(stream)
-            busy = ray.get(controller.live_counts.remote())
+            busy = _live_counts(controller)
             t_cancel = time.perf_counter()
             stream.close()
-            while ray.get(controller.live_counts.remote()) != (0, 0) and time.perf_counter() - t_cancel < 10:
+            while _live_counts(controller) != (0, 0) and time.perf_counter() - t_cancel < 10:
                 time.sleep(0.02)
             freed_s = time.perf_counter() - t_cancel
-            freed = ray.get(controller.live_counts.remote()) == (0, 0)
+            freed = _live_counts(controller) == (0, 0)
     finally:
         ray.shutdown()
         stopped = stop_local()

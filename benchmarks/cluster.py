@@ -30,7 +30,7 @@ def run(args) -> dict:
     ref = [hf_greedy(target, p, max_new) for p in tqdm(prompts, desc="HF generate (reference)", file=sys.stderr)]
     del target
     draft = ServerProcess("draft", "--model", draft_dir, "--port", "0")
-    targets = [ServerProcess("target", "--model", target_dir, "--draft", draft.address, "--port", "0",
+    targets = [ServerProcess("target", "--model", target_dir, "--draft-server", draft.address, "--port", "0",
                              "--gamma", "1", "--batch-size", "4", "--worker-id", f"target-{k}")
                for k in range(n_targets)]
     results: dict[int, list] = {}
@@ -60,7 +60,7 @@ def run(args) -> dict:
             p.kill()
     bar.close()
     wall = time.perf_counter() - t0
-    identical = sum(out == r for k in results for out, r in zip(results[k], ref))
+    identical = sum(out == r for k in results for out, r in zip(results[k], ref, strict=True))
     tokens = sum(len(o) for k in results for o in results[k] if o)
     return {"pair": {"target": target_dir, "draft": draft_dir, "note": note},
             "processes": {"draft_servers": 1, "target_workers": n_targets},

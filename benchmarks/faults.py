@@ -86,7 +86,7 @@ def _abusive(target_dir: str, draft_dir: str, quick: bool, budget_tokens: int = 
     budget_bytes = budget_tokens * kv_bytes_per_token(draft)
     server = ServerProcess("draft", "--model", draft_dir, "--port", "0", "--max-targets", str(n_max),
                            "--max-kv-tokens", str(budget_tokens), "--max-kv-tokens-per-target", str(per_target),
-                           "--max-sequences", "64")
+                           "--max-sequences-per-target", "64")
     pid = server.proc.pid
     vocab, tok_hash = draft.fingerprint.split(":", 1)
     fp = pb.ModelFingerprint(vocab_size=int(vocab), tokenizer_hash=tok_hash)

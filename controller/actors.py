@@ -63,9 +63,8 @@ class DraftServerActor:
 
         self.host = ray.util.get_node_ip_address()
         model = load_model(self.spec.draft, _device(self.spec), self.spec.dtype, what="draft")
-        cfg = DraftServerConfig(mode=self.spec.draft_mode, max_targets=self.spec.max_targets)
-        self.server = BackgroundDraftServer(model, cfg, host=self.host, port=0,
-                                            security=_security(self.spec)).start()
+        cfg = DraftServerConfig(host=self.host, port=0, mode=self.spec.draft_mode, max_targets=self.spec.max_targets)
+        self.server = BackgroundDraftServer(model, cfg, _security(self.spec)).start()
         self.metrics = _start_metrics(self.server.server.metrics.registry, self.host) if self.spec.metrics else None
         log.info("draft server actor ready at %s", self.server.address)
 
@@ -74,7 +73,6 @@ class DraftServerActor:
 
     def stats(self) -> dict:
         """The same numbers as the GetStats RPC, read through it."""
-        import grpc
         from google.protobuf.json_format import MessageToDict
 
         from starjar.v1 import draft_pb2, draft_pb2_grpc
@@ -107,7 +105,7 @@ class TargetWorkerActor:
         from starjar.models import load_model
         from starjar.policies import parse_buckets, serving_policy
         from starjar.serving import BackgroundLoop
-        from target_worker.engine import EngineConfig
+        from target_worker.config import TargetWorkerConfig, engine_config
         from target_worker.server import TargetServer
 
         self.host = ray.util.get_node_ip_address()
@@ -115,13 +113,12 @@ class TargetWorkerActor:
         draft = _resolve_draft_address if self.spec.draft else None
         self.policy = serving_policy(self.spec.policy, self.spec.gamma, self.spec.profile, bool(self.spec.draft),
                                      parse_buckets(self.spec.buckets))
-        self.server = TargetServer(model, draft, name, self.policy,
-                                   EngineConfig(max_batch_size=self.spec.batch_size,
-                                                max_gamma=max(8, self.spec.gamma)),
-                                   host=self.host, port=0, draft_deadline_s=self.spec.draft_deadline_s,
-                                   exit_on_engine_death=True,  # Ray restarts the actor
-                                   drain_timeout_s=self.spec.drain_timeout_s, max_waiting=self.spec.max_waiting,
-                                   security=_security(self.spec))
+        cfg = TargetWorkerConfig(worker_id=name, draft_server=draft, host=self.host, port=0,
+                                 draft_deadline_s=self.spec.draft_deadline_s,
+                                 drain_timeout_s=self.spec.drain_timeout_s, max_waiting=self.spec.max_waiting,
+                                 exit_on_engine_death=True,  # Ray restarts the actor
+                                 engine=engine_config(self.spec.batch_size, self.spec.gamma))
+        self.server = TargetServer(model, cfg, self.policy, _security(self.spec))
         self.loop = BackgroundLoop("target-server-loop")
         self.loop.run(self.server.start())
         self.metrics = _start_metrics(self.server.metrics.registry, self.host) if self.spec.metrics else None

@@ -9,8 +9,12 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, fields
 
-from controller.frontend_limits import (DEFAULT_MAX_REQUESTS, DEFAULT_REQUEST_TIMEOUT_S, check_max_requests,
-                                        check_request_timeout)
+from controller.frontend_limits import (
+    DEFAULT_MAX_REQUESTS,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    check_max_requests,
+    check_request_timeout,
+)
 from starjar.errors import InvalidArgument
 from target_worker.admission import DEFAULT_MAX_WAITING
 
@@ -18,6 +22,7 @@ NAMESPACE = "starjar"
 CONTROLLER = "starjar-controller"
 DRAFT = "starjar-draft"
 FRONTEND = "starjar-frontend"
+READY_TIMEOUT_S = 900.0  # `up`: until every actor serves, loading the models on every node included
 
 
 def target_name(i: int) -> str:
@@ -40,7 +45,7 @@ class ClusterSpec:
     draft: str | None  # draft model directory; None = no draft server, targets decode alone
     targets: int = 2  # target workers
     gamma: int = 1  # draft tokens per step; with a planner policy, the largest gamma it may pick
-    policy: str = "fixed"  # fixed | nightjar | dsd | banditspec | tide | vllm_table | sglang_ema | hf_heuristic
+    policy: str = "fixed"  # fixed, or a name of starjar.policies (see policy_help)
     profile: str | None = None  # `starjar profile` JSON (C_switch, T(n), D0) for nightjar and tide
     buckets: str | None = None  # nightjar's batch-size buckets, "1,2,4,8" (default: octaves 1,2,4,...,128)
     batch_size: int = 8  # running requests per target worker
@@ -67,7 +72,7 @@ class ClusterSpec:
     prometheus_sd: str | None = None  # file-SD JSON the controller keeps current (on the head node)
     drain_timeout_s: float = 30.0  # on `starjar down`: how long generations in flight may take to finish
 
-    def validate(self) -> "ClusterSpec":
+    def validate(self) -> ClusterSpec:
         if not os.path.isdir(self.target):
             raise InvalidArgument("--target", "must be a model directory", self.target)
         if self.draft is not None and not os.path.isdir(self.draft):
@@ -114,6 +119,6 @@ class ClusterSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ClusterSpec":
+    def from_dict(cls, d: dict) -> ClusterSpec:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})

@@ -9,7 +9,8 @@ from __future__ import annotations
 from draft_server.engine import DraftEngine
 from starjar.models import LoadedModel, check_pair, load_model
 from starjar.policy import FixedGamma, SpeculationPolicy
-from target_worker.engine import EngineConfig, TargetEngine
+from target_worker.config import engine_config
+from target_worker.engine import TargetEngine
 
 
 def load_pair(target_dir: str, draft_dir: str | None, device: str = "cpu",
@@ -27,20 +28,20 @@ def colocated_engine(target: LoadedModel, draft: LoadedModel | None, gamma: int 
     """A target engine whose proposer is an in-process draft engine (none when gamma is 0)."""
     if policy is None:
         policy = FixedGamma(gamma if draft is not None else 0)
-    cfg = EngineConfig(max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens,
-                       max_gamma=max(8, gamma))
+    cfg = engine_config(max_batch_size, gamma, kv_budget_tokens)
     proposer = DraftEngine(draft, max_sequences=max_batch_size * 4) if draft is not None else None
     return TargetEngine(target, proposer, policy, cfg)
 
 
 def remote_engine(target: LoadedModel, draft_address: str, gamma: int, max_batch_size: int = 16,
-                  wait_attach_s: float = 10.0, deadline_s: float = 0.5) -> TargetEngine:
-    """A target engine whose proposer is a remote draft server (the distributed mode, one process)."""
+                  wait_attach_s: float = 10.0, deadline_s: float = 0.5,
+                  policy: SpeculationPolicy | None = None) -> TargetEngine:
+    """A target engine whose proposer is a remote draft server (the distributed mode, one process);
+    policy: default gamma on every step."""
     import os
 
     from target_worker.draft_client import RemoteProposer
 
     proposer = RemoteProposer(draft_address, target.fingerprint, f"generate:{os.getpid()}", deadline_s)
     proposer.wait_attached(wait_attach_s)  # decoding starts anyway; it speculates once attached
-    cfg = EngineConfig(max_batch_size=max_batch_size, max_gamma=max(8, gamma))
-    return TargetEngine(target, proposer, FixedGamma(gamma), cfg)
+    return TargetEngine(target, proposer, policy or FixedGamma(gamma), engine_config(max_batch_size, gamma))

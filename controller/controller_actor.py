@@ -32,7 +32,7 @@ STATS_EVERY = 10  # polls between draft-stats samples for N_full (5 s)
 DRAIN_POLL_S = 0.1
 
 
-def _options(name: str, resources: dict | None = None, gpus: float = 0) -> dict:
+def actor_options(name: str, resources: dict | None = None, gpus: float = 0) -> dict:
     # num_cpus=0: placement is by the starjar_* resources; threads are pinned by the actors themselves.
     return dict(name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, max_task_retries=-1,
                 num_cpus=0, num_gpus=gpus, resources=resources or {}, get_if_exists=True)
@@ -44,12 +44,12 @@ class Controller:
         self.spec = ClusterSpec.from_dict(spec)
         gpus = 1 if self.spec.device == "cuda" or (
             self.spec.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
-        self.draft = (ray.remote(DraftServerActor).options(**_options(DRAFT, {"starjar_draft": 1}, gpus))
+        self.draft = (ray.remote(DraftServerActor).options(**actor_options(DRAFT, {"starjar_draft": 1}, gpus))
                       .remote(self.spec.to_dict()) if self.spec.draft else None)
         self.targets = {target_name(i): ray.remote(TargetWorkerActor).options(
-            **_options(target_name(i), {"starjar_target": 1}, gpus)).remote(self.spec.to_dict(), target_name(i))
+            **actor_options(target_name(i), {"starjar_target": 1}, gpus)).remote(self.spec.to_dict(), target_name(i))
             for i in range(self.spec.targets)}
-        self.frontend = ray.remote(FrontEndActor).options(**_options(FRONTEND, HEAD)).remote(self.spec.to_dict())
+        self.frontend = ray.remote(FrontEndActor).options(**actor_options(FRONTEND, HEAD)).remote(self.spec.to_dict())
         self.info: dict[str, dict] = {}  # actor name -> its last answer to info()
         self.live: dict[str, bool] = {}
         self.restarts: Counter = Counter()
@@ -276,17 +276,8 @@ class Controller:
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {await self.status()}")
 
     async def target_stats(self) -> dict:
-        return dict(zip(self.targets, await asyncio.gather(*(h.stats.remote() for h in self.targets.values()))))
-
-    async def live_counts(self) -> tuple[int, int]:
-        """(requests running or waiting on all target workers, sequences live on the draft server)."""
-        stats = await self.target_stats()
-        draft = await self.draft_stats()
-        return (sum(s["running"] + s["waiting"] for s in stats.values()),
-                int(draft["live_sequences"]) if draft else 0)
-
-    async def draft_stats(self) -> dict | None:
-        return await self.draft.stats.remote() if self.draft is not None else None
+        stats = await asyncio.gather(*(h.stats.remote() for h in self.targets.values()))
+        return dict(zip(self.targets, stats, strict=True))
 
     async def set_gamma(self, gamma: int | None) -> None:
         """Force every target's gamma (0 = speculation off); None = back to the configured policy."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import statistics
 import sys
 import time
 
@@ -113,7 +112,7 @@ def run_demo(args) -> int:
     local_ray_env()  # before Ray is imported: it reads these at import time
     import ray
 
-    from controller.up_cmd import adaptive_defaults, local_spec, read_state, start_local, stop_local
+    from controller.local_cluster import adaptive_defaults, local_spec, read_state, start_local, stop_local
 
     if args.requests < 1 or args.rate <= 0 or args.max_tokens < 1:
         from starjar.errors import InvalidArgument
@@ -154,7 +153,7 @@ def run_demo(args) -> int:
         ray.shutdown()
         if started and not args.keep:
             stop_local()
-    same = sum(a["ids"] == b["ids"] for a, b in zip(off["results"], on["results"]))
+    same = sum(a["ids"] == b["ids"] for a, b in zip(off["results"], on["results"], strict=True))
     print(f"\nstarjar demo: {len(prompts)} Spec-Bench prompts (chat), Poisson arrivals at {args.rate:g}/s, "
           f"greedy, max {args.max_tokens} new tokens")
     print(f"cluster: {spec['targets']} target worker(s) (batch {spec['batch_size']}), draft server "

@@ -144,7 +144,7 @@ def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft:
     reqs = eng.generate(prompts, params)
     spec_tps = sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - t0)
     speedup = spec_tps / alone_tps
-    identical = sum(r.output_ids == o for r, o in zip(reqs, outputs))
+    identical = sum(r.output_ids == o for r, o in zip(reqs, outputs, strict=True))
     result.update(acceptance_rate=round(eng.stats.acceptance_rate, 3), drafted_tokens=eng.stats.drafted_tokens,
                   speedup_batch1=round(speedup, 3), identical=identical, confirm_gamma=gamma)
     if speedup < 1.0:
@@ -166,14 +166,14 @@ def _name(variant: dict) -> str:
 def _agreement(draft, prompts, outputs) -> float:
     """Teacher-forced: how often the draft's top token at a position of the target's output is the target's."""
     hits = total = 0
-    for p, out in zip(prompts, outputs):
+    for p, out in zip(prompts, outputs, strict=True):
         if not out:
             continue
         cache = draft.new_cache()
         slot = cache.allocate()
         ids = p + out
         logits = draft.forward(cache, [slot], [ids[:-1]], [list(range(len(p) - 1, len(ids) - 1))])[0]
-        hits += sum(int(a) == b for a, b in zip(logits.argmax(-1), out))
+        hits += sum(int(a) == b for a, b in zip(logits.argmax(-1), out, strict=True))
         total += len(out)
     return hits / max(total, 1)
 

@@ -54,6 +54,21 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _catch_up_round_s(engine, batch_size: int, new_tokens: int, repeats: int, vocab: int) -> float:
+    """Median time of a round in which each of `batch_size` synced sequences brings `new_tokens` new tokens."""
+    samples = []
+    for _ in range(repeats):
+        ids = [next(_ids) for _ in range(batch_size)]
+        prompt = [(7 * i + 3) % vocab for i in range(CONTEXT)]
+        engine.propose([DraftRequest(s, 0, prompt, 1) for s in ids])  # synced, as after a step
+        extra = [(11 * i + 5) % vocab for i in range(new_tokens)]
+        t0 = time.perf_counter()
+        engine.propose([DraftRequest(s, CONTEXT, extra, 1) for s in ids])
+        samples.append(time.perf_counter() - t0)
+        engine.release(ids)
+    return statistics.median(samples)
+
+
 def profile_cswitch(draft, lengths, batch_sizes, repeats: int = 3, bar=None) -> dict:
     from draft_server.engine import DraftEngine
 
@@ -63,20 +78,9 @@ def profile_cswitch(draft, lengths, batch_sizes, repeats: int = 3, bar=None) -> 
     for length in lengths:
         row = []
         for b in batch_sizes:
-            def rounds(new_tokens: int) -> float:
-                samples = []
-                for r in range(repeats):
-                    ids = [next(_ids) for _ in range(b)]
-                    prompt = [(7 * i + 3) % vocab for i in range(CONTEXT)]
-                    engine.propose([DraftRequest(s, 0, prompt, 1) for s in ids])  # synced, as after a step
-                    extra = [(11 * i + 5) % vocab for i in range(new_tokens)]
-                    t0 = time.perf_counter()
-                    engine.propose([DraftRequest(s, CONTEXT, extra, 1) for s in ids])
-                    samples.append(time.perf_counter() - t0)
-                    engine.release(ids)
-                return statistics.median(samples)
-
-            row.append(max(0.0, rounds(length) - rounds(1)))
+            extra_s = (_catch_up_round_s(engine, b, length, repeats, vocab)
+                       - _catch_up_round_s(engine, b, 1, repeats, vocab))
+            row.append(max(0.0, extra_s))
             if bar is not None:
                 bar.update()
         cost.append(row)
@@ -154,3 +158,20 @@ def run_profile(target, draft, quick: bool = False) -> dict:
             "kv_bytes_per_token": kv_bytes_per_token(target), "draft_weight_bytes": engine.weight_bytes(),
             "context_tokens": CONTEXT, "step_contexts": {b: workload_contexts(target, b) for b in batch_sizes},
             "target": target.path, "draft": draft.path}
+
+
+def profile_to_file(target_dir: str | None, draft_dir: str | None, out: str, quick: bool = False) -> dict:
+    """run_profile on a pair of model directories (missing ones: the default pair's), written to `out`."""
+    import json
+
+    from controller.colocated import load_pair
+    from starjar.default_pair import build_default_pair
+
+    if target_dir is None or draft_dir is None:
+        pair = build_default_pair()
+        target_dir, draft_dir = target_dir or pair["target"], draft_dir or pair["draft"]
+    target, draft = load_pair(target_dir, draft_dir)
+    result = run_profile(target, draft, quick=quick)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    return result

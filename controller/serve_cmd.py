@@ -11,8 +11,9 @@ import json
 import logging
 import os
 
+from controller.cli_flags import add_deprecated_alias, as_flag_error
 from starjar.errors import InvalidArgument
-from starjar.models import load_model
+from starjar.policies import policy_help
 from target_worker.admission import DEFAULT_MAX_WAITING
 
 log = logging.getLogger(__name__)
@@ -21,13 +22,20 @@ log = logging.getLogger(__name__)
 def add_serve_parsers(sub) -> None:
     s = sub.add_parser("serve", help="run a draft server or a target worker")
     ssub = s.add_subparsers(dest="serve_cmd", required=True)
+    _add_draft_parser(ssub)
+    _add_target_parser(ssub)
+
+
+def _add_draft_parser(ssub) -> None:
     d = ssub.add_parser("draft", help="the gRPC draft server")
     d.add_argument("--model", help="draft model directory (default: the default pair's draft)")
     d.add_argument("--host", default="127.0.0.1")
     d.add_argument("--port", type=int, default=50061, help="0 = any free port")
-    d.add_argument("--mode", default="batched", choices=["batched", "fifo"])
+    d.add_argument("--mode", default="batched", choices=["batched", "fifo"],
+                   help="batched: one draft pass for every pending round; fifo: one round at a time")
     d.add_argument("--max-targets", type=int, default=8, help="N_max: targets admitted at once")
-    d.add_argument("--max-sequences", type=int, default=256, help="live sequences per target")
+    d.add_argument("--max-sequences-per-target", type=int, default=256, help="live sequences per target")
+    add_deprecated_alias(d, "--max-sequences", "--max-sequences-per-target", "max_sequences_per_target")
     d.add_argument("--max-gamma", type=int, default=16)
     d.add_argument("--lease", type=float, default=60.0, help="seconds before unused sessions are reclaimed")
     d.add_argument("--offload-after", type=float, default=None,
@@ -44,23 +52,25 @@ def add_serve_parsers(sub) -> None:
     d.add_argument("--device", default="cpu")
     d.add_argument("--dtype", default="float32")
     d.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-
     add_security_flags(d)
 
+
+def _add_target_parser(ssub) -> None:
     t = ssub.add_parser("target", help="a target worker with its own Generate service")
     t.add_argument("--model", help="target model directory (default: the default pair's target)")
-    t.add_argument("--draft", help="draft server HOST:PORT (default: none, no speculation)")
+    t.add_argument("--draft-server", help="draft server HOST:PORT (default: none, no speculation)")
+    add_deprecated_alias(t, "--draft", "--draft-server", "draft_server")
     t.add_argument("--host", default="127.0.0.1")
     t.add_argument("--port", type=int, default=50071, help="0 = any free port")
     t.add_argument("--worker-id", default=None, help="name for the draft server (default: host:pid)")
     t.add_argument("--gamma", type=int, default=None,
                    help="draft tokens per step, forced (default: adaptive, from the default pair's measurement on "
                         "this machine); with --policy other than fixed: the largest gamma it may pick")
-    t.add_argument("--policy", default=None,
-                   help="fixed, nightjar, nightjar_paper, dsd, banditspec, tide, vllm_table, sglang_ema, hf_heuristic, none")
+    t.add_argument("--policy", default=None, help=policy_help("nightjar, or fixed when --gamma is given"))
     t.add_argument("--profile", default=None, help="latency tables from `starjar profile` (nightjar, tide)")
-    t.add_argument("--buckets", default=None, help="nightjar's batch-size buckets, e.g. 1,2,4,8,16 (default: octaves up to 128)")
-    t.add_argument("--batch-size", type=int, default=16)
+    t.add_argument("--buckets", default=None,
+                   help="nightjar's batch-size buckets, e.g. 1,2,4,8,16 (default: octaves up to 128)")
+    t.add_argument("--batch-size", type=int, default=16, help="running requests (default 16)")
     t.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
                    help="requests queued beyond a full batch; past that new ones are refused with "
                         f"RESOURCE_EXHAUSTED, reason queue_full (default {DEFAULT_MAX_WAITING})")
@@ -88,10 +98,11 @@ def add_security_flags(p, client: bool = False) -> None:
                        help="CA (PEM) that signed the draft server's certificate: call it over TLS "
                             "(with --tls-cert/--tls-key as this worker's client certificate)")
         g.add_argument("--tls-server-name", default=None,
-                       help="the name in the draft server's certificate, when it is not the host of --draft")
+                       help="the name in the draft server's certificate, when it is not the host of --draft-server")
 
 
-def security_from(args) -> "Security":
+def security_from(args):
+    """The cluster token and TLS flags as a starjar.security.Security."""
     from starjar.security import Security, read_token
 
     return Security(token=read_token(args.auth_token_file), tls_cert=args.tls_cert, tls_key=args.tls_key,
@@ -111,52 +122,68 @@ def _announce(kind: str, host: str, registry=None, metrics_port: int | None = No
 
 
 def run_serve(args) -> int:
+    return _run_draft(args) if args.serve_cmd == "draft" else _run_target(args)
+
+
+def _draft_config(args):
+    from draft_server.config import DraftServerConfig
+
+    try:
+        return DraftServerConfig(host=args.host, port=args.port, mode=args.mode, max_targets=args.max_targets,
+                                 max_sequences_per_target=args.max_sequences_per_target, max_gamma=args.max_gamma,
+                                 lease_s=args.lease, offload_after_s=args.offload_after,
+                                 max_kv_tokens=args.max_kv_tokens,
+                                 max_kv_tokens_per_target=args.max_kv_tokens_per_target,
+                                 keepalive_s=args.keepalive, stream_idle_s=args.stream_idle)
+    except InvalidArgument as exc:
+        raise as_flag_error(exc) from None
+
+
+def _run_draft(args) -> int:
+    from draft_server.server import DraftServer
     from starjar.default_pair import build_default_pair
+    from starjar.models import load_model
+    from starjar.serving import run_until_signalled
 
-    if not 0 <= args.port <= 65535:
-        raise InvalidArgument("--port", "must be in [0, 65535]", args.port)
-    if args.serve_cmd == "draft":
-        from draft_server.config import DraftServerConfig
-        from draft_server.server import DraftServer
-        from starjar.serving import run_until_signalled
+    cfg = _draft_config(args)
+    model = load_model(args.model or build_default_pair()["draft"], args.device, args.dtype, what="model")
+    server = DraftServer(model, cfg, security_from(args))
+    run_until_signalled(server.start, server.stop,
+                        _announce("draft", args.host, server.metrics.registry, args.metrics_port))
+    return 0
 
-        cfg = DraftServerConfig(mode=args.mode, max_targets=args.max_targets,
-                                max_sequences_per_target=args.max_sequences, max_gamma=args.max_gamma,
-                                lease_s=args.lease, offload_after_s=args.offload_after,
-                                max_kv_tokens=args.max_kv_tokens,
-                                max_kv_tokens_per_target=args.max_kv_tokens_per_target,
-                                keepalive_s=args.keepalive, stream_idle_s=args.stream_idle)
-        model = load_model(args.model or build_default_pair()["draft"], args.device, args.dtype, what="model")
-        server = DraftServer(model, cfg, args.host, args.port, security_from(args))
-        run_until_signalled(server.start, server.stop,
-                            _announce("draft", args.host, server.metrics.registry, args.metrics_port))
-        return 0
+
+def _target_config(args, gamma: int):
+    from target_worker.config import TargetWorkerConfig, engine_config
+
+    engine = engine_config(args.batch_size, gamma)
+    try:
+        return TargetWorkerConfig(worker_id=args.worker_id or f"{os.uname().nodename}:{os.getpid()}",
+                                  draft_server=args.draft_server, host=args.host, port=args.port,
+                                  draft_deadline_s=args.draft_deadline, drain_timeout_s=args.drain_timeout,
+                                  max_waiting=args.max_waiting, exit_on_engine_death=True, engine=engine)
+    except InvalidArgument as exc:
+        raise as_flag_error(exc) from None
+
+
+def _run_target(args) -> int:
+    from controller.spec_defaults import speculation_defaults
+    from starjar.default_pair import build_default_pair
+    from starjar.models import load_model
     from starjar.policies import parse_buckets, serving_policy
-    from target_worker.engine import EngineConfig
-    from target_worker.server import TargetServer, serve_forever as serve_target
+    from target_worker.server import TargetServer, serve_forever
 
     if args.gamma is not None and args.gamma < 0:
         raise InvalidArgument("--gamma", "must be >= 0", args.gamma)
-    if args.draft_deadline <= 0:
-        raise InvalidArgument("--draft-deadline", "must be > 0", args.draft_deadline)
-    if args.max_waiting < 0:
-        raise InvalidArgument("--max-waiting", "must be >= 0", args.max_waiting)
-    if args.drain_timeout < 0:
-        raise InvalidArgument("--drain-timeout", "must be >= 0", args.drain_timeout)
-    model = load_model(args.model or build_default_pair()["target"], args.device, args.dtype, what="model")
-    worker_id = args.worker_id or f"{os.uname().nodename}:{os.getpid()}"
-    from controller.spec_defaults import speculation_defaults
-
     # The draft's files are on the draft server's host: with the default target, the default pair's measurement
     # on this machine stands for it; a target of the user's own has none (the planner explores).
-    measured_draft = (build_default_pair()["draft"] if args.model is None else "") if args.draft else None
+    measured_draft = (build_default_pair()["draft"] if args.model is None else "") if args.draft_server else None
     chosen = speculation_defaults(measured_draft, args.gamma, args.policy)
+    cfg = _target_config(args, chosen.gamma)
+    model = load_model(args.model or build_default_pair()["target"], args.device, args.dtype, what="model")
     log.info("speculation: %s", chosen.note)
-    policy = serving_policy(chosen.policy, chosen.gamma, args.profile, bool(args.draft), parse_buckets(args.buckets))
-    server = TargetServer(model, args.draft, worker_id, policy,
-                          EngineConfig(max_batch_size=args.batch_size, max_gamma=max(8, chosen.gamma)),
-                          args.host, args.port, args.draft_deadline, exit_on_engine_death=True,
-                          drain_timeout_s=args.drain_timeout, max_waiting=args.max_waiting,
-                          security=security_from(args))
-    serve_target(server, _announce("target", args.host, server.metrics.registry, args.metrics_port))
+    policy = serving_policy(chosen.policy, chosen.gamma, args.profile, bool(args.draft_server),
+                            parse_buckets(args.buckets))
+    server = TargetServer(model, cfg, policy, security_from(args))
+    serve_forever(server, _announce("target", args.host, server.metrics.registry, args.metrics_port))
     return 0

@@ -15,9 +15,10 @@ from starjar.security import Security
 from starjar.serving import HealthAndReflection, run_until_signalled
 from starjar.status import ErrorStatus
 from starjar.v1 import generate_pb2, generate_pb2_grpc
-from target_worker.admission import DEFAULT_MAX_WAITING, AdmissionQueue
+from target_worker.admission import AdmissionQueue
+from target_worker.config import TargetWorkerConfig
 from target_worker.draft_client import RemoteProposer
-from target_worker.engine import EngineConfig, TargetEngine
+from target_worker.engine import TargetEngine
 from target_worker.runner import EngineRunner
 from target_worker.service import GenerateService
 
@@ -26,35 +27,27 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_
 
 
 class TargetServer:
-    def __init__(self, model: LoadedModel, draft_address: str | None, worker_id: str,
-                 policy: SpeculationPolicy | None = None, config: EngineConfig | None = None,
-                 host: str = "127.0.0.1", port: int = 0, draft_deadline_s: float = 0.5,
-                 exit_on_engine_death: bool = False, drain_timeout_s: float = 30.0,
-                 max_waiting: int = DEFAULT_MAX_WAITING, security: Security | None = None):
-        """exit_on_engine_death: when the engine cannot go on, exit the process after a second of NOT_SERVING
-        (so a supervisor, Ray or systemd, restarts it); a server embedded in another process only turns
-        NOT_SERVING. drain_timeout_s: on stop, how long generations in flight may take to finish.
-        max_waiting: requests queued beyond a full batch; past that new ones are refused (queue_full).
-        security: the cluster token and TLS, for this server and for its calls to the draft server."""
+    def __init__(self, model: LoadedModel, cfg: TargetWorkerConfig | None = None,
+                 policy: SpeculationPolicy | None = None, security: Security | None = None):
+        """policy: picks gamma each step (default: 4 with a draft server, else 0). security: the cluster token
+        and TLS, for this server and for its calls to the draft server (default: neither)."""
+        self.cfg = cfg = cfg or TargetWorkerConfig()
         self.security = security or Security()
-        self.proposer = (RemoteProposer(draft_address, model.fingerprint, worker_id, draft_deadline_s,
+        self.proposer = (RemoteProposer(cfg.draft_server, model.fingerprint, cfg.worker_id, cfg.draft_deadline_s,
                                         security=self.security)
-                         if draft_address else None)
-        engine = TargetEngine(model, self.proposer, policy or FixedGamma(4 if draft_address else 0), config)
-        self.runner = EngineRunner(engine)
-        self.admission = AdmissionQueue(engine.config.max_batch_size, max_waiting)
+                         if cfg.draft_server else None)
+        engine = TargetEngine(model, self.proposer, policy or FixedGamma(4 if cfg.draft_server else 0), cfg.engine)
+        self.model_name = model.path.rstrip("/").split("/")[-1]
         from target_worker.metrics import TargetMetrics
 
-        self.metrics = TargetMetrics(engine, self.proposer, model.path.rstrip("/").split("/")[-1])
-        self.runner.metrics = self.metrics
+        self.metrics = TargetMetrics(engine, self.proposer, self.model_name)
+        self.runner = EngineRunner(engine, self.metrics, on_dead=self._on_engine_dead)
+        self.admission = AdmissionQueue(engine.config.max_batch_size, cfg.max_waiting)
         self.metrics.registry.register(self.admission)  # held, limit, refused: read at scrape time
-        self.host, self.requested_port = host, port
         self.port: int | None = None
-        self.model_name = model.path.rstrip("/").split("/")[-1]
         self._server: grpc.aio.Server | None = None
         self._health: HealthAndReflection | None = None
-        self.exit_on_engine_death = exit_on_engine_death
-        self.drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.gate = DrainGate(SERVICE_NAME)
 
     async def start(self) -> int:
@@ -62,21 +55,25 @@ class TargetServer:
         service = GenerateService(self.runner, self.model_name, self.admission)
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(service, self._server)
         self._health = HealthAndReflection(self._server, SERVICE_NAME)
-        self.port = self.security.add_port(self._server, f"{self.host}:{self.requested_port}")
-        loop = asyncio.get_running_loop()
-        self.runner.on_dead = lambda: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._engine_died()))
+        self.port = self.security.add_port(self._server, f"{self.cfg.host}:{self.cfg.port}")
+        self._loop = asyncio.get_running_loop()
         self.runner.start()
         await self._server.start()
         await self._health.set_serving(True)
-        log.info("target worker on %s:%d (model %s, draft %s)", self.host, self.port, self.model_name,
+        log.info("target worker on %s:%d (model %s, draft %s)", self.cfg.host, self.port, self.model_name,
                  self.proposer.address if self.proposer else "none")
         return self.port
 
+    def _on_engine_dead(self) -> None:
+        """From the engine's thread: turn NOT_SERVING (and exit) on the server's loop."""
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._engine_died()))
+
     async def _engine_died(self) -> None:
-        log.error("target engine stopped: health NOT_SERVING%s", "; exiting" if self.exit_on_engine_death else "")
+        exiting = self.cfg.exit_on_engine_death
+        log.error("target engine stopped: health NOT_SERVING%s", "; exiting" if exiting else "")
         if self._health is not None:
             await self._health.set_serving(False)
-        if self.exit_on_engine_death:
+        if exiting:
             await asyncio.sleep(1.0)  # let the failed requests' errors reach their clients
             os._exit(70)
 
@@ -93,7 +90,7 @@ class TargetServer:
         `grace` seconds more before it is cancelled."""
         if self._server is None:
             return
-        left = await self.drain(self.drain_timeout_s if drain_timeout is None else drain_timeout)
+        left = await self.drain(self.cfg.drain_timeout_s if drain_timeout is None else drain_timeout)
         if left:
             log.warning("drain timed out with %d generation(s) in flight; cancelling them", left)
         await self._server.stop(grace)

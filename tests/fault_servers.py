@@ -12,6 +12,7 @@ import grpc
 
 from starjar.serving import BackgroundLoop
 from starjar.v1 import generate_pb2_grpc as pb_grpc
+from target_worker.config import TargetWorkerConfig
 from target_worker.engine import EngineConfig
 from target_worker.server import TargetServer
 
@@ -69,7 +70,8 @@ class Worker:
 
     def __init__(self, model, name: str, batch_size: int = 4, **server_kw):
         self.loop = BackgroundLoop(f"test-{name}")
-        self.server = TargetServer(model, None, name, config=EngineConfig(max_batch_size=batch_size), **server_kw)
+        cfg = TargetWorkerConfig(worker_id=name, engine=EngineConfig(max_batch_size=batch_size), **server_kw)
+        self.server = TargetServer(model, cfg)
         self.loop.run(self.server.start())
         self.address = f"127.0.0.1:{self.server.port}"
 

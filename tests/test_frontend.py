@@ -12,13 +12,14 @@ import pytest
 from controller.frontend import FrontEnd
 from starjar import Client, Unauthenticated
 from starjar.serving import BackgroundLoop
+from target_worker.config import TargetWorkerConfig
 from target_worker.server import TargetServer
 
 
 @pytest.fixture(scope="module")
 def worker(models):
     loop = BackgroundLoop("test-target")
-    server = TargetServer(models["llama"], None, "w0")
+    server = TargetServer(models["llama"], TargetWorkerConfig(worker_id="w0"))
     loop.run(server.start())
     yield f"127.0.0.1:{server.port}"
     loop.run(server.stop(0.5))

@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from starjar import Client, InvalidRequest
 from controller.launch import ServerProcess
+from starjar import Client, InvalidRequest
 
 N_REQUESTS = 50
 MAX_TOKENS = 24
@@ -16,7 +16,7 @@ MAX_TOKENS = 24
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
     draft = ServerProcess("draft", "--model", model_dirs["draft"], "--port", "0")
-    targets = [ServerProcess("target", "--model", model_dirs["llama"], "--draft", draft.address, "--port", "0",
+    targets = [ServerProcess("target", "--model", model_dirs["llama"], "--draft-server", draft.address, "--port", "0",
                              "--gamma", "3", "--batch-size", "8", "--worker-id", f"t{k}") for k in range(3)]
     yield draft, targets
     for p in targets + [draft]:
@@ -60,7 +60,7 @@ def test_target_rejects_bad_requests_and_keeps_serving(cluster, models):
 def test_kill_9_draft_server_and_restart(model_dirs, spec_prompts, reference):
     draft = ServerProcess("draft", "--model", model_dirs["draft"], "--port", "0")
     port = draft.address.rsplit(":", 1)[1]
-    targets = [ServerProcess("target", "--model", model_dirs["llama"], "--draft", draft.address, "--port", "0",
+    targets = [ServerProcess("target", "--model", model_dirs["llama"], "--draft-server", draft.address, "--port", "0",
                              "--gamma", "3", "--batch-size", "4", "--worker-id", f"c{k}") for k in range(3)]
     prompts = spec_prompts[:20]
     ref = [r[:MAX_TOKENS] for r in reference("llama", 64)][:20]
@@ -91,10 +91,10 @@ def test_kill_9_draft_server_and_restart(model_dirs, spec_prompts, reference):
 def test_sigterm_drains_and_exits_cleanly(model_dirs, models):
     import grpc
 
+    from starjar.proposer import DraftRequest
     from starjar.v1 import draft_pb2 as pb
     from starjar.v1 import draft_pb2_grpc as pb_grpc
     from target_worker.draft_client import RemoteProposer
-    from starjar.proposer import DraftRequest
 
     draft = ServerProcess("draft", "--model", model_dirs["draft"], "--port", "0")
     rp = RemoteProposer(draft.address, models["llama"].fingerprint, "graceful", deadline_s=10)

@@ -20,12 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from streams import Stream, refused_while_draining, wait_streaming
 
 from benchmarks.api import mixed_clients
 from starjar import Client
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
-from streams import Stream, refused_while_draining, wait_streaming
 
 MAX_TOKENS = 24
 N_REQUESTS = 100
@@ -155,9 +155,14 @@ def test_stop_strings_cut_the_text(cluster):
 
 
 def _counts(controller) -> tuple[int, int]:
+    """(requests running or waiting on the target workers, sequences live on the draft server)."""
     import ray
 
-    return tuple(ray.get(controller.live_counts.remote()))
+    from controller.cluster_spec import DRAFT, NAMESPACE
+
+    targets = ray.get(controller.target_stats.remote())
+    draft = ray.get(ray.get_actor(DRAFT, namespace=NAMESPACE).stats.remote())
+    return sum(s["running"] + s["waiting"] for s in targets.values()), int(draft["live_sequences"])
 
 
 def test_cancelling_a_stream_frees_the_target_sequence_and_the_draft_session(cluster, controller, spec_prompts):

@@ -7,6 +7,7 @@ import ipaddress
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_draft_service import fingerprint
 
 from draft_server.background import BackgroundDraftServer
 from starjar.policy import FixedGamma
@@ -16,10 +17,10 @@ from starjar.serving import BackgroundLoop
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 from starjar.v1 import generate_pb2, generate_pb2_grpc
+from target_worker.config import TargetWorkerConfig
 from target_worker.draft_client import RemoteProposer
 from target_worker.engine import EngineConfig, TargetEngine
 from target_worker.server import TargetServer
-from test_draft_service import fingerprint
 
 TOKEN = "s3cret-cluster-token-0123456789"
 
@@ -65,7 +66,7 @@ def test_a_target_with_the_token_speculates_and_one_without_decodes_alone(models
 
 
 def test_a_target_worker_requires_the_cluster_token(models):
-    server = TargetServer(models["llama"], None, "w", security=Security(token=TOKEN))
+    server = TargetServer(models["llama"], TargetWorkerConfig(worker_id="w"), security=Security(token=TOKEN))
     loop = BackgroundLoop("target-loop")
     loop.run(server.start())
     try:
@@ -104,7 +105,7 @@ def pki(tmp_path_factory):
     from cryptography.x509.oid import NameOID
 
     root = tmp_path_factory.mktemp("pki")
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def name(cn):
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])

@@ -1,6 +1,7 @@
 """Speculation policies behind one interface (`starjar.policy.SpeculationPolicy`): Nightjar and the
-baselines it is compared with. `make_policy(name, ...)` builds one by the name benchmarks and the CLI use:
-nightjar, nightjar_paper, none, fixed_K, dsd, banditspec, tide, vllm_table, sglang_ema, hf_heuristic.
+baselines it is compared with. `make_policy(name, ...)` builds one by the name benchmarks and the CLI use
+(NAMES); `serving_policy` adds "fixed" (always the configured gamma) for the servers, and `policy_help`
+says all of it in a --policy flag's help, so no command lists the names by hand.
 """
 
 from __future__ import annotations
@@ -10,6 +11,13 @@ from starjar.policy import FixedGamma
 
 NAMES = ("nightjar", "nightjar_paper", "none", "fixed_K", "dsd", "banditspec", "tide", "vllm_table", "sglang_ema",
          "hf_heuristic")
+PLANNERS = tuple(n for n in NAMES if n not in ("none", "fixed_K"))  # those that pick gamma step by step
+
+
+def policy_help(default: str) -> str:
+    """The help of a --policy flag: every name serving_policy takes, and the flag's default."""
+    return (f"fixed: --gamma every step; or a planner picking gamma in 0..--gamma each step: {', '.join(PLANNERS)}; "
+            f"also none (never speculate) and fixed_K (K every step) (default: {default})")
 
 
 def make_policy(name: str, max_gamma: int = 4, cswitch=None, profile: dict | None = None, seed: int | None = 0,
@@ -66,7 +74,7 @@ def load_policy(name: str, max_gamma: int = 4, profile_path: str | None = None, 
         try:
             profile = json.loads(Path(profile_path).read_text())
         except (OSError, ValueError) as exc:
-            raise InvalidArgument("profile", f"a JSON file written by `starjar profile` ({exc})", profile_path)
+            raise InvalidArgument("profile", f"a JSON file written by `starjar profile` ({exc})", profile_path) from exc
     cswitch = CSwitchTable.from_dict(profile["cswitch"]) if profile and "cswitch" in profile else None
     return make_policy(name, max_gamma, cswitch, profile, seed, buckets)
 

@@ -1,0 +1,35 @@
+"""The benchmarks' own command line: `starjar-bench NAME --out F.json` (also `starjar bench ...`, which hands
+its arguments here). The product package loads this only when asked to."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from benchmarks.registry import BENCHMARKS, run_bench
+from starjar.errors import InvalidArgument
+
+
+def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description="run a benchmark and write its results as JSON")
+    ap.add_argument("name", help=f"benchmark name: {', '.join(BENCHMARKS)}")
+    ap.add_argument("--quick", action="store_true", help="a small version for smoke runs")
+    ap.add_argument("--replay", action="store_true", help="replay targets (bench star): simulated target compute")
+    ap.add_argument("--real", action="store_true", help="bench nightjar: also run a subset on the real models")
+    ap.add_argument("--out", required=True, help="results JSON path")
+    ap.add_argument("--target", help="target model directory (default: the default pair)")
+    ap.add_argument("--draft", help="draft model directory (default: the default pair)")
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str = "starjar-bench") -> int:
+    args = parser(prog).parse_args(argv)
+    try:
+        return run_bench(args)
+    except InvalidArgument as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
