@@ -37,7 +37,7 @@ def _wait_accepted(metrics_address: str, n: int, timeout: float = 60.0) -> None:
 def test_sigterm_target_finishes_generations_in_flight_and_refuses_new_ones(model_dirs, long_prompts):
     prompts, refs = long_prompts
     draft = ServerProcess("draft", "--model", model_dirs["draft"], "--port", "0")
-    target = ServerProcess("target", "--model", model_dirs["llama"], "--draft", draft.address, "--port", "0",
+    target = ServerProcess("target", "--model", model_dirs["llama"], "--draft-server", draft.address, "--port", "0",
                            "--gamma", "3", "--batch-size", "2", "--worker-id", "drain", "--metrics-port", "0",
                            "--drain-timeout", "120")
     try:
@@ -68,7 +68,7 @@ def test_sigterm_draft_server_mid_run_loses_nothing(model_dirs, long_prompts):
     decode on without drafts, with the same output."""
     prompts, refs = long_prompts
     draft = ServerProcess("draft", "--model", model_dirs["draft"], "--port", "0")
-    target = ServerProcess("target", "--model", model_dirs["llama"], "--draft", draft.address, "--port", "0",
+    target = ServerProcess("target", "--model", model_dirs["llama"], "--draft-server", draft.address, "--port", "0",
                            "--gamma", "3", "--batch-size", "4", "--worker-id", "drain-d")
     try:
         streams = [Stream(target.address, prompts[k % 2], MAX_TOKENS) for k in range(4)]

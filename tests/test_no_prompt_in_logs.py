@@ -66,7 +66,7 @@ def test_marker_in_every_prompt_reaches_no_log_and_no_file_processes(model_dirs,
     verbose = "controller.cli -v serve"  # debug logging: the most a server says
     draft = ServerProcess("draft", "--model", model_dirs["draft"], "--port", "0", module=verbose,
                           log_path=logs / "draft.log", env=env)
-    target = ServerProcess("target", "--model", model_dirs["llama"], "--draft", draft.address, "--port", "0",
+    target = ServerProcess("target", "--model", model_dirs["llama"], "--draft-server", draft.address, "--port", "0",
                            "--gamma", "3", "--worker-id", "marker", module=verbose, log_path=logs / "target.log",
                            env=env)
     try:
