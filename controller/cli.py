@@ -26,8 +26,6 @@ from controller.serve_cmd import add_serve_parsers
 from controller.up_cmd import add_up_parsers
 from starjar.errors import InvalidArgument, StarjarError
 
-log = logging.getLogger("starjar")
-
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="starjar", description="speculative decoding as a shared service")

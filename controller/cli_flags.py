@@ -22,12 +22,13 @@ def as_flag_error(exc: InvalidArgument) -> InvalidArgument:
     return InvalidArgument(flag_of(exc.field), exc.limit, exc.value)
 
 
-def add_deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, dest: str) -> None:
-    """`old` still sets `dest` (hidden from --help) and warns that `new` is its name now."""
+def add_deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, dest: str, **kw) -> None:
+    """`old` still sets `dest` (hidden from --help) and warns that `new` is its name now; kw: as `new`'s
+    (type=int, ...)."""
 
     class _Warn(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):
             print(f"starjar: warning: {old} is deprecated, use {new}", file=sys.stderr)
             setattr(namespace, self.dest, values)
 
-    parser.add_argument(old, dest=dest, action=_Warn, help=argparse.SUPPRESS)
+    parser.add_argument(old, dest=dest, action=_Warn, help=argparse.SUPPRESS, **kw)

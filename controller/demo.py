@@ -82,9 +82,12 @@ def _row(run: dict) -> str:
             f"{_pct(tpot, .99) * 1000:>7.0f}ms{accept:>8}")
 
 
-def _plot(runs: list[dict], path: str) -> None:
-    import matplotlib
-
+def _plot(runs: list[dict], path: str) -> bool:
+    """Throughput over time and the TPOT CDF of each run, saved to `path`; False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -104,62 +107,64 @@ def _plot(runs: list[dict], path: str) -> None:
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    return True
 
 
-def run_demo(args) -> int:
-    from controller.cluster_spec import CONTROLLER, NAMESPACE, local_ray_env
+def _cluster(args) -> tuple[dict, bool, str | None]:
+    """The running local cluster, or one started now: (its state, whether the demo started it, the measured
+    verdict when speculation does not pay here)."""
+    from controller.local_cluster import adaptive_defaults, local_spec, read_state, start_local
 
-    local_ray_env()  # before Ray is imported: it reads these at import time
+    state = read_state()
+    if state is not None:
+        print(f"using the running cluster at {state['addresses']['grpc']}", file=sys.stderr)
+        return state, False, None
+    chosen = adaptive_defaults(None, None, False, args.gamma, None)
+    # Measured not to pay here: the second run is what serving would do, off.
+    verdict = None if chosen.speculates else chosen.note
+    spec = local_spec(targets=args.targets, gamma=chosen.gamma, policy=chosen.policy, batch_size=args.batch_size,
+                      threads=args.threads, draft_threads=args.draft_threads, grpc_port=0, http_port=0)
+    print("starting a local cluster (starjar up) ...", file=sys.stderr)
+    start_local(spec)
+    return read_state(), True, verdict
+
+
+def _arrivals(n: int, rate: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in range(n):
+        arrivals.append(t)
+        t += rng.expovariate(rate)
+    return arrivals
+
+
+def _both_runs(args, controller, address: str, spec: dict, prompts: list[str]) -> tuple[dict, dict]:
+    """Speculation off, then on (as configured), on the same prompts and arrival times."""
     import ray
 
-    from controller.local_cluster import adaptive_defaults, local_spec, read_state, start_local, stop_local
+    adaptive = spec["policy"] != "fixed"
+    label = (f"spec on, {spec['policy']}<={spec['gamma']}" if adaptive
+             else f"speculation on, gamma={spec['gamma']}" if spec["gamma"] else "as measured: off")
+    arrivals = _arrivals(len(prompts), args.rate, args.seed)
+    asyncio.run(_workload(address, prompts[:2], [0.0, 0.0], 4, "warm-up"))
+    ray.get(controller.set_gamma.remote(0))
+    off = asyncio.run(_workload(address, prompts, arrivals, args.max_tokens, "speculation off"))
+    ray.get(controller.set_gamma.remote(None if adaptive else spec["gamma"]))
+    on = asyncio.run(_workload(address, prompts, arrivals, args.max_tokens, label))
+    ray.get(controller.set_gamma.remote(None))
+    return off, on
 
-    if args.requests < 1 or args.rate <= 0 or args.max_tokens < 1:
-        from starjar.errors import InvalidArgument
-        raise InvalidArgument("--requests/--rate/--max-tokens", "must be positive")
-    state, started, verdict = read_state(), False, None
-    if state is None:
-        chosen = adaptive_defaults(None, None, False, args.gamma, None)
-        if not chosen.speculates:  # measured not to pay here: the second run is what serving would do, off
-            verdict = chosen.note
-        spec = local_spec(targets=args.targets, gamma=chosen.gamma, policy=chosen.policy, batch_size=args.batch_size,
-                          threads=args.threads, draft_threads=args.draft_threads, grpc_port=0, http_port=0)
-        print("starting a local cluster (starjar up) ...", file=sys.stderr)
-        start_local(spec)
-        state, started = read_state(), True
-    else:
-        print(f"using the running cluster at {state['addresses']['grpc']}", file=sys.stderr)
-    try:
-        ray.init(address=state["ray_address"], namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
-        controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
-        spec = ray.get(controller.describe.remote())
-        adaptive = spec["policy"] != "fixed"
-        label = (f"spec on, {spec['policy']}<={spec['gamma']}" if adaptive
-                 else f"speculation on, gamma={spec['gamma']}" if spec["gamma"] else "as measured: off")
-        address = state["addresses"]["grpc"]
-        prompts = spec_bench_mix(args.requests)
-        rng = random.Random(args.seed)
-        arrivals, t = [], 0.0
-        for _ in prompts:
-            arrivals.append(t)
-            t += rng.expovariate(args.rate)
-        asyncio.run(_workload(address, prompts[:2], [0.0, 0.0], 4, "warm-up"))
-        ray.get(controller.set_gamma.remote(0))
-        off = asyncio.run(_workload(address, prompts, arrivals, args.max_tokens, "speculation off"))
-        ray.get(controller.set_gamma.remote(None if adaptive else spec["gamma"]))
-        on = asyncio.run(_workload(address, prompts, arrivals, args.max_tokens, label))
-        ray.get(controller.set_gamma.remote(None))
-    finally:
-        ray.shutdown()
-        if started and not args.keep:
-            stop_local()
+
+def _summary(args, spec: dict, off: dict, on: dict, verdict: str | None) -> int:
+    """Print the table; how many outputs the two runs share (all of them: greedy is lossless)."""
+    from starjar.kernels import machine_label
+
+    n = len(off["results"])
     same = sum(a["ids"] == b["ids"] for a, b in zip(off["results"], on["results"], strict=True))
-    print(f"\nstarjar demo: {len(prompts)} Spec-Bench prompts (chat), Poisson arrivals at {args.rate:g}/s, "
+    print(f"\nstarjar demo: {n} Spec-Bench prompts (chat), Poisson arrivals at {args.rate:g}/s, "
           f"greedy, max {args.max_tokens} new tokens")
     print(f"cluster: {spec['targets']} target worker(s) (batch {spec['batch_size']}), draft server "
           f"{'on' if spec['draft'] else 'off'}; target {spec['target']}")
-    from starjar.kernels import machine_label
-
     print(f"machine: {machine_label()}\n")
     print(f"{'run':<22}{'reqs':>5}{'tokens':>7}{'tok/s':>8}{'TTFT p50':>10}{'p99':>9}{'TPOT p50':>10}{'p99':>9}"
           f"{'accept':>8}")
@@ -169,10 +174,43 @@ def run_demo(args) -> int:
         print(f"\nnote: {verdict}; the second run serves as starjar would here, without speculation "
               "(--gamma N forces it)")
     print(f"\nspeedup {on['tok_s'] / off['tok_s']:.2f}x output tokens/s, TPOT p50 "
-          f"{_pct(off['tpot'], .5) / _pct(on['tpot'], .5):.2f}x; identical outputs {same}/{len(prompts)} "
+          f"{_pct(off['tpot'], .5) / _pct(on['tpot'], .5):.2f}x; identical outputs {same}/{n} "
           "(lossless)")
-    _plot([off, on], args.plot)
-    print(f"plot: {args.plot}")
+    return same
+
+
+def run_demo(args) -> int:
+    from controller.cluster_spec import CONTROLLER, NAMESPACE, local_ray_env
+
+    local_ray_env()  # before Ray is imported: it reads these at import time
+    import ray
+
+    from controller.local_cluster import stop_local
+
+    if args.requests < 1 or args.rate <= 0 or args.max_tokens < 1:
+        from starjar.errors import InvalidArgument
+        raise InvalidArgument("--requests/--rate/--max-tokens", "must be positive")
+    state, started, verdict = _cluster(args)
+    try:
+        ray.init(address=state["ray_address"], namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+        controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+        spec = ray.get(controller.describe.remote())
+        address = state["addresses"]["grpc"]
+        prompts = spec_bench_mix(args.requests)
+        off, on = _both_runs(args, controller, address, spec, prompts)
+    finally:
+        ray.shutdown()
+        if started and not args.keep:
+            stop_local()
+    same = _summary(args, spec, off, on, verdict)
+    _report_plot(off, on, args.plot)
     if args.keep and started:
         print(f"the cluster is still up at {address} (starjar down stops it)")
     return 0 if same == len(prompts) else 1
+
+
+def _report_plot(off: dict, on: dict, path: str) -> None:
+    if _plot([off, on], path):
+        print(f"plot: {path}")
+    else:  # matplotlib is the bench extra's, not a dependency of serving
+        print("plot: not drawn, it needs matplotlib: pip install 'starjar[bench]'")

@@ -80,15 +80,18 @@ def _machine(info: dict) -> dict:
             "int8_kernel_forced": forced_path()}
 
 
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
 def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft: bool = True) -> dict:
     from controller.colocated import colocated_engine
     from starjar.kernels import INT8_PATHS, forced_path, machine_label
-    from starjar.models import check_pair, load_model
+    from starjar.models import load_model
     from starjar.sampling import SamplingParams
     from starjar.text import encode_prompt
 
-    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    say(f"measuring the pair on this machine ({machine_label()}) ...")
+    _say(f"measuring the pair on this machine ({machine_label()}) ...")
     target = load_model(target_dir, what="target")
     prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in OWN_PROMPTS]
     params = SamplingParams(max_tokens=max_new)
@@ -97,12 +100,33 @@ def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft:
     outputs = [r.output_ids for r in colocated_engine(target, None, 0, 1).generate(prompts, params)]
     alone_tps = sum(map(len, outputs)) / (time.perf_counter() - t0)
     verify_cost = _verify_costs(target)
-    say(f"  target alone: {alone_tps:.1f} tok/s at batch 1; a pass over gamma+1 positions costs "
-        + ", ".join(f"{v:.2f}" for v in verify_cost[1:]) + " x one position (gamma 1..)")
+    _say(f"  target alone: {alone_tps:.1f} tok/s at batch 1; a pass over gamma+1 positions costs "
+         + ", ".join(f"{v:.2f}" for v in verify_cost[1:]) + " x one position (gamma 1..)")
 
     paths = [forced_path()] if forced_path() else INT8_PATHS
     variants = [{"int8_kernel": k, "head_vocab": h} for k in paths for h in (None, HEAD_VOCAB)] \
         if int8_draft else [{}]
+    candidates = _candidates(target, draft_dir, variants, prompts, outputs, verify_cost)
+    best = max(candidates, key=lambda r: r["predicted_speedup"])
+    chosen = {k: best.get(k) for k in ("int8_kernel", "head_vocab")}
+    result = {"prompts": len(prompts), "max_new_tokens": max_new, "target_alone_tokens_per_s": round(alone_tps, 2),
+              "verify_cost": [round(v, 3) for v in verify_cost], "candidates": candidates,
+              "chosen": {**chosen, "name": best["name"]}}
+    if best["predicted_speedup"] < PAYS:
+        result.update(gamma=0, acceptance_rate=None, speedup_batch1=1.0,
+                      verdict=f"speculation does not pay on this machine: the best draft ({best['name']}) predicts "
+                              f"{best['predicted_speedup']:.2f}x at batch 1; default gamma 0")
+        return result
+    draft = load_model(draft_dir, what="draft", variant=chosen)
+    result.update(_confirm(target, draft, best, prompts, params, outputs, alone_tps))
+    return result
+
+
+def _candidates(target, draft_dir: str, variants: list[dict], prompts, outputs, verify_cost) -> list[dict]:
+    """Each draft variant's measured costs, and (unless it is far costlier than the cheapest) its agreement
+    with the target and the gamma and speedup they predict."""
+    from starjar.models import check_pair, load_model
+
     candidates = []
     for variant in variants:  # costs first: they decide which candidates are worth scoring
         draft = load_model(draft_dir, what="draft", variant=variant)
@@ -122,38 +146,33 @@ def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft:
                                                 outputs), 4)
             gamma, speedup = _best_gamma(row["agreement"], row["cost_b1"], row["cost_catchup"], verify_cost)
             row.update(best_gamma=gamma, predicted_speedup=round(speedup, 3))
-        say(f"  {row['name']}: step {row['cost_b1']:.2f}x the target's at batch 1, catch-up pass "
-            f"{row['cost_catchup']:.2f}x, 4 rows {row['cost_b4']:.2f}x; "
-            + (f"agreement {row['agreement']:.3f} -> gamma {row['best_gamma']}, predicted "
-               f"{row['predicted_speedup']:.2f}x" if row["agreement"] is not None else row["note"]))
+        _say(f"  {row['name']}: step {row['cost_b1']:.2f}x the target's at batch 1, catch-up pass "
+             f"{row['cost_catchup']:.2f}x, 4 rows {row['cost_b4']:.2f}x; "
+             + (f"agreement {row['agreement']:.3f} -> gamma {row['best_gamma']}, predicted "
+                f"{row['predicted_speedup']:.2f}x" if row["agreement"] is not None else row["note"]))
+    return candidates
 
-    best = max(candidates, key=lambda r: r["predicted_speedup"])
-    chosen = {k: best.get(k) for k in ("int8_kernel", "head_vocab")}
-    result = {"prompts": len(prompts), "max_new_tokens": max_new, "target_alone_tokens_per_s": round(alone_tps, 2),
-              "verify_cost": [round(v, 3) for v in verify_cost], "candidates": candidates,
-              "chosen": {**chosen, "name": best["name"]}}
-    if best["predicted_speedup"] < PAYS:
-        result.update(gamma=0, acceptance_rate=None, speedup_batch1=1.0,
-                      verdict=f"speculation does not pay on this machine: the best draft ({best['name']}) predicts "
-                              f"{best['predicted_speedup']:.2f}x at batch 1; default gamma 0")
-        return result
+
+def _confirm(target, draft, best: dict, prompts, params, outputs, alone_tps: float) -> dict:
+    """Run the chosen draft at its best gamma on the same prompts: the measured speedup decides the default."""
+    from controller.colocated import colocated_engine
+
     gamma = best["best_gamma"]
-    draft = load_model(draft_dir, what="draft", variant=chosen)
     eng = colocated_engine(target, draft, gamma, 1)
     t0 = time.perf_counter()
     reqs = eng.generate(prompts, params)
     spec_tps = sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - t0)
     speedup = spec_tps / alone_tps
     identical = sum(r.output_ids == o for r, o in zip(reqs, outputs, strict=True))
-    result.update(acceptance_rate=round(eng.stats.acceptance_rate, 3), drafted_tokens=eng.stats.drafted_tokens,
-                  speedup_batch1=round(speedup, 3), identical=identical, confirm_gamma=gamma)
+    out = dict(acceptance_rate=round(eng.stats.acceptance_rate, 3), drafted_tokens=eng.stats.drafted_tokens,
+               speedup_batch1=round(speedup, 3), identical=identical, confirm_gamma=gamma)
     if speedup < 1.0:
-        result.update(gamma=0, verdict=f"speculation does not pay on this machine: {best['name']} at gamma {gamma} "
-                                       f"ran {speedup:.2f}x the target alone; default gamma 0")
+        out.update(gamma=0, verdict=f"speculation does not pay on this machine: {best['name']} at gamma {gamma} "
+                                    f"ran {speedup:.2f}x the target alone; default gamma 0")
     else:
-        result.update(gamma=gamma, verdict=f"speculation pays here: {best['name']} at gamma {gamma}, "
-                                           f"{speedup:.2f}x the target alone at batch 1")
-    return result
+        out.update(gamma=gamma, verdict=f"speculation pays here: {best['name']} at gamma {gamma}, "
+                                        f"{speedup:.2f}x the target alone at batch 1")
+    return out
 
 
 def _name(variant: dict) -> str:

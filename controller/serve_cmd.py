@@ -35,7 +35,7 @@ def _add_draft_parser(ssub) -> None:
                    help="batched: one draft pass for every pending round; fifo: one round at a time")
     d.add_argument("--max-targets", type=int, default=8, help="N_max: targets admitted at once")
     d.add_argument("--max-sequences-per-target", type=int, default=256, help="live sequences per target")
-    add_deprecated_alias(d, "--max-sequences", "--max-sequences-per-target", "max_sequences_per_target")
+    add_deprecated_alias(d, "--max-sequences", "--max-sequences-per-target", "max_sequences_per_target", type=int)
     d.add_argument("--max-gamma", type=int, default=16)
     d.add_argument("--lease", type=float, default=60.0, help="seconds before unused sessions are reclaimed")
     d.add_argument("--offload-after", type=float, default=None,

@@ -60,3 +60,57 @@ def test_gamma_zero_is_target_alone(tmp_path, model_dirs, models):
     assert proc.returncode == 0, proc.stderr  # the draft is not even loaded
     row = json.loads(out.read_text())
     assert row["token_ids"] == hf_greedy(models["llama"], row["prompt_token_ids"], 64)
+
+
+def _fake_run(label: str) -> dict:
+    return {"label": label, "results": [{"ids": [5, 6]}], "events": [(0.1, 1), (0.2, 1)], "wall": 1.0, "tokens": 2,
+            "tok_s": 2.0, "ttft": [0.1], "tpot": [0.1], "accept": None}
+
+
+def test_demo_without_matplotlib_prints_its_table_then_says_the_plot_needs_the_bench_extra(
+        monkeypatch, capsys, tmp_path):
+    import argparse
+
+    import ray
+
+    from controller import demo
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the bench extra were not installed
+    spec = {"targets": 1, "batch_size": 1, "draft": "d", "target": "t", "policy": "fixed", "gamma": 1}
+
+    class Controller:  # ray.get_actor's answer: describe.remote() -> the spec (ray.get is the identity here)
+        describe = type("Method", (), {"remote": staticmethod(lambda: spec)})
+
+    monkeypatch.setattr(demo, "_cluster", lambda args: ({"ray_address": "-", "addresses": {"grpc": "-"}}, False, None))
+    monkeypatch.setattr(demo, "_both_runs", lambda *a: (_fake_run("speculation off"), _fake_run("on")))
+    monkeypatch.setattr(ray, "init", lambda **kw: None)
+    monkeypatch.setattr(ray, "get_actor", lambda *a, **kw: Controller)
+    monkeypatch.setattr(ray, "get", lambda ref: ref)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    plot = tmp_path / "demo.png"
+    args = argparse.Namespace(requests=1, rate=1.0, max_tokens=2, seed=0, plot=str(plot), keep=False)
+    assert demo.run_demo(args) == 0
+    out = capsys.readouterr().out
+    assert "identical outputs 1/1" in out and "speculation off" in out
+    assert out.index("identical outputs") < out.index("it needs matplotlib") and "starjar[bench]" in out
+    assert not plot.exists()
+
+
+def test_old_flag_spellings_still_work_and_warn(capsys):
+    from controller.cli import _parser
+
+    args = _parser().parse_args(["serve", "target", "--draft", "127.0.0.1:1"])
+    assert args.draft_server == "127.0.0.1:1"
+    assert "--draft is deprecated, use --draft-server" in capsys.readouterr().err
+    args = _parser().parse_args(["serve", "draft", "--max-sequences", "3"])
+    assert args.max_sequences_per_target == 3
+    assert "--max-sequences is deprecated, use --max-sequences-per-target" in capsys.readouterr().err
+
+
+def test_a_config_error_names_the_flag(capsys):
+    from controller.cli import main
+
+    assert main(["serve", "target", "--draft-deadline", "0"]) == 2
+    assert "invalid --draft-deadline: must be > 0" in capsys.readouterr().err
+    assert main(["serve", "draft", "--lease", "0"]) == 2
+    assert "invalid --lease: must be > 0" in capsys.readouterr().err
