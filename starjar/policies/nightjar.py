@@ -105,13 +105,13 @@ def arm_limits(step_s: dict, max_gamma: int) -> dict[int, int]:
 
 
 class NightjarPlanner:
-    name = "nightjar"
-
     def __init__(self, max_gamma: int = 4, cswitch: CSwitchTable | None = None,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, seed: int | None = 0,
-                 limits: dict[int, int] | None = None):
+                 limits: dict[int, int] | None = None, name: str = "nightjar"):
         """limits: Gmax per batch size (see arm_limits); a batch size between two entries takes the
-        larger limit of the two (conservative: never rules out an arm that might pay)."""
+        larger limit of the two (conservative: never rules out an arm that might pay). name: the registry's
+        name for this configuration (nightjar, nightjar_paper)."""
+        self.name = name
         if max_gamma < 0:
             raise ValueError("max_gamma must be >= 0")
         self.max_gamma = max_gamma
