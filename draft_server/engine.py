@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
 
-from starjar.batching import length_groups
+from starjar.grouped_forward import grouped_forward
 from starjar.models import LoadedModel, kv_bytes_per_token
 from starjar.proposer import DraftReply, DraftRequest
 from starjar.token_ids import first_out_of_range
-
 
 SHORT_FEED = 8  # feeds up to this many tokens share one pass whatever their padding
 # A long catch-up (a new sequence's prompt) is fed in chunks, and a pass holds at most this many fed tokens:
@@ -197,29 +196,23 @@ class DraftEngine:
     def advance(self, jobs: Sequence[DraftJob]) -> None:
         """One forward pass for every unfinished job: each gains one draft token."""
         live = [j for j in jobs if not j.done]
-        # Rows of very different lengths (a new sequence's whole prompt next to one-token deltas) go in
-        # separate passes: a padded pass costs as if every row were the longest. A usual round's catch-up
-        # (accepted drafts + the bonus token) is short enough to ride with the one-token steps.
+        # A new sequence's whole prompt goes in its own pass; a usual round's catch-up (accepted drafts + the
+        # bonus token) is short enough to ride with the one-token steps.
         cap = min(MAX_FEED, self.max_pass_tokens)
-        for group in _capped(length_groups(live, lambda j: min(len(j.feed), cap), short=SHORT_FEED), cap,
-                             self.max_pass_tokens):
-            feeds = [j.feed[:cap] for j in group]
-            t0 = time.perf_counter()
-            logits = self.model.forward(self.cache, [j.seq.slot for j in group], feeds,
-                                        [[len(f) - 1] for f in feeds])
-            took = time.perf_counter() - t0
-            if all(j.passes == 0 for j in group):
-                self.stats.catchup_s += took
+        for step in grouped_forward(self.model, self.cache, live, lambda j: j.feed[:cap], lambda j: j.seq.slot,
+                                    short=SHORT_FEED, max_pass_tokens=self.max_pass_tokens):
+            if all(j.passes == 0 for j in step.rows):
+                self.stats.catchup_s += step.seconds
             else:
-                self.stats.step_s += took
+                self.stats.step_s += step.seconds
                 self.stats.steps += 1
             self.stats.passes += 1
-            for j, f, l in zip(group, feeds, logits):
+            for j, f, lg in zip(step.rows, step.feeds, step.logits, strict=True):
                 j.seq.cached.extend(f)
                 if len(f) < len(j.feed):  # a chunk of a long catch-up: no draft until it is all in
                     j.feed = j.feed[len(f):]
                     continue
-                j.drafts.append(int(l[0].argmax()))
+                j.drafts.append(int(lg[0].argmax()))
                 j.feed = [j.drafts[-1]]
                 j.passes += 1
                 self.stats.drafted_tokens += 1
@@ -304,22 +297,6 @@ def _pass_tokens(model: LoadedModel, max_kv_tokens: int | None) -> int:
     heads = model.model.config.num_attention_heads
     per_query = 3 * model.max_context * heads * 4
     return max(SHORT_FEED, min(MAX_PASS_TOKENS, max_kv_tokens * kv_bytes_per_token(model) // 10 // per_query))
-
-
-def _capped(groups: list[list[DraftJob]], feed_cap: int, pass_cap: int) -> list[list[DraftJob]]:
-    """Split passes so none feeds more than pass_cap tokens."""
-    out = []
-    for g in groups:
-        part, n = [], 0
-        for j in g:
-            k = min(len(j.feed), feed_cap)
-            if part and n + k > pass_cap:
-                out.append(part)
-                part, n = [], 0
-            part.append(j)
-            n += k
-        out.append(part)
-    return out
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

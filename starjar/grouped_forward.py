@@ -1,0 +1,78 @@
+"""Ragged rows through a RaggedKVCache in as few padded passes as pay: shared by both engines.
+
+Each engine feeds rows of different lengths through one cache: the target its
+newcomers' prompts and every sequence's gamma + 1 verification tokens, the
+draft its catch-ups and one-token steps. Two rules hold for both:
+- rows of very different lengths go in separate passes (`length_groups`): a
+  padded pass costs as if every row were the longest;
+- within a pass the rows go in slot order, so that a run of consecutive slots
+  lets the cache read a view of its buffers instead of gathering a copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+
+from starjar.batching import length_groups
+from starjar.kv_cache import RaggedKVCache
+from starjar.models import LoadedModel
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Pass(Generic[T]):
+    """One forward pass: its rows in slot order, what each fed, and the logits asked for."""
+
+    rows: list[T]
+    feeds: list[list[int]]
+    logits: list[torch.Tensor]  # per row: [1, V] at its last fed token, or [len(feed), V] with all_logits
+    seconds: float  # the forward's wall time
+
+
+def forward_pass(model: LoadedModel, cache: RaggedKVCache, rows: Sequence[T], feed: Callable[[T], list[int]],
+                 slot: Callable[[T], int], all_logits: bool = False) -> Pass[T]:
+    """One pass over `rows`, each appending feed(row) to its slot. Slots are read now: a caller that frees
+    slots between passes (compaction moves others) must call this after it has done so."""
+    ordered = sorted(rows, key=slot)
+    feeds = [feed(r) for r in ordered]
+    wanted = [list(range(len(f))) if all_logits else [len(f) - 1] for f in feeds]
+    t0 = time.perf_counter()
+    logits = model.forward(cache, [slot(r) for r in ordered], feeds, wanted)
+    return Pass(ordered, feeds, logits, time.perf_counter() - t0)
+
+
+def grouped_forward(model: LoadedModel, cache: RaggedKVCache, rows: Sequence[T], feed: Callable[[T], list[int]],
+                    slot: Callable[[T], int], short: int = 0, max_pass_tokens: int | None = None
+                    ) -> Iterator[Pass[T]]:
+    """Passes over rows grouped by feed length (longest first), logits at each row's last fed token.
+
+    short: rows of at most this many tokens always share a pass (see length_groups). max_pass_tokens: a
+    pass feeds at most this many tokens in all. Each pass runs when the iterator reaches it, so the caller
+    may act on one pass's results before the next reads its slots."""
+    lengths = {id(r): len(feed(r)) for r in rows}
+    groups = length_groups(list(rows), lambda r: lengths[id(r)], short=short)
+    if max_pass_tokens is not None:
+        groups = _split_by_tokens(groups, lambda r: lengths[id(r)], max_pass_tokens)
+    for group in groups:
+        yield forward_pass(model, cache, group, feed, slot)
+
+
+def _split_by_tokens(groups: list[list[T]], length: Callable[[T], int], max_tokens: int) -> list[list[T]]:
+    """Split groups, keeping their order, so that none feeds more than max_tokens (a lone row may)."""
+    out = []
+    for group in groups:
+        part, n = [], 0
+        for row in group:
+            if part and n + length(row) > max_tokens:
+                out.append(part)
+                part, n = [], 0
+            part.append(row)
+            n += length(row)
+        out.append(part)
+    return out
