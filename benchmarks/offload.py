@@ -18,10 +18,10 @@ from tqdm import tqdm
 
 from benchmarks.common import pair_dirs, prompt_ids
 from draft_server.engine import DraftEngine
-from starjar.models import load_model
+from starjar.models import kv_bytes_per_token, load_model
 from starjar.policy import FixedGamma, Overridable
 from starjar.sampling import SamplingParams
-from target_worker.elastic_kv import ElasticKV, kv_bytes_per_token
+from target_worker.elastic_kv import ElasticKV
 from target_worker.engine import EngineConfig, TargetEngine
 
 
@@ -29,9 +29,8 @@ def _run(target, draft_model, prompts, budget, max_tokens, elastic: bool, label:
     draft = DraftEngine(draft_model, max_sequences=64)
     policy = Overridable(FixedGamma(1))
     policy.override = 0  # high load: speculation off
-    engine = TargetEngine(target, draft, policy, EngineConfig(max_batch_size=32, kv_budget_tokens=budget))
-    kv = ElasticKV(engine, draft, t_persist=8, tau_low_tokens=128) if elastic else None
-    engine.elastic = kv
+    kv = ElasticKV(draft, target, t_persist=8, tau_low_tokens=128) if elastic else None
+    engine = TargetEngine(target, draft, policy, EngineConfig(max_batch_size=32, kv_budget_tokens=budget), elastic=kv)
     peak, bar = 0, tqdm(total=len(prompts), desc=label, file=sys.stderr)
 
     def on_step(outs):

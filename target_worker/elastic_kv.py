@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import time
 
-from starjar.models import kv_bytes_per_token  # noqa: F401  (re-exported: the benches import it here)
-
+from starjar.models import LoadedModel, kv_bytes_per_token
+from target_worker.scheduler import Scheduler
 
 T_PERSIST_STEPS, TAU_LOW_TOKENS = 16, 64  # defaults for the engine and the simulated benchmark alike
 
@@ -55,13 +55,17 @@ class ElasticRule:
 
 
 class ElasticKV:
-    def __init__(self, engine, draft_engine, t_persist: int = T_PERSIST_STEPS, tau_low_tokens: int = TAU_LOW_TOKENS):
-        self.engine = engine
+    """The rule acting on a target engine: the engine calls before_step and after_decode on every step."""
+
+    def __init__(self, draft_engine, target: LoadedModel, t_persist: int = T_PERSIST_STEPS,
+                 tau_low_tokens: int = TAU_LOW_TOKENS):
+        """draft_engine: the co-located DraftEngine (offload, start_reload, weight_bytes); target: the model
+        whose KV tokens its memory becomes."""
         self.draft = draft_engine
         self.draft.auto_reload = False  # reloads happen here, after the budget has shrunk back
-        self.rule = ElasticRule(math.ceil(draft_engine.weight_bytes() / kv_bytes_per_token(engine.model)),
+        self.rule = ElasticRule(math.ceil(draft_engine.weight_bytes() / kv_bytes_per_token(target)),
                                 t_persist, tau_low_tokens)
-        self.base_budget = engine.scheduler.kv_budget_tokens
+        self.base_budget: int | None = None  # the target's own KV budget, noted when it first grows
         self.hook_s = 0.0  # time spent in before_step, the critical-path cost of all this
         self.hook_calls = 0
         self.reload_dispatch_s: float | None = None  # what starting the reload cost the step that did it
@@ -78,24 +82,23 @@ class ElasticKV:
     def contractions(self) -> int:
         return self.rule.contractions
 
-    def free_tokens(self) -> int:
-        return self.engine.scheduler.kv_budget_tokens - self.engine.cache.tokens_used()
-
-    def before_step(self) -> None:
+    def before_step(self, scheduler: Scheduler, tokens_used: int) -> None:
+        """Grow or shrink the scheduler's KV budget (tokens_used: what the cache holds now)."""
         t0 = time.perf_counter()
-        sched = self.engine.scheduler
-        action = self.rule.before_step(self.free_tokens(), bool(sched.waiting), not self.draft.offloaded)
+        free = scheduler.kv_budget_tokens - tokens_used
+        action = self.rule.before_step(free, bool(scheduler.waiting), not self.draft.offloaded)
         if action == "expand":
             self.draft.offload()
-            sched.kv_budget_tokens = self.base_budget + self.n_draft
+            self.base_budget = scheduler.kv_budget_tokens
+            scheduler.kv_budget_tokens = self.base_budget + self.n_draft
         elif action == "contract":
-            sched.kv_budget_tokens = self.base_budget
+            scheduler.kv_budget_tokens = self.base_budget
             t1 = time.perf_counter()
             self.draft.start_reload()  # non-blocking; drafts resume when the weights are back
             self.reload_dispatch_s = time.perf_counter() - t1
         self.hook_s += time.perf_counter() - t0
         self.hook_calls += 1
 
-    def after_decode(self, gamma: int) -> None:
+    def after_decode(self, gamma: int, scheduler: Scheduler, tokens_used: int) -> None:
         """gamma: what the policy chose this step."""
-        self.rule.after_decode(gamma, self.free_tokens(), bool(self.engine.scheduler.waiting))
+        self.rule.after_decode(gamma, scheduler.kv_budget_tokens - tokens_used, bool(scheduler.waiting))

@@ -3,12 +3,17 @@
 One `step()` is three calls with three owners:
   schedule    the Scheduler admits waiting requests (batch size, KV budget);
   run         newcomers are prefilled (their first token), then every other
-              running sequence takes one decoding step: the policy picks gamma
-              for the batch size, the proposer drafts, and one ragged forward
-              pass over gamma_i + 1 positions per sequence scores all drafts;
-  postprocess speculative sampling accepts a prefix of each draft plus one
-              recovered or bonus token, rejected KV is rolled back, stop rules
-              are applied and finished sequences leave.
+              running sequence takes one decoding step:
+                plan     the policy picks gamma for the batch size, capped per
+                         sequence; the newest are preempted if the KV would
+                         overflow;
+                propose  the proposer drafts up to gamma tokens per sequence;
+                score    one ragged forward pass over gamma_i + 1 positions per
+                         sequence; speculative sampling accepts a prefix of each
+                         draft plus one recovered or bonus token (the verdicts),
+                         and rejected KV is rolled back;
+  postprocess the verdicts' tokens are emitted up to the stop rules, finished
+              sequences leave, and the step is counted and shown to the policy.
 
 Invariant: a running sequence's KV holds every token but its last one (the
 "pending" token), which is the first input of its next step.
@@ -22,23 +27,23 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
-from starjar.batching import length_groups
 from starjar.errors import InvalidArgument
+from starjar.grouped_forward import forward_pass, grouped_forward
 from starjar.models import LoadedModel
 from starjar.policy import FixedGamma, SpeculationPolicy
 from starjar.proposer import DraftRequest, Proposer
 from starjar.sampling import SamplingParams
 from starjar.token_ids import check_token_ids, first_out_of_range
-from starjar.verify import sample_next, verify
+from starjar.verify import Verdict, sample_next, verify
+from target_worker.elastic_kv import ElasticKV
 from target_worker.request import Request, Status
 from target_worker.scheduler import Scheduler
+from target_worker.stats import MAX_GAMMA, EngineStats
 
 log = logging.getLogger(__name__)
-
-MAX_GAMMA = 16
 
 
 @dataclass(frozen=True)
@@ -56,62 +61,6 @@ class EngineConfig:
             raise InvalidArgument("kv_budget_tokens", "must be >= 16", self.kv_budget_tokens)
 
 
-@dataclass
-class StepTally:
-    """Decode steps of one kind: how many, their time and the tokens they emitted."""
-    steps: int = 0
-    seconds: float = 0.0
-    tokens: int = 0
-
-    def add(self, seconds: float, tokens: int) -> None:
-        self.steps += 1
-        self.seconds += seconds
-        self.tokens += tokens
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    decode_steps: int = 0
-    spec_rounds: int = 0  # sequence-rounds that carried drafts
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    emitted_tokens: int = 0
-    prefill_s: float = 0.0
-    propose_s: float = 0.0
-    verify_s: float = 0.0
-    proposer_failures: int = 0
-    resyncs: int = 0
-    preemptions: int = 0
-    accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_GAMMA)
-    # Decode steps split three ways: drafts verified (spec), none asked for (plain), asked for and none came
-    # (fallback: refusal, deadline, resync). The controller's admission model and saturation guard compare
-    # tokens per second of step time with and without speculation; plain is decoding alone, untouched by a
-    # failed draft round.
-    spec: StepTally = field(default_factory=StepTally)
-    plain: StepTally = field(default_factory=StepTally)
-    fallback: StepTally = field(default_factory=StepTally)
-
-    @property
-    def spec_steps(self) -> int:  # decode steps where at least one sequence had drafts
-        return self.spec.steps
-
-    def step_kinds(self) -> dict:
-        """The three tallies as flat fields: spec_steps, spec_step_s, spec_tokens, plain_..., fallback_..."""
-        return {f"{kind}_{key}": value for kind in ("spec", "plain", "fallback")
-                for key, value in (("steps", getattr(self, kind).steps), ("step_s", getattr(self, kind).seconds),
-                                   ("tokens", getattr(self, kind).tokens))}
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-
-    @property
-    def mean_accepted_len(self) -> float:
-        """Tokens emitted per speculative sequence-round: accepted drafts + 1."""
-        return (self.accepted_tokens + self.spec_rounds) / self.spec_rounds if self.spec_rounds else 0.0
-
-
 @dataclass(frozen=True)
 class StepOutput:
     """What one step produced for one request. `finished` is a snapshot taken in that step:
@@ -123,9 +72,36 @@ class StepOutput:
     error: str | None = None  # the step failed: this request ends with it (INTERNAL), the engine goes on
 
 
+@dataclass(eq=False)
+class SeqRound:
+    """One running sequence's part of a decode step."""
+
+    req: Request
+    gamma: int  # drafts it may ask for: the batch's gamma, capped by its max_tokens and context
+    draft: list[int] = field(default_factory=list)  # what the proposer gave (may be shorter, or nothing)
+    verdict: Verdict | None = None  # set by the score phase
+
+
+@dataclass(eq=False)
+class DecodePlan:
+    """One decode step: the policy's gamma and the sequences that take part, in slot order (the order the
+    proposer is asked in and the pass runs in)."""
+
+    gamma: int
+    rounds: list[SeqRound]
+    started_s: float = field(default_factory=time.perf_counter)  # the step's time counts from here
+    scored_s: float = 0.0  # when the score phase began
+
+    @property
+    def drafted(self) -> int:
+        return sum(len(r.draft) for r in self.rounds)
+
+
 class TargetEngine:
     def __init__(self, model: LoadedModel, proposer: Proposer | None = None,
-                 policy: SpeculationPolicy | None = None, config: EngineConfig | None = None):
+                 policy: SpeculationPolicy | None = None, config: EngineConfig | None = None,
+                 elastic: ElasticKV | None = None):
+        """elastic: for a co-located draft that lends its memory to the KV cache while nobody speculates."""
         self.model = model
         self.proposer = proposer
         self.config = config or EngineConfig()
@@ -137,7 +113,7 @@ class TargetEngine:
         self.max_seq_tokens = min(model.max_context, budget - self.config.max_gamma - 1)
         self.stats = EngineStats()
         self.step_listener: Callable[[int, int], None] | None = None  # (batch size, gamma) per decode step
-        self.elastic = None  # ElasticKV, for a co-located draft that lends its memory to the KV cache
+        self.elastic = elastic
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -201,14 +177,17 @@ class TargetEngine:
     def step(self) -> list[StepOutput]:
         self.stats.steps += 1
         if self.elastic is not None:
-            self.elastic.before_step()
+            self.elastic.before_step(self.scheduler, self.cache.tokens_used())
         joined = self.scheduler.admit(self.cache.tokens_used())
         outputs: dict[int, StepOutput] = {}
         if joined:
             self._prefill(joined, outputs)
         decoding = [r for r in self.scheduler.running if r not in joined and not r.finished]
-        if decoding:
-            self._decode(decoding, outputs)
+        plan = self._plan(decoding) if decoding else None
+        if plan is not None and plan.rounds:
+            self._propose(plan)
+            self._score(plan)
+            self._postprocess(plan, outputs)
         return list(outputs.values())
 
     def generate(self, prompts: Iterable[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -216,7 +195,7 @@ class TargetEngine:
         """Run prompts to completion; returns the requests in input order."""
         prompts = list(prompts)
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=False)]
         while self.has_work():
             out = self.step()
             if on_step:
@@ -231,12 +210,9 @@ class TargetEngine:
             self.cache.allocate(req)
         # A readmitted (preempted) request already holds its pending token: feed all but it.
         feeds = {id(r): (r.all_ids()[:-1] if r.output_ids else r.prompt_ids) for r in joined}
-        for group in length_groups(joined, lambda r: len(feeds[id(r)])):
-            group.sort(key=lambda r: r.slot)  # contiguous slots let the cache use views
-            fs = [feeds[id(r)] for r in group]
-            logits = self.model.forward(self.cache, [r.slot for r in group], fs, [[len(f) - 1] for f in fs])
+        for done in grouped_forward(self.model, self.cache, joined, lambda r: feeds[id(r)], lambda r: r.slot):
             now = time.perf_counter()
-            for req, lg in zip(group, logits):
+            for req, lg in zip(done.rows, done.logits, strict=True):
                 if not req.output_ids:
                     req.first_token_s = now
                     self._emit(req, [sample_next(lg[0], req.params, req.generator)], outputs)
@@ -244,53 +220,14 @@ class TargetEngine:
 
     # ---- run: one decoding step (speculative when gamma > 0) ------------------------------
 
-    def _decode(self, batch: list[Request], outputs: dict[int, StepOutput]) -> None:
-        gamma = min(self.policy.choose(len(batch)), self.config.max_gamma) if self.proposer else 0
+    def _plan(self, decoding: list[Request]) -> DecodePlan:
+        """Gamma for this batch size, capped per sequence; the newest preempted until the step fits the KV."""
+        gamma = min(self.policy.choose(len(decoding)), self.config.max_gamma) if self.proposer else 0
         if self.step_listener is not None:
-            self.step_listener(len(batch), gamma)
-        gammas = [self._cap_gamma(r, gamma) for r in batch]
-        batch, gammas = self._fit_budget(batch, gammas)
-        if not batch:
-            return
-        batch_order = sorted(range(len(batch)), key=lambda i: batch[i].slot)  # contiguous slots -> views
-        batch = [batch[i] for i in batch_order]
-        gammas = [gammas[i] for i in batch_order]
-        step_start = time.perf_counter()
-        drafts = self._propose(batch, gammas)
-        t0 = time.perf_counter()
-        feeds = [[r.output_ids[-1]] + d for r, d in zip(batch, drafts)]
-        logits = self.model.forward(self.cache, [r.slot for r in batch], feeds,
-                                    [list(range(len(f))) for f in feeds])
-        tokens = accepted = drafted = 0
-        for req, d, lg in zip(batch, drafts, logits):
-            kv_before = req.num_tokens - 1
-            verdict = verify(lg, d, req.params, req.generator)
-            # KV now holds the pending token and every draft; keep it and the accepted ones.
-            self.cache.truncate(req.slot, kv_before + 1 + verdict.num_accepted)
-            if d:
-                self.stats.spec_rounds += 1
-                for pos in range(verdict.num_accepted):
-                    self.stats.accepted_per_position[pos] += 1
-            accepted += verdict.num_accepted
-            drafted += len(d)
-            req.drafted_tokens += len(d)
-            req.accepted_tokens += verdict.num_accepted
-            tokens += self._emit(req, verdict.tokens, outputs)
-        now = time.perf_counter()
-        self.stats.verify_s += now - t0
-        self.stats.decode_steps += 1
-        # Drafts asked for and none came: the cost of trying, not plain decoding.
-        kind = self.stats.spec if drafted else self.stats.fallback if any(gammas) else self.stats.plain
-        kind.add(now - step_start, tokens)
-        self.stats.drafted_tokens += drafted
-        self.stats.accepted_tokens += accepted
-        # The policy sees the whole step, drafting included: that is what gamma trades off. A step whose
-        # drafts failed (a missed deadline, a broken stream) is neither: it would make plain decoding look
-        # as slow as the wait, so it is kept out of the policy's statistics.
-        if kind is not self.stats.fallback:
-            self.policy.observe(len(batch), gamma if drafted else 0, now - step_start, tokens, accepted, drafted)
-        if self.elastic is not None:
-            self.elastic.after_decode(gamma)
+            self.step_listener(len(decoding), gamma)
+        batch, gammas = self._fit_budget(decoding, [self._cap_gamma(r, gamma) for r in decoding])
+        rounds = sorted((SeqRound(r, g) for r, g in zip(batch, gammas, strict=True)), key=lambda r: r.req.slot)
+        return DecodePlan(gamma, rounds)
 
     def _cap_gamma(self, req: Request, gamma: int) -> int:
         """No drafts past max_tokens or past the sequence's token limit."""
@@ -315,45 +252,78 @@ class TargetEngine:
                 batch, gammas = batch[:i] + batch[i + 1:], gammas[:i] + gammas[i + 1:]
         return batch, gammas
 
-    def _propose(self, batch: list[Request], gammas: list[int]) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in batch]
-        want = [i for i, g in enumerate(gammas) if g > 0]
+    def _propose(self, plan: DecodePlan) -> None:
+        """Ask the proposer for the drafts; a failure leaves every round without, a bad reply its own."""
+        want = [r for r in plan.rounds if r.gamma > 0]
         if not want:
-            return drafts
-        reqs = []
-        for i in want:
-            r = batch[i]
-            ids = r.all_ids()
-            reqs.append(DraftRequest(r.draft_key, r.draft_synced, ids[r.draft_synced:], gammas[i]))
+            return
+        reqs = [DraftRequest(r.req.draft_key, r.req.draft_synced, r.req.all_ids()[r.req.draft_synced:], r.gamma)
+                for r in want]
+        replies = self._ask_proposer(reqs)
+        if replies is None:
+            for r in want:
+                r.req.draft_synced = 0
+            return
+        vocab = self.model.vocab_size
+        for r, dreq, reply in zip(want, reqs, replies, strict=True):
+            if reply is None:
+                self.stats.resyncs += 1
+                r.req.draft_synced = 0
+                continue
+            r.req.draft_synced = dreq.start + len(dreq.tokens)
+            reply = [int(t) for t in reply[: r.gamma]]
+            if first_out_of_range(reply, vocab) is not None:
+                self.stats.proposer_failures += 1
+                continue
+            r.draft = reply
+
+    def _ask_proposer(self, reqs: list[DraftRequest]) -> list | None:
+        """The proposer's replies, one per request; None when it failed."""
         t0 = time.perf_counter()
         try:
             replies = self.proposer.propose(reqs)
             if len(replies) != len(reqs):
                 raise ValueError(f"proposer answered {len(replies)} of {len(reqs)} sequences")
+            return replies
         except Exception as exc:  # the draft is an optimisation: never let it fail a request
             self.stats.proposer_failures += 1
             log.debug("proposer failed, decoding this step without drafts: %s", exc)
-            for i in want:
-                batch[i].draft_synced = 0
-            return drafts
+            return None
         finally:
             self.stats.propose_s += time.perf_counter() - t0
-        vocab = self.model.vocab_size
-        for i, dreq, reply in zip(want, reqs, replies):
-            r = batch[i]
-            if reply is None:
-                self.stats.resyncs += 1
-                r.draft_synced = 0
-                continue
-            r.draft_synced = dreq.start + len(dreq.tokens)
-            reply = [int(t) for t in reply[: gammas[i]]]
-            if first_out_of_range(reply, vocab) is not None:
-                self.stats.proposer_failures += 1
-                continue
-            drafts[i] = reply
-        return drafts
+
+    def _score(self, plan: DecodePlan) -> None:
+        """One pass over each round's pending token and drafts; a verdict per round, rejected KV rolled back."""
+        plan.scored_s = time.perf_counter()
+        scored = forward_pass(self.model, self.cache, plan.rounds, lambda r: [r.req.output_ids[-1]] + r.draft,
+                              lambda r: r.req.slot, all_logits=True)
+        for r, lg in zip(scored.rows, scored.logits, strict=True):
+            r.verdict = verify(lg, r.draft, r.req.params, r.req.generator)
+            # KV now holds the pending token and every draft; keep it and the accepted ones.
+            self.cache.truncate(r.req.slot, r.req.num_tokens + r.verdict.num_accepted)
 
     # ---- postprocess ----------------------------------------------------------------------
+
+    def _postprocess(self, plan: DecodePlan, outputs: dict[int, StepOutput]) -> None:
+        """Emit the verdicts' tokens, count the step, show it to the policy."""
+        tokens = accepted = 0
+        for r in plan.rounds:
+            self.stats.observe_round(len(r.draft), r.verdict.num_accepted)
+            r.req.count_round(len(r.draft), r.verdict.num_accepted)
+            accepted += r.verdict.num_accepted
+            tokens += self._emit(r.req, r.verdict.tokens, outputs)
+        now = time.perf_counter()
+        drafted = plan.drafted
+        kind = self.stats.observe_step(now - plan.started_s, now - plan.scored_s, tokens, drafted,
+                                       any(r.gamma for r in plan.rounds))
+        # The policy sees the whole step, drafting included: that is what gamma trades off. A step whose
+        # drafts failed (a missed deadline, a broken stream) is neither: it would make plain decoding look
+        # as slow as the wait, so it is kept out of the policy's statistics.
+        if kind != "fallback":
+            self.policy.observe(len(plan.rounds), plan.gamma if drafted else 0, now - plan.started_s, tokens,
+                                accepted, drafted)
+        if self.elastic is not None:
+            self.elastic.after_decode(plan.gamma, self.scheduler, self.cache.tokens_used())
 
     def _emit(self, req: Request, new: list[int], outputs: dict[int, StepOutput]) -> int:
         """Append tokens up to the first stop condition; retire the request if it finished."""

@@ -49,6 +49,11 @@ class Request:
         if self.generator is None and not self.params.greedy:
             self.generator = self.params.make_generator()
 
+    def count_round(self, drafted: int, accepted: int) -> None:
+        """One decode step's drafts: `drafted` verified, `accepted` of them kept."""
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 

@@ -64,9 +64,9 @@ def test_co_located_offload_lends_the_draft_memory_to_the_kv_cache(models, spec_
         draft = DraftEngine(models["draft"], max_sequences=64)
         policy = Overridable(FixedGamma(3))
         policy.override = 0  # the controller turned speculation off under load
-        engine = TargetEngine(models["llama"], draft, policy, EngineConfig(max_batch_size=12, kv_budget_tokens=600))
-        kv = ElasticKV(engine, draft, t_persist=2, tau_low_tokens=64) if elastic else None
-        engine.elastic = kv
+        kv = ElasticKV(draft, models["llama"], t_persist=2, tau_low_tokens=64) if elastic else None
+        engine = TargetEngine(models["llama"], draft, policy, EngineConfig(max_batch_size=12, kv_budget_tokens=600),
+                              elastic=kv)
         peak = 0
 
         def on_step(_):
