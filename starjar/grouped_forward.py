@@ -18,7 +18,6 @@ from typing import Generic, TypeVar
 
 import torch
 
-from starjar.batching import length_groups
 from starjar.kv_cache import RaggedKVCache
 from starjar.models import LoadedModel
 
@@ -61,6 +60,29 @@ def grouped_forward(model: LoadedModel, cache: RaggedKVCache, rows: Sequence[T],
         groups = _split_by_tokens(groups, lambda r: lengths[id(r)], max_pass_tokens)
     for group in groups:
         yield forward_pass(model, cache, group, feed, slot)
+
+
+def length_groups(items: list[T], length: Callable[[T], int], max_padding: float = 0.25,
+                  short: int = 0) -> list[list[T]]:
+    """Split items into passes of similar lengths.
+
+    A padded pass costs about as much as if every row had the longest length, and a
+    multi-token pass is compute-bound, so mixing a 2-token and a 200-token row wastes
+    most of the pass. Sorted by length, a group closes once padding would exceed
+    max_padding of its real tokens. Rows of at most `short` tokens always share a
+    pass: so few positions per row leave a pass weight-bound, and padding them
+    costs less than a second pass.
+    """
+    groups: list[list[T]] = []
+    for item in sorted(items, key=length, reverse=True):
+        if groups:
+            g = groups[-1]
+            real = sum(length(x) for x in g) + length(item)
+            if length(g[0]) <= short or length(g[0]) * (len(g) + 1) <= (1 + max_padding) * real:
+                g.append(item)
+                continue
+        groups.append([item])
+    return groups
 
 
 def _split_by_tokens(groups: list[list[T]], length: Callable[[T], int], max_tokens: int) -> list[list[T]]:
