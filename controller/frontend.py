@@ -14,8 +14,13 @@ import grpc
 from aiohttp import web
 
 from controller.frontend_grpc import FrontendGenerateService
-from controller.frontend_limits import (DEFAULT_MAX_REQUESTS, DEFAULT_REQUEST_TIMEOUT_S, FRONT_END_FULL,
-                                        check_max_requests, check_request_timeout)
+from controller.frontend_limits import (
+    DEFAULT_MAX_REQUESTS,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    FRONT_END_FULL,
+    check_max_requests,
+    check_request_timeout,
+)
 from controller.openai_http import OpenAIServer
 from controller.router import TargetRouter
 from starjar.security import Security
@@ -64,7 +69,7 @@ class FrontEnd:
         self.registry = new_registry("front_end", target_model=model_name)
         self.registry.register(_RouterCollector(self))
 
-    def start(self, timeout: float = 30.0) -> "FrontEnd":
+    def start(self, timeout: float = 30.0) -> FrontEnd:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout)
         return self

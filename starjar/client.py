@@ -10,8 +10,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 
@@ -181,7 +181,7 @@ class Client(_Base):
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -224,7 +224,7 @@ class AsyncClient(_Base):
     async def close(self) -> None:
         await self._channel.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

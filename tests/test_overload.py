@@ -12,11 +12,11 @@ import urllib.request
 
 import grpc
 import pytest
+from fault_servers import FakeWorker, Worker, slowed, wait_until
 from prometheus_client import generate_latest
 
 from controller.frontend import FrontEnd
 from controller.router import TargetRouter
-from fault_servers import FakeWorker, Worker, slowed, wait_until
 from starjar import Client, Overloaded
 from starjar.sampling import SamplingParams
 from starjar.v1 import generate_pb2 as pb
