@@ -151,12 +151,12 @@ def switching_cost(draft, prompts, quick: bool) -> list[dict]:
         batch = [prompts[i % len(prompts)] for i in range(bs)]
         for L in lengths:
             times = []
-            for rep in range(3):
+            for _ in range(3):
                 eng = DraftEngine(draft)
                 eng.propose([DraftRequest(i, 0, p, 1) for i, p in enumerate(batch)])
                 extra = [[(7 + i + j) % 1000 + 100 for j in range(L)] for i in range(bs)]
                 before = eng.stats.catchup_s
-                eng.propose([DraftRequest(i, len(p), e, 1) for i, (p, e) in enumerate(zip(batch, extra))])
+                eng.propose([DraftRequest(i, len(p), e, 1) for i, (p, e) in enumerate(zip(batch, extra, strict=True))])
                 times.append(eng.stats.catchup_s - before)
             rows.append({"batch_size": bs, "catchup_tokens": L, "catchup_ms": round(1000 * sorted(times)[1], 3)})
     return rows

@@ -18,12 +18,11 @@ from collections import defaultdict
 from tqdm import tqdm
 
 from benchmarks.common import pair_dirs
-from controller.pair_check import OWN_PROMPTS
 from controller.colocated import colocated_engine, load_pair
+from controller.pair_check import OWN_PROMPTS
 from starjar.sampling import SamplingParams
 from starjar.text import encode_prompt
 from starjar.workloads import spec_bench_questions
-
 
 
 def _step_ms(model, prompt, q: int = 1, reps: int = 15) -> float:

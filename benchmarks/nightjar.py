@@ -32,12 +32,20 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.nightjar_sim import (CostModel, Memory, SimRequest, alpha_from_mean_accepted, poisson_arrivals,
-                                     rise_and_fall, simulate, warp_trace)
+from benchmarks.nightjar_sim import (
+    CostModel,
+    Memory,
+    SimRequest,
+    alpha_from_mean_accepted,
+    poisson_arrivals,
+    rise_and_fall,
+    simulate,
+    warp_trace,
+)
 from starjar.policies import make_policy
 from starjar.policies.nightjar import CSwitchTable
 from starjar.workloads import data_dir
-from target_worker.elastic_kv import TAU_LOW_TOKENS, T_PERSIST_STEPS, ElasticRule
+from target_worker.elastic_kv import T_PERSIST_STEPS, TAU_LOW_TOKENS, ElasticRule
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_GAMMA = 4
@@ -54,7 +62,7 @@ def _trace(n: int) -> tuple[list[float], list[int], list[int]]:
     from datetime import datetime
 
     ts = [datetime.strptime(r["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f").timestamp() for r in rows]
-    gaps = [max(1e-3, b - a) for a, b in zip(ts, ts[1:])]
+    gaps = [max(1e-3, b - a) for a, b in zip(ts, ts[1:], strict=True)]
     outs = [min(256, max(8, int(r["GeneratedTokens"]))) for r in rows[:n]]
     # Prompts are Spec-Bench's (chat template included: about 4 characters per token plus 30 template tokens).
     from starjar.workloads import spec_bench_mix
@@ -70,7 +78,8 @@ def _alphas() -> list[float]:
 
 
 def _requests(arrivals, outs, prompts, alphas) -> list[SimRequest]:
-    return [SimRequest(a, o, alphas[k % len(alphas)], p) for k, (a, o, p) in enumerate(zip(arrivals, outs, prompts))]
+    rows = enumerate(zip(arrivals, outs, prompts, strict=True))
+    return [SimRequest(a, o, alphas[k % len(alphas)], p) for k, (a, o, p) in rows]
 
 
 def _memory(name: str, device: dict | None) -> Memory | None:
@@ -97,7 +106,7 @@ def _run_all(requests, cost, profile, seeds, device=None, record=False) -> tuple
             if runs[-1].gammas and not trace:
                 trace = runs[-1].gammas
 
-        def mean(attr: str) -> float:
+        def mean(attr: str, runs=runs) -> float:
             return round(sum(getattr(r, attr) for r in runs) / len(runs), 3)
 
         out[name] = {"tokens_per_s": mean("tokens_per_s"), "mean_e2e_s": mean("mean_e2e_s"),
@@ -254,8 +263,8 @@ def run_real(args, profile: dict) -> dict:
             ref = ref if ref is not None else outputs  # "none" is the target alone
             res["identical_to_target_alone"] = outputs == ref
             # The simulator on the same requests, to show how far its figures can be trusted.
-            sim = simulate(make_policy(name, MAX_GAMMA, cost.cswitch, profile, seed=0),
-                           [SimRequest(a, o, alpha, len(p)) for a, o, p in zip(arrivals, outs, prompts)], cost, 8)
+            sim_requests = [SimRequest(a, o, alpha, len(p)) for a, o, p in zip(arrivals, outs, prompts, strict=True)]
+            sim = simulate(make_policy(name, MAX_GAMMA, cost.cswitch, profile, seed=0), sim_requests, cost, 8)
             res["simulated"] = {"tokens_per_s": round(sim.tokens_per_s, 3), "mean_e2e_s": round(sim.mean_e2e_s, 3)}
             table[name] = res
             bar.update()

@@ -238,7 +238,7 @@ def warp_trace(gaps: list[float], rates: list[float]) -> list[float]:
     """Arrival times from a trace's inter-arrival gaps (normalized to mean 1) at a local rate per request."""
     mean = sum(gaps) / len(gaps) or 1.0
     t, out = 0.0, []
-    for g, r in zip(gaps, rates):
+    for g, r in zip(gaps, rates, strict=True):
         out.append(t)
         t += (g / mean) / r
     return out

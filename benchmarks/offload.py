@@ -76,7 +76,7 @@ def run(args) -> dict:
     budget = int(6 * (mean_prompt + max_tokens))  # room for about 6 sequences without offload
     off = _run(target, draft, prompts, budget, max_tokens, False, "offload off")
     on = _run(target, draft, prompts, budget, max_tokens, True, "offload on")
-    same = sum(a == b for a, b in zip(off.pop("outputs"), on.pop("outputs")))
+    same = sum(a == b for a, b in zip(off.pop("outputs"), on.pop("outputs"), strict=True))
     return {"pair": {"target": target_dir, "draft": draft_dir, "note": note},
             "requests": n, "max_tokens": max_tokens, "kv_budget_tokens": budget,
             "kv_bytes_per_token": kv_bytes_per_token(target),

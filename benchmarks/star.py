@@ -124,7 +124,7 @@ def run(args) -> dict:
     prompts = prompt_ids(target.tokenizer, 16)
     print("recording the target's greedy continuations ...", file=sys.stderr)
     conts = target_continuations(target, prompts, 48)  # short: a target goes through several per run
-    scripts = list(zip(prompts, conts))
+    scripts = list(zip(prompts, conts, strict=True))
     fingerprint = target.fingerprint
     del target
 

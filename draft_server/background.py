@@ -16,7 +16,7 @@ class BackgroundDraftServer:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="draft-server-loop", daemon=True)
 
-    def start(self) -> "BackgroundDraftServer":
+    def start(self) -> BackgroundDraftServer:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result(timeout=30)
         return self

@@ -36,7 +36,7 @@ class FaultPlan:
     refuse: int = 0
 
     @classmethod
-    def from_env(cls) -> "FaultPlan":
+    def from_env(cls) -> FaultPlan:
         text = os.environ.get(ENV, "").strip()
         plan = cls()
         if not text:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 from starjar.proposer import DraftRequest
 
@@ -24,7 +25,7 @@ class RoundWork:
     worker_id: str
     round_id: int
     requests: list[DraftRequest]  # seq_id = (tag, wire seq id)
-    reply: Callable[["RoundWork", list, float, float, int], None]  # (work, replies, wait_s, compute_s, n)
+    reply: Callable[[RoundWork, list, float, float, int], None]  # (work, replies, wait_s, compute_s, n)
     enqueued_s: float = field(default_factory=time.perf_counter)
 
 

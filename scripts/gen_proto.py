@@ -19,8 +19,8 @@ OUT_PACKAGE = "starjar/v1"
 
 
 def generate(out_root: Path) -> list[Path]:
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     protos = sorted(PROTO_ROOT.glob("starjar/v1/*.proto"))
     include = Path(grpc_tools.__file__).parent / "_proto"

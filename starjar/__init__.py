@@ -4,10 +4,9 @@ This package is the shared library and the public SDK. It imports no other
 package of the project (controller, draft_server, target_worker).
 """
 
-from starjar.version import __version__
-
 from starjar.errors import InvalidArgument, StarjarError
 from starjar.sampling import SamplingParams
+from starjar.version import __version__
 
 
 def __getattr__(name):

@@ -109,7 +109,7 @@ class RaggedKVCache(Cache):
         allowed = key_pos[None, None, :] <= pos[:, :, None]  # [B, Q, K]
         mask = torch.zeros(B, 1, Q, self._kv_len, dtype=self.dtype)
         mask.masked_fill_(~allowed[:, None], torch.finfo(self.dtype).min)
-        for s, n in zip(slots, new_counts):
+        for s, n in zip(slots, new_counts, strict=True):
             self.lengths[s] += n
         return pos.to(self.device), mask.to(self.device)
 

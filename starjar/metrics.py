@@ -10,8 +10,7 @@ lets tests and benchmarks run several servers in one process.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
-from prometheus_client import PLATFORM_COLLECTOR, PROCESS_COLLECTOR  # noqa: F401 - documented below
+from prometheus_client import PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Gauge, start_http_server  # noqa: F401 - documented below
 
 from starjar.version import __version__
 

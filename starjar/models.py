@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from starjar.errors import InvalidArgument, ModelMismatch
 from starjar import attention, quantized, skinny_linear
+from starjar.errors import InvalidArgument, ModelMismatch
 from starjar.kv_cache import RaggedKVCache
 from starjar.lean_decoder import LeanDecoder
 

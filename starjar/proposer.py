@@ -10,8 +10,9 @@ remote draft client are interchangeable.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Protocol, Sequence
+from typing import Protocol
 
 
 @dataclass(frozen=True)

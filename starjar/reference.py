@@ -6,7 +6,7 @@ decoding; tests and benchmarks both compare against it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -67,7 +67,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
-    def make_generator(self) -> "torch.Generator":
+    def make_generator(self) -> torch.Generator:
         """A private RNG per request: seeded runs repeat, unseeded ones never collide."""
         import torch
 
@@ -77,7 +77,7 @@ class SamplingParams:
         return gen
 
 
-def logits_to_probs(logits: "torch.Tensor", params: SamplingParams) -> "torch.Tensor":
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Target distribution p for sampling.
 
     logits: [..., V] (any float dtype); returns float32 probabilities [..., V].
@@ -105,7 +105,7 @@ class BadLogits(RuntimeError):
     """A row of logits with no finite value: the step cannot sample from it (its requests fail, not the engine)."""
 
 
-def finite_logits(logits: "torch.Tensor") -> "torch.Tensor":
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
     """float32 logits with NaN as -inf and +inf as the largest finite value, so NaN never reaches the sampler.
     Raises BadLogits when a row has nothing finite left."""
     import torch

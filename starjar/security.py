@@ -37,7 +37,8 @@ def read_token(token_file: str | None = None) -> str | None:
         try:
             token = Path(token_file).read_text().strip()
         except OSError as exc:
-            raise InvalidArgument("--auth-token-file", f"must be a readable file ({exc.strerror})", token_file)
+            raise InvalidArgument("--auth-token-file", f"must be a readable file ({exc.strerror})",
+                                  token_file) from None
         field = "--auth-token-file"
     else:
         token = os.environ.get(TOKEN_ENV, "").strip()
@@ -62,7 +63,7 @@ def _read(path: str | None, flag: str) -> bytes | None:
     try:
         return Path(path).read_bytes()
     except OSError as exc:
-        raise InvalidArgument(flag, f"must be a readable PEM file ({exc.strerror})", path)
+        raise InvalidArgument(flag, f"must be a readable PEM file ({exc.strerror})", path) from None
 
 
 @dataclass(frozen=True)

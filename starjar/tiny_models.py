@@ -53,8 +53,15 @@ def make_tiny_model(out_dir: str | Path, family: str = "llama", seed: int = 0, l
     tokenizer_from: copy an existing tokenizer directory instead of training one, so a
     target and its draft share token ids.
     """
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

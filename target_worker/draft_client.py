@@ -17,8 +17,8 @@ import random
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
 
 import grpc
 
@@ -92,13 +92,13 @@ class ClientStats:
     server_compute_s: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
 
     def wire_overhead_s(self) -> list[float]:
-        return [r - q - c for r, q, c in zip(self.round_s, self.server_queue_s, self.server_compute_s)]
+        return [r - q - c for r, q, c in zip(self.round_s, self.server_queue_s, self.server_compute_s, strict=True)]
 
 
 class RemoteProposer:
     def __init__(self, address: str | Callable[[], str | None], fingerprint: str, worker_id: str,
                  deadline_s: float = 0.5, backoff_s: tuple[float, float] = (0.05, 1.0),
-                 max_message_bytes: int = 4 << 20, breaker: "Breaker | None" = None,
+                 max_message_bytes: int = 4 << 20, breaker: Breaker | None = None,
                  keepalive_s: float = 10.0, security: Security | None = None):
         """`address` is HOST:PORT, or a function returning the current one (None = unknown yet): under Ray
         a restarted draft server comes back on a new port, and the attach loop asks again before each try.
@@ -178,7 +178,7 @@ class RemoteProposer:
         resp = self._await_reply(round_id, t0 + self.deadline_s)
         self.breaker.answered()
         elapsed = time.perf_counter() - t0
-        if len(resp.sequences) != len(wire) or any(s.seq_id != w for s, w in zip(resp.sequences, wire)):
+        if len(resp.sequences) != len(wire) or any(s.seq_id != w for s, w in zip(resp.sequences, wire, strict=True)):
             raise self._no_drafts("malformed", f"round {round_id}")
         self.stats.rounds += 1
         self.stats.round_s.append(elapsed)
@@ -189,7 +189,7 @@ class RemoteProposer:
         # A sequence held back by the limits gets None: the server never saw these tokens, so the engine must
         # not count them as sent (it resends from position 0 when the sequence fits again).
         out: list[DraftReply] = [None for _ in requests]
-        for s, r, i in zip(resp.sequences, sent, index):
+        for s, r, i in zip(resp.sequences, sent, index, strict=True):
             if s.resync:
                 self.stats.fallbacks["resync"] += 1
                 out[i] = None

@@ -10,8 +10,8 @@ recorded (or chosen) verification time. Results from it are labeled replay.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from starjar.proposer import DraftRequest, Proposer
 
@@ -92,7 +92,7 @@ class ReplayTarget:
         except Exception:  # a failed round is a speculation-free step, as on a real target
             replies = [None] * len(reqs)
             self.stats.fallbacks += 1
-        for s, r, req in zip(batch, replies, reqs):
+        for s, r, req in zip(batch, replies, reqs, strict=True):
             if r is None:
                 s.synced, r = 0, []
             else:

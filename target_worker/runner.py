@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from starjar.sampling import SamplingParams
 from target_worker.engine import StepOutput, TargetEngine

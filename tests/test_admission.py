@@ -8,7 +8,6 @@ import time
 import pytest
 
 from controller.admission import n_full, n_max, per_target_tokens_per_s
-from controller.colocated import colocated_engine
 from draft_server.background import BackgroundDraftServer
 from draft_server.config import DraftServerConfig
 from starjar.policy import FixedGamma

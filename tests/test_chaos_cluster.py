@@ -11,9 +11,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from test_ray_cluster import _cli
 
 from starjar import Client
-from test_ray_cluster import _cli
 
 pytestmark = pytest.mark.chaos
 MAX_TOKENS = 24
@@ -87,7 +87,8 @@ def test_draft_server_killed_five_times_loses_nothing(cluster4, spec_prompts, re
         [f.result() for f in futs]
         done.set()
     lost = sum(r is None for r in results)
-    altered = sum(r is not None and r != e for r, e in zip(results, ref))
-    print(f"{n} requests, {KILLS} kills: lost {lost}, altered {altered}, reattach s {[round(x, 2) for x in reattach_s]}")
+    altered = sum(r is not None and r != e for r, e in zip(results, ref, strict=True))
+    reattach = [round(x, 2) for x in reattach_s]
+    print(f"{n} requests, {KILLS} kills: lost {lost}, altered {altered}, reattach s {reattach}")
     assert not errors and lost == 0 and altered == 0
     assert len(reattach_s) == KILLS and max(reattach_s) <= 5.0

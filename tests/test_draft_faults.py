@@ -3,11 +3,11 @@ when drafting has stopped."""
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_draft_service import Stream, _wait, attach  # the raw-stream helpers of the service tests
 
 from draft_server.background import BackgroundDraftServer
 from draft_server.config import DraftServerConfig
 from starjar.v1 import draft_pb2_grpc as pb_grpc
-from test_draft_service import Stream, _wait, attach  # the raw-stream helpers of the service tests
 
 
 def test_a_round_whose_start_raises_is_answered_resync_and_drafting_goes_on(models):

@@ -6,10 +6,11 @@ import time
 
 import grpc
 import pytest
+from fault_proxy import FaultProxy
+from test_draft_service import Stream, _wait, attach
 
 from draft_server.background import BackgroundDraftServer
 from draft_server.config import DraftServerConfig
-from fault_proxy import FaultProxy
 from starjar.models import kv_bytes_per_token
 from starjar.policy import FixedGamma
 from starjar.sampling import SamplingParams
@@ -17,7 +18,6 @@ from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 from target_worker.draft_client import Breaker, RemoteProposer
 from target_worker.engine import EngineConfig, TargetEngine
-from test_draft_service import Stream, _wait, attach
 
 
 def _reason(err: grpc.RpcError) -> str:

@@ -8,9 +8,10 @@ import signal
 import time
 import urllib.request
 
+from streams import Stream, refused_while_draining, wait_streaming
+
 from controller.launch import ServerProcess
 from starjar import Client
-from streams import Stream, refused_while_draining, wait_streaming
 
 MAX_TOKENS = 300  # the long_prompts' references run this long without EOS
 N_STREAMS = 8  # with --batch-size 2: two running, six queued; the queued ones are in flight too

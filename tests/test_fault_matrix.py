@@ -19,10 +19,10 @@ import threading
 import time
 
 import pytest
+from fault_proxy import FaultProxy
 
 from draft_server.background import BackgroundDraftServer
 from draft_server.faults import FaultPlan
-from fault_proxy import FaultProxy
 from starjar.policy import FixedGamma
 from starjar.sampling import SamplingParams
 from target_worker.draft_client import RemoteProposer

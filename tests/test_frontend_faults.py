@@ -13,10 +13,10 @@ import urllib.request
 
 import grpc
 import pytest
+from fault_servers import FakeWorker, GatedTokenizer, Worker, broken, own_copy, slowed, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from controller.frontend import FrontEnd
-from fault_servers import FakeWorker, GatedTokenizer, Worker, broken, own_copy, slowed, wait_until
 from starjar import Client, Timeout
 from target_worker.runner import MAX_FAILED_STEPS
 
@@ -88,7 +88,7 @@ def test_a_request_queued_on_an_engine_that_dies_is_retried_elsewhere(models, sp
         assert entered.wait(10)  # the first failing step holds the engine; the rest queue behind it
         for n, t in enumerate(threads[1:], start=2):
             t.start()
-            assert wait_until(lambda: dying.server.runner.load == n)  # submitted, in this order
+            assert wait_until(lambda n=n: dying.server.runner.load == n)  # submitted, in this order
         gate.set()  # three steps fail in a row: the engine stops with the relayed request still queued
         for t in threads:
             t.join(30)

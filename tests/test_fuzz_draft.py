@@ -26,8 +26,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, \
-    run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from draft_server.background import BackgroundDraftServer
 from draft_server.config import DraftServerConfig
@@ -281,7 +287,7 @@ def test_fuzz_speculate(live, models, budget):
             assert kind == "answered", f"expected a refusal naming {want}, got an answer"
             assert resp.round_id == msg.round_id
             assert [d.seq_id for d in resp.sequences] == [q.seq_id for q in msg.sequences]
-            for d, q, w in zip(resp.sequences, msg.sequences, want):
+            for d, q, w in zip(resp.sequences, msg.sequences, want, strict=True):
                 assert len(d.tokens) <= min(q.gamma, MAX_GAMMA)
                 assert all(0 <= t < vocab for t in d.tokens)
                 if d.resync:
@@ -304,7 +310,6 @@ def test_fuzz_speculate(live, models, budget):
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_fuzz_release(live, models, budget):
     srv, ch, stub = live
-    vocab = srv.server.service.vocab_size
     good = good_fingerprint(models)
     request = st.tuples(
         st.sampled_from(["own", "random", "empty", "short", "long"]), st.binary(min_size=16, max_size=16),
@@ -433,7 +438,7 @@ class SessionMachine(RuleBasedStateMachine):
     def speculate(self, data, ids, g):
         name = self._pick(data, streaming=True)
         s = self.sessions[name]
-        seqs, fresh = [], 0
+        seqs = []
         for q in ids:
             n = s["live"].get(q)
             if n is None:
@@ -442,7 +447,7 @@ class SessionMachine(RuleBasedStateMachine):
                 seqs.append(pb.SequenceRound(seq_id=q, start=n, tokens=[20 + q], gamma=g))
         resp = s["stream"].send(pb.SpeculateRequest(round_id=self.next_name, sequences=seqs))
         assert [d.seq_id for d in resp.sequences] == ids
-        for q, d, m in zip(ids, resp.sequences, seqs):
+        for q, d, m in zip(ids, resp.sequences, seqs, strict=True):
             if q not in s["live"] and len(s["live"]) >= MAX_SEQ:
                 assert d.resync and not d.tokens  # over the live-sequence limit: that one resyncs
                 continue
@@ -510,7 +515,7 @@ class SessionMachine(RuleBasedStateMachine):
         assert st_.live_sequences == sum(len(s["live"]) for s in self.sessions.values())
 
     def teardown(self):
-        for name, s in list(getattr(self, "sessions", {}).items()):
+        for s in list(getattr(self, "sessions", {}).values()):
             if s["stream"] is not None:
                 s["stream"].cancel()
             try:

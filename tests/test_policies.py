@@ -150,8 +150,8 @@ def test_make_policy_knows_every_name():
         make_policy("magic")
 
 
-@pytest.mark.parametrize("name", ["nightjar", "nightjar_paper", "none", "fixed_2", "dsd", "banditspec", "tide", "vllm_table",
-                                  "sglang_ema", "hf_heuristic"])
+@pytest.mark.parametrize("name", ["nightjar", "nightjar_paper", "none", "fixed_2", "dsd", "banditspec", "tide",
+                                  "vllm_table", "sglang_ema", "hf_heuristic"])
 def test_greedy_output_is_the_target_alone_under_every_policy(name, models, spec_prompts, reference):
     from controller.colocated import colocated_engine
     from starjar.sampling import SamplingParams

@@ -13,7 +13,6 @@ from starjar.proposer import DraftRequest
 from starjar.quantized import RowInt8Linear, quantize_int8
 from starjar.sampling import SamplingParams
 
-
 PATHS = pytest.mark.parametrize("path", ["int_mm", "fused"])
 
 

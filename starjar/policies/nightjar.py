@@ -50,15 +50,15 @@ class CSwitchTable:
         return {"lengths": self.lengths, "batch_sizes": self.batch_sizes, "cost_s": self.cost_s}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CSwitchTable":
+    def from_dict(cls, d: dict) -> CSwitchTable:
         return cls(d["lengths"], d["batch_sizes"], d["cost_s"])
 
     @classmethod
-    def load(cls, path: str | Path) -> "CSwitchTable":
+    def load(cls, path: str | Path) -> CSwitchTable:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     @classmethod
-    def zero(cls) -> "CSwitchTable":
+    def zero(cls) -> CSwitchTable:
         return cls([1], [1], [[0.0]])
 
 
@@ -94,10 +94,10 @@ def arm_limits(step_s: dict, max_gamma: int) -> dict[int, int]:
     every draft were accepted. Larger arms cannot win at that batch size whatever the acceptance, so
     exploring them only costs. step_s: `starjar profile`'s {"batch_sizes", "gammas", "seconds"}."""
     out = {}
-    for b, row in zip(step_s["batch_sizes"], step_s["seconds"]):
+    for b, row in zip(step_s["batch_sizes"], step_s["seconds"], strict=False):
         plain = row[step_s["gammas"].index(0)] if 0 in step_s["gammas"] else None
         best = 0
-        for g, sec in zip(step_s["gammas"], row):
+        for g, sec in zip(step_s["gammas"], row, strict=False):
             if plain is not None and 0 < g <= max_gamma and sec / (g + 1) < plain:
                 best = max(best, g)
         out[int(b)] = best
@@ -182,4 +182,5 @@ class NightjarPlanner:
 
     def estimates(self) -> dict[int, list[float | None]]:
         """Empirical latency per token, per bucket and gamma (None = never played)."""
-        return {k: [s / n if n else None for s, n in zip(st.sums, st.counts)] for k, st in self._state.items()}
+        return {k: [s / n if n else None for s, n in zip(st.sums, st.counts, strict=True)]
+                for k, st in self._state.items()}
