@@ -14,8 +14,8 @@ def test_drafts_are_the_draft_models_greedy_chain(models):
     d = models["draft"]
     eng = DraftEngine(d)
     prompts = [[5, 6, 7, 8], [100, 101], [42] * 9]
-    replies = eng.propose([DraftRequest(i, 0, p, g) for i, (p, g) in enumerate(zip(prompts, [3, 1, 5]))])
-    for p, g, r in zip(prompts, [3, 1, 5], replies):
+    replies = eng.propose([DraftRequest(i, 0, p, g) for i, (p, g) in enumerate(zip(prompts, [3, 1, 5], strict=False))])
+    for p, g, r in zip(prompts, [3, 1, 5], replies, strict=False):
         assert r == greedy_chain(d, p, g)
 
 
@@ -55,5 +55,5 @@ def test_release_frees_kv_and_keeps_others_intact(models):
     eng.release([0, 2, "never-seen"])
     assert eng.num_sequences == 3 and eng.cache.num_slots == 3
     replies = eng.propose([DraftRequest(i, 3, [7], 2) for i in (1, 3, 4)])
-    for i, r in zip((1, 3, 4), replies):
+    for i, r in zip((1, 3, 4), replies, strict=False):
         assert r == greedy_chain(d, prompts[i] + [7], 2)

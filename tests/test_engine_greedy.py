@@ -4,9 +4,9 @@ import pytest
 
 from controller.colocated import colocated_engine
 from draft_server.engine import DraftEngine
+from starjar.policy import FixedGamma
 from starjar.sampling import SamplingParams
 from target_worker.engine import EngineConfig, TargetEngine
-from starjar.policy import FixedGamma
 
 GREEDY = SamplingParams(max_tokens=64)
 

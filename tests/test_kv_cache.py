@@ -20,12 +20,12 @@ def test_ragged_prefill_decode_rollback_and_leave(models, family):
     slots = [cache.allocate() for _ in seqs]
     # Prefill of different lengths in one pass.
     out = m.forward(cache, slots, seqs, [[len(s) - 1] for s in seqs])
-    for s, lg in zip(seqs, out):
+    for s, lg in zip(seqs, out, strict=False):
         assert torch.allclose(lg[0], full_logits(m, s), atol=TOL)
     # Ragged append: 1, 3 and 2 new tokens.
     new = [[40], [41, 42, 43], [44, 45]]
     out = m.forward(cache, slots, new, [list(range(len(n))) for n in new])
-    for s, n, lg in zip(seqs, new, out):
+    for s, n, lg in zip(seqs, new, out, strict=False):
         for j in range(len(n)):
             assert torch.allclose(lg[j], full_logits(m, s + n[: j + 1]), atol=TOL)
         s.extend(n)
