@@ -41,11 +41,11 @@ class DrainGate(grpc.aio.ServerInterceptor):
         if handler is None or not handler_call_details.method.startswith(self._prefix):
             return handler
         if self.draining:
-            return _same_kind(handler, _refuse)
-        behavior = _behavior(handler)
+            return same_kind_handler(handler, _refuse)
+        behavior = handler_behavior(handler)
         if not (inspect.isasyncgenfunction(behavior) or inspect.iscoroutinefunction(behavior)):
             return handler  # a synchronous servicer runs on grpc's thread pool: not counted
-        return _same_kind(handler, self._counted(behavior))
+        return same_kind_handler(handler, self._counted(behavior))
 
     def _counted(self, behavior):
         gate = self
@@ -72,11 +72,11 @@ async def _refuse(request, context) -> None:
     await context.abort(grpc.StatusCode.UNAVAILABLE, DRAINING)
 
 
-def _behavior(handler: grpc.RpcMethodHandler):
+def handler_behavior(handler: grpc.RpcMethodHandler):
     return (handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream)
 
 
-def _same_kind(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
+def same_kind_handler(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
     """A handler of the same streaming kind and (de)serializers as `handler`, running `behavior`."""
     kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from starjar.drain import _same_kind
+from starjar.drain import same_kind_handler
 from starjar.errors import InvalidArgument
 
 TOKEN_ENV = "STARJAR_AUTH_TOKEN"
@@ -136,7 +136,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         header = dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA)
         if token_matches(header, self._token):
             return handler
-        return _same_kind(handler, _unauthenticated)
+        return same_kind_handler(handler, _unauthenticated)
 
 
 async def _unauthenticated(request, context) -> None:

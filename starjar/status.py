@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from starjar.drain import _behavior, _same_kind
+from starjar.drain import handler_behavior, same_kind_handler
 from starjar.errors import (
     BadCredentials,
     FailedPrecondition,
@@ -109,11 +109,11 @@ class ErrorStatus(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or not method.startswith(OUR_METHODS):
             return handler
-        behavior = _behavior(handler)
+        behavior = handler_behavior(handler)
         if inspect.isasyncgenfunction(behavior):
-            return _same_kind(handler, _mapped_stream(behavior, method))
+            return same_kind_handler(handler, _mapped_stream(behavior, method))
         if inspect.iscoroutinefunction(behavior):
-            return _same_kind(handler, _mapped_unary(behavior, method))
+            return same_kind_handler(handler, _mapped_unary(behavior, method))
         return handler  # a synchronous servicer: none of ours
 
 
