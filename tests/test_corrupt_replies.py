@@ -122,7 +122,10 @@ def garbage_server(models):
 
     def start(kind):
         svc = GarbageDraftService(kind, models["llama"].vocab_size)
-        server = grpc.server(futures.ThreadPoolExecutor(8))
+        # The targets ping every keepalive_s; allowed as the real draft server allows it (a default server
+        # answers the third ping with GOAWAY too_many_pings, a stream break the test does not inject).
+        server = grpc.server(futures.ThreadPoolExecutor(8), options=[
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000), ("grpc.http2.max_ping_strikes", 0)])
         pb_grpc.add_DraftServiceServicer_to_server(svc, server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()

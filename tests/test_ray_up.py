@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,9 @@ def test_ray_up_job_submit_starjar_up_and_down(sshd, tmp_path):
                                          for c in config["head_start_ray_commands"]]
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled")
+    # `ray` is this interpreter's (the venv's), whether or not the venv is activated.
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     try:
         up = _sh(f"ray up -y {path}", cwd=ROOT, env=env)
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
