@@ -131,8 +131,9 @@ def test_an_opted_out_target_is_never_recorded(models, far_draft, alone):
 @pytest.mark.slow
 def test_no_prompt_text_on_disk_or_in_logs_with_adaptation_on(model_dirs, tmp_path):
     """The prompt-marker test of test_no_prompt_in_logs, with the draft server adapting (debug logging)."""
-    from controller.launch import ServerProcess
     from test_no_prompt_in_logs import _hits, _sdk_traffic
+
+    from controller.launch import ServerProcess
 
     marker = f"mk{uuid.uuid4().hex}"
     home, logs = tmp_path / "starjar_home", tmp_path / "logs"
