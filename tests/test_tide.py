@@ -12,6 +12,7 @@ from draft_server.tide_collect import CollectConfig, CollectionControl
 from draft_server.tide_config import TrainConfig
 from draft_server.tide_trainer import AdapterTrainer, LowRankLogits
 from starjar.errors import InvalidArgument
+from starjar.proposer import DraftRequest
 
 # ---- collection control (Algorithm 1) -------------------------------------------------------------
 
@@ -150,3 +151,31 @@ def test_trainer_learns_a_biased_target_and_each_micro_step_is_short(models):
     frozen = tr.finish(deploy=True)
     assert frozen is not None and not any(p.requires_grad for p in frozen.parameters())
     assert tr.candidate is None
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+
+def test_tide_metrics_are_exported_and_pass_promtool(models):
+    import shutil
+    import subprocess
+
+    from prometheus_client import generate_latest
+
+    from draft_server.config import DraftServerConfig
+    from draft_server.server import DraftServer
+    from draft_server.tide_config import TideConfig
+
+    server = DraftServer(models["draft"], DraftServerConfig(tide=TideConfig()))
+    server.tide.observe_round([DraftRequest(("t", 1), 0, [1, 2, 3], 2)], [[4, 5]])
+    server.tide.observe_round([DraftRequest(("t", 1), 3, [4, 9], 1)], [[6]])  # one of two drafts accepted
+    text = generate_latest(server.metrics.registry).decode()
+    for name in ("tide_acceptance_short_ratio", "tide_collecting", "tide_train_steps_total", "tide_swaps_total",
+                 "tide_train_time_seconds_total", "tide_train_time_share_ratio", "tide_buffered_sequences"):
+        assert f"starjar_draft_{name}" in text, name
+    assert server.tide.proposed == 2 and server.tide.accepted == 1
+    plain = DraftServer(models["draft"], DraftServerConfig())
+    assert "tide" not in generate_latest(plain.metrics.registry).decode()  # off: nothing exported
+    if shutil.which("promtool"):
+        check = subprocess.run(["promtool", "check", "metrics"], input=text.encode(), capture_output=True)
+        assert check.returncode == 0, check.stdout + check.stderr
