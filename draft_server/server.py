@@ -138,6 +138,8 @@ class DraftServer:
         await self._health.set_serving(False)
         self.service.start_draining()
         self.compute.tide = None  # no more training: the loop only answers what is queued
+        if self.tide is not None:
+            self.tide.close()
         self.faults.release()
         await self._server.stop(grace)
         if self._sweeper:

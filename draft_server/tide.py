@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 
-from draft_server.tide_buffer import TrainingBuffer
+from draft_server.tide_buffer import Finished, TrainingBuffer
 from draft_server.tide_collect import CollectionControl
 from draft_server.tide_config import TideConfig
 from draft_server.tide_trainer import AdapterTrainer
@@ -44,6 +44,12 @@ class Tide:
         self.cycles = 0
         self.heldout = 0.0  # held-out acceptance of the serving draft, as of the last cycle
         self._offered = None  # an adapter handed in from outside the compute thread, swapped in when idle
+        model.hidden_tap = self.tap  # the serving passes' hidden states: the training signal, at no extra pass
+
+    def close(self) -> None:
+        """Stop tapping the draft's passes (the server stops; the model may be used again elsewhere)."""
+        if self.model.hidden_tap == self.tap:
+            self.model.hidden_tap = None
         self.started_s = time.perf_counter()
 
     # ---- hooks for the compute loop -----------------------------------------------------------
@@ -62,6 +68,16 @@ class Tide:
 
     def release(self, seq_ids) -> None:
         self.buffer.release(seq_ids)
+
+    def tap(self, cache, slots: list[int], counts: list[int], hidden) -> None:
+        """After each draft pass (the compute thread): keep the hidden states of tracked sequences while
+        collecting. hidden [B, Q, H]; slot b fed counts[b] tokens, now the last of its cache."""
+        if not self.control.collecting:
+            return
+        for b, (slot, n) in enumerate(zip(slots, counts, strict=True)):
+            seq_id = getattr(cache.owner(slot), "seq_id", None)
+            if seq_id is not None:
+                self.buffer.keep_hidden(seq_id, cache.lengths[slot] - n, hidden[b, :n])
 
     def offer(self, adapter) -> None:
         """Swap this adapter in at the compute loop's next idle step (any thread; a trainer elsewhere, or a
@@ -83,7 +99,9 @@ class Tide:
             self.swaps += 1
         new, self._seen = self.buffer.take_new(self._seen)
         if new:
-            self.trainer.add(new)
+            self.trainer.add([Finished(s.tokens, s.prompt_len, dict(s.hidden)) for s in new])
+            for s in new:  # the trainer owns their hidden states now (and bounds them)
+                self.buffer.handed_over(s)
         result = self.trainer.step()
         if result is not None:
             self._end_cycle(*result)

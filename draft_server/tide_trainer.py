@@ -32,6 +32,7 @@ from draft_server.tide_config import TrainConfig
 from starjar.models import LoadedModel
 
 log = logging.getLogger(__name__)
+MAX_QUEUED = 64  # finished sequences waiting for extraction
 
 
 class LowRankLogits(torch.nn.Module):
@@ -93,15 +94,17 @@ class AdapterTrainer:
         self._eval_at = -1  # next held-out row to score; -1: not scoring
         self._eval_counts = [0, 0, 0]  # rows scored, serving correct, candidate correct
         self.steps = 0  # micro-steps run
+        self.positions_captured = 0  # positions learned from the serving passes' hidden states
+        self.positions_rerun = 0  # positions whose hidden state took a pass of ours (nothing was captured)
         self.cycles = 0
         self.last_eval: tuple[float, float] | None = None  # (serving, candidate) held-out acceptance
 
     # ---- what the caller sees -------------------------------------------------------------
 
     def add(self, sequences: list[Finished]) -> None:
-        """Finished sequences to learn from; bounded by the buffer that hands them over."""
+        """Finished sequences to learn from (the newest MAX_QUEUED wait; older ones are dropped)."""
         self._queue.extend(sequences)
-        while len(self._queue) > 4 * self.cfg.max_positions // max(1, self.cfg.chunk_tokens):
+        while len(self._queue) > MAX_QUEUED:
             self._queue.popleft()
 
     def has_work(self) -> bool:
@@ -138,11 +141,17 @@ class AdapterTrainer:
             if not self._queue:
                 return
             seq = self._queue.popleft()
-            cache = self.model.new_cache()
             held_out = self.sequences_seen % self.cfg.eval_every == self.cfg.eval_every - 1
             self.sequences_seen += 1
-            self._extracting = (seq, cache, cache.allocate(), 0, held_out)
+            if seq.hidden:  # the serving passes' own hidden states: no pass of ours needed
+                self._extracting = (seq, None, -1, 0, held_out)
+            else:
+                cache = self.model.new_cache()
+                self._extracting = (seq, cache, cache.allocate(), 0, held_out)
         seq, cache, slot, pos, held_out = self._extracting
+        if cache is None:
+            self._take_captured(seq, pos, held_out)
+            return
         end = min(len(seq.tokens) - 1, pos + self.cfg.chunk_tokens)  # the last token has no next one
         chunk = list(seq.tokens[pos:end])
         h = self.model.hidden_states(cache, [slot], [chunk])[0, : len(chunk)]  # [len(chunk), H]
@@ -150,7 +159,18 @@ class AdapterTrainer:
         if first < end:
             labels = list(seq.tokens[first + 1:end + 1])
             self._keep(h[first - pos:].float(), labels, held_out)
+            self.positions_rerun += len(labels)
         self._extracting = None if end >= len(seq.tokens) - 1 else (seq, cache, slot, end, held_out)
+
+    def _take_captured(self, seq: Finished, done: int, held_out: bool) -> None:
+        """Up to chunk_tokens captured positions (in position order) into the pools."""
+        positions = sorted(seq.hidden)[done:done + self.cfg.chunk_tokens]
+        if positions:
+            h = torch.stack([seq.hidden[p] for p in positions]).float()
+            self._keep(h, [seq.tokens[p + 1] for p in positions], held_out)
+            self.positions_captured += len(positions)
+        done += len(positions)
+        self._extracting = (seq, None, -1, done, held_out) if done < len(seq.hidden) else None
 
     @torch.no_grad()
     def _keep(self, h: torch.Tensor, labels: list[int], held_out: bool) -> None:

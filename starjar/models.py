@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +66,8 @@ class LoadedModel:
     fingerprint: str
     lean: torch.nn.Module | None = None  # starjar.lean_decoder.LeanDecoder for a Llama-family draft
     adapter: torch.nn.Module | None = None  # a draft's learned logit correction (TIDE); never on a target
+    # A draft's training-signal tap (TIDE): told (cache, slots, counts, hidden [B, Q, hidden]) after each pass.
+    hidden_tap: Callable | None = None
 
     def new_cache(self) -> RaggedKVCache:
         return RaggedKVCache(self.device, self.dtype)
@@ -79,6 +82,8 @@ class LoadedModel:
         is most of the cost of a short pass.
         """
         hidden = self.hidden_states(cache, slots, tokens)  # [B, Q, hidden]
+        if self.hidden_tap is not None:
+            self.hidden_tap(cache, slots, [len(t) for t in tokens], hidden)
         b_idx = [b for b, rows in enumerate(logit_rows) for _ in rows]
         r_idx = [r for rows in logit_rows for r in rows]
         logits = self.head_logits(hidden[b_idx, r_idx])  # [sum rows, V]

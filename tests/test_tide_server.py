@@ -82,8 +82,34 @@ def test_the_draft_learns_and_outputs_stay_the_targets(models, far_draft, alone)
         with grpc.insecure_channel(srv.address) as ch:
             stats = pb_grpc.DraftServiceStub(ch).GetStats(pb.GetStatsRequest(), timeout=10)
     assert after > before, (before, after)
+    assert tide.trainer.positions_captured > 0 and tide.trainer.positions_rerun == 0  # no pass of its own
     assert stats.tide_swaps >= 1 and stats.tide_train_steps > 0 and stats.tide_train_s > 0
     assert 0 < stats.tide_heldout_acceptance <= 1 and stats.tide_buffered_sequences > 0
+
+
+def test_captured_hidden_states_are_the_drafts_own_on_the_verified_tokens(models, far_draft, alone):
+    """What the serving passes left in the buffer (drafts rejected, positions re-fed, batched with other
+    sequences) equals a fresh pass of the draft over the verified tokens: the training signal is right."""
+    prompts, ref = alone
+    cfg = TideConfig(collect=CollectConfig(start_collecting=True), train=TrainConfig(min_new_positions=1 << 20))
+    with BackgroundDraftServer(far_draft, DraftServerConfig(tide=cfg)) as srv:
+        tide = srv.server.tide
+        tide.wants_idle = lambda: False  # keep every finished sequence in the buffer, untouched
+        eng, rp = _engine(models, srv.address, "capture")
+        assert _generate(eng, prompts[:6]) == ref[:6]
+        rp.close()
+        assert _wait(lambda: len(tide.buffer.finished) == 6, 10)
+        finished = list(tide.buffer.finished)
+    assert far_draft.hidden_tap is None  # the stopped server no longer taps the model
+    checked = 0
+    for seq in finished:
+        cache = far_draft.new_cache()
+        fresh = far_draft.hidden_states(cache, [cache.allocate()], [list(seq.tokens)])[0]
+        assert seq.hidden and max(seq.hidden) == len(seq.tokens) - 2 and min(seq.hidden) >= seq.prompt_len - 1
+        for pos, row in seq.hidden.items():
+            assert torch.allclose(row, fresh[pos], atol=1e-4), pos
+            checked += 1
+    assert checked > 100
 
 
 def test_a_swap_mid_stream_keeps_outputs_identical(models, far_draft, alone, long_prompts):
