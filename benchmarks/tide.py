@@ -118,6 +118,8 @@ def _run(draft_dir: str, target, prompts, phase_s: float, adapt: bool) -> dict:
     trace["target_seen_round_ms_p99"] = round(1000 * _quantile(list(rp.stats.round_s), 0.99), 3)
     trace["swaps"] = stats.tide_swaps
     trace["train_steps"] = stats.tide_train_steps
+    trace["cycles"] = stats.tide_cycles
+    trace["heldout_acceptance"] = round(stats.tide_heldout_acceptance, 4)
     trace["training_share"] = round(stats.tide_train_s / trace["wall_s"], 4)
     trace["draft_load"] = round(stats.load, 4)
     return trace
@@ -167,7 +169,8 @@ def summarize(trace: dict, phase_s: float) -> dict:
             "acceptance_mean": round(acc, 4) if acc is not None else None,
             "round_ms_p99": trace["round_ms_p99"], "target_seen_round_ms_p99": trace["target_seen_round_ms_p99"],
             "per_phase": per_phase, "requests_finished": len(trace["outputs"]), "draft_load": trace["draft_load"],
-            "swaps": trace["swaps"], "train_steps": trace["train_steps"], "training_share": trace["training_share"]}
+            "swaps": trace["swaps"], "train_steps": trace["train_steps"], "training_share": trace["training_share"],
+            "training_cycles": trace["cycles"], "heldout_acceptance_last": trace["heldout_acceptance"]}
 
 
 def _series(steps: list[tuple], total_s: float, col: int) -> tuple[list[float], list[float]]:

@@ -205,6 +205,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
             msg.tide_collecting, msg.tide_train_steps, msg.tide_swaps = t["collecting"], t["train_steps"], t["swaps"]
             msg.tide_train_s, msg.tide_heldout_acceptance = t["train_s"], t["heldout_acceptance"]
             msg.tide_buffered_sequences, msg.tide_buffered_tokens = t["buffered_sequences"], t["buffered_tokens"]
+            msg.tide_cycles = t["cycles"]
         return msg
 
 

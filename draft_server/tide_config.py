@@ -22,7 +22,7 @@ class TrainConfig:
     max_positions: int = 8192  # training positions held (a ring: the newest traffic wins)
     max_eval_positions: int = 1024  # held-out positions held (a ring)
     eval_every: int = 4  # every eval_every-th finished sequence is held out, never trained on
-    eval_chunk: int = 64  # held-out positions scored per micro-step
+    eval_chunk: int = 16  # held-out positions scored per micro-step
     seed: int = 0
 
     def __post_init__(self) -> None:
