@@ -179,3 +179,15 @@ def test_tide_metrics_are_exported_and_pass_promtool(models):
     if shutil.which("promtool"):
         check = subprocess.run(["promtool", "check", "metrics"], input=text.encode(), capture_output=True)
         assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_serve_draft_adapt_flags_build_the_config():
+    from controller.cli import _parser
+    from controller.serve_cmd import _draft_config
+
+    off = _draft_config(_parser().parse_args(["serve", "draft"]))
+    assert off.tide is None  # off by default
+    on = _draft_config(_parser().parse_args(["serve", "draft", "--adapt"]))
+    assert on.tide is not None and not on.tide.collect.start_collecting  # TIDE's default: wait for a drift
+    cold = _draft_config(_parser().parse_args(["serve", "draft", "--adapt", "--adapt-collect-from-start"]))
+    assert cold.tide.collect.start_collecting

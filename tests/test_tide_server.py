@@ -185,3 +185,25 @@ def test_no_prompt_text_on_disk_or_in_logs_with_adaptation_on(model_dirs, tmp_pa
     assert (logs / "draft.log").stat().st_size > 0
     assert marker not in stdout
     assert _hits(marker, logs, home) == []
+
+
+def test_a_round_preempts_training_within_one_micro_step(models, alone):
+    """Training never holds a round back for longer than the micro-step in progress: here each micro-step
+    is a 0.3 s pause (a slowed trainer), and the loop has one to run whenever no round is in flight."""
+    prompts, ref = alone
+    with BackgroundDraftServer(models["draft"], DraftServerConfig(tide=TideConfig())) as srv:
+        tide = srv.server.tide
+        pauses = []
+
+        def slow_step() -> float:
+            time.sleep(0.3)
+            pauses.append(1)
+            return 0.3
+
+        tide.wants_idle, tide.idle_step = (lambda: True), slow_step
+        eng, rp = _engine(models, srv.address, "preempt")
+        assert _generate(eng, prompts[:4], 16) == [r[:16] for r in ref[:4]]
+        waits = list(rp.stats.server_queue_s)
+        rp.close()
+    assert len(pauses) > 5 and len(waits) >= 5
+    assert max(waits) < 0.3 + 0.25, max(waits)  # at most the one micro-step in progress (and some scheduling)
