@@ -49,6 +49,12 @@ def _add_draft_parser(ssub) -> None:
                    help="seconds between pings to each target; an unanswered ping ends its session (default 20)")
     d.add_argument("--stream-idle", type=float, default=600.0,
                    help="seconds a stream may send no round before it is ended (default 600)")
+    d.add_argument("--adapt", action="store_true",
+                   help="online draft adaptation (TIDE): learn from the targets' verified tokens in idle time, "
+                        "in memory only; a target opts out at Attach (default: off)")
+    d.add_argument("--adapt-collect-from-start", action="store_true",
+                   help="with --adapt: collect training data from the first round (a cold start) instead of "
+                        "waiting for acceptance to drop (TIDE's default)")
     d.add_argument("--device", default="cpu")
     d.add_argument("--dtype", default="float32")
     d.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
@@ -134,9 +140,19 @@ def _draft_config(args):
                                  lease_s=args.lease, offload_after_s=args.offload_after,
                                  max_kv_tokens=args.max_kv_tokens,
                                  max_kv_tokens_per_target=args.max_kv_tokens_per_target,
-                                 keepalive_s=args.keepalive, stream_idle_s=args.stream_idle)
+                                 keepalive_s=args.keepalive, stream_idle_s=args.stream_idle,
+                                 tide=_tide_config(args))
     except InvalidArgument as exc:
         raise as_flag_error(exc) from None
+
+
+def _tide_config(args):
+    from draft_server.tide_collect import CollectConfig
+    from draft_server.tide_config import TideConfig
+
+    if not args.adapt:
+        return None
+    return TideConfig(collect=CollectConfig(start_collecting=args.adapt_collect_from_start))
 
 
 def _run_draft(args) -> int:

@@ -41,9 +41,10 @@ class _Active:
 
 class ComputeLoop(threading.Thread):
     def __init__(self, engine: DraftEngine, queue: WorkQueue, stats: ServerStats, mode: str = "batched",
-                 max_batch_rounds: int = 64, faults: Faults | None = None):
+                 max_batch_rounds: int = 64, faults: Faults | None = None, tide=None):
         """mode and max_batch_rounds: DraftServerConfig's. batched: rounds join the passes in flight
-        (continuous batching, at most max_batch_rounds at once); fifo: one round at a time."""
+        (continuous batching, at most max_batch_rounds at once); fifo: one round at a time.
+        tide: draft_server.tide.Tide (online adaptation: sees each answered round, trains when idle)."""
         super().__init__(name="draft-compute", daemon=True)
         self.engine = engine
         self.queue = queue
@@ -51,6 +52,7 @@ class ComputeLoop(threading.Thread):
         self.continuous = mode == "batched"
         self.max_batch_rounds = max_batch_rounds
         self.faults = faults or Faults(FaultPlan())
+        self.tide = tide
         # The engine is this thread's; the offload check (from the server's sweeper) takes this lock too.
         self.lock = threading.Lock()
         self.last_round_s = time.perf_counter()
@@ -64,15 +66,20 @@ class ComputeLoop(threading.Thread):
         idle = 0.0
         while True:
             busy = bool(self._active or self._held)
+            tide = self.tide if not busy and not self.engine.offloaded else None
+            train = tide is not None and tide.wants_idle()
             waited = 0.0
             if busy and not self.continuous:
                 items = []
             else:
                 room = self.max_batch_rounds - len(self._active) if self.continuous else 1
-                items = self.queue.take(block=not busy, max_rounds=max(0, room))
+                items = self.queue.take(block=not busy and not train, max_rounds=max(0, room))
                 waited = self.queue.last_wait_s
             if items is None:
                 return
+            if train and not items:  # no round to serve: one training micro-step instead of waiting
+                idle += self._idle_train(tide)
+                continue
             got = time.perf_counter()
             idle += waited
             if any(isinstance(w, RoundWork) for w in items):  # a wake-up that only frees sequences: still idle
@@ -134,6 +141,19 @@ class ComputeLoop(threading.Thread):
             self.stats.record_round(wait, service, a.work.worker_id)
             replies = self.faults.before_reply(a.replies)
             a.work.reply(a.work, replies, wait, service, len(finished) + len(self._active))
+            if self.tide is not None:  # after the reply: learning stays off the round's path
+                self.tide.observe_round(a.work.requests, a.replies, a.work.train)
+
+    def _idle_train(self, tide) -> float:
+        """One training micro-step (the queue was empty); its seconds count as idle time: no round waited.
+        A failing trainer is switched off, never the drafting."""
+        try:
+            with self.lock:
+                return tide.idle_step()
+        except Exception:
+            log.exception("draft adaptation failed; it is off until restart (drafting goes on)")
+            self.tide = None
+            return 0.0
 
     def _apply_releases(self) -> None:
         # Releases go after the rounds taken with them (a stream that ends with a round in flight must not
@@ -147,6 +167,8 @@ class ComputeLoop(threading.Thread):
                 continue
             before = self.engine.num_sequences
             self.engine.release(w.keys)
+            if self.tide is not None:
+                self.tide.release(w.keys)
             if w.done:
                 w.done(before - self.engine.num_sequences)
         self._releases = waiting

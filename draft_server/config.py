@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from draft_server.tide_config import TideConfig
 from starjar.errors import InvalidArgument
 
 MODES = ("batched", "fifo")
@@ -35,6 +36,9 @@ class DraftServerConfig:
     keepalive_s: float = 20.0
     keepalive_timeout_s: float = 10.0
     stream_idle_s: float = 600.0
+    # Online draft adaptation (TIDE): None = off. On, the draft learns a logit adapter from the targets'
+    # verified tokens in the compute loop's idle time (draft_server/tide.py).
+    tide: TideConfig | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -38,6 +38,7 @@ MAX_PASS_TOKENS = 2048
 @dataclass(eq=False)
 class _DraftSeq:
     slot: int
+    seq_id: Hashable = None  # (tag, wire id) on the draft server: how a hidden-state tap names the sequence
     verified: list[int] = field(default_factory=list)
     cached: list[int] = field(default_factory=list)  # tokens whose KV is in the cache, in order
 
@@ -250,7 +251,7 @@ class DraftEngine:
         if seq is None:
             if req.start != 0 or len(self._seqs) >= self.max_sequences:
                 return None
-            seq = _DraftSeq(slot=-1)
+            seq = _DraftSeq(slot=-1, seq_id=req.seq_id)
             self.cache.allocate(seq)
             self._seqs[req.seq_id] = seq
         self._count(req.seq_id, new_len - len(seq.verified))

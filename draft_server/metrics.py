@@ -5,6 +5,12 @@ by the compute loop as they happen; everything else is read from the server's
 own bookkeeping at scrape time, so the exported numbers are the very ones
 GetStats reports. Busy and idle time are exported as counters: load over any
 window is rate(busy_time) / (rate(busy_time) + rate(idle_time)).
+
+With online adaptation on (`--adapt`), `starjar_draft_tide_*` follow it. Its
+training runs inside idle time, so the share of time spent training over a
+window is rate(starjar_draft_tide_train_time_seconds_total[5m]) (seconds per
+second), and the share of the idle time it used is that over
+rate(starjar_draft_idle_time_seconds_total[5m]).
 """
 
 from __future__ import annotations
@@ -95,6 +101,32 @@ class _StateCollector:
             if worker in attached:
                 per_target.add_metric([worker], n)
         yield per_target
+        if getattr(s, "tide", None) is not None:
+            yield from _tide_metrics(s.tide.snapshot(), snap["uptime_s"])
+
+
+def _tide_metrics(t: dict, uptime_s: float):
+    """Online adaptation (draft_server.tide): acceptance averages, the collection switch, training work."""
+    yield _gauge("tide_acceptance_short_ratio", "draft acceptance (accepted / proposed), short-horizon EMA",
+                 t["acceptance_short"])
+    yield _gauge("tide_acceptance_long_ratio", "draft acceptance (accepted / proposed), long-horizon EMA",
+                 t["acceptance_long"])
+    yield _gauge("tide_collecting", "1 while verified sequences are collected for training", int(t["collecting"]))
+    yield _gauge("tide_heldout_acceptance_ratio",
+                 "held-out next-token agreement of the serving draft with the targets (last training cycle)",
+                 t["heldout_acceptance"])
+    yield _gauge("tide_buffered_sequences", "finished sequences in the training buffer (memory only)",
+                 t["buffered_sequences"])
+    yield _gauge("tide_buffered_tokens", "tokens of the finished sequences in the training buffer",
+                 t["buffered_tokens"])
+    yield _gauge("tide_train_time_share_ratio", "compute-loop time spent training since start, over uptime",
+                 t["train_s"] / uptime_s if uptime_s > 0 else 0.0)
+    yield _counter("tide_train_steps", "training micro-steps run in idle time", t["train_steps"])
+    yield _counter("tide_cycles", "training cycles finished (trained, then scored on held-out sequences)",
+                   t["cycles"])
+    yield _counter("tide_swaps", "adapted drafts swapped into serving", t["swaps"])
+    yield _counter("tide_train_time_seconds", "compute-loop time spent training (taken from idle time only)",
+                   t["train_s"])
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

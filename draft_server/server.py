@@ -20,6 +20,7 @@ from draft_server.faults import Faults
 from draft_server.service import DraftService
 from draft_server.sessions import SessionTable
 from draft_server.stats import ServerStats
+from draft_server.tide import Tide
 from draft_server.work_queue import make_queue
 from starjar.models import LoadedModel, kv_bytes_per_token
 from starjar.security import Security
@@ -68,10 +69,13 @@ class DraftServer:
                              max_kv_tokens=self.kv_budget[0], max_kv_tokens_per_owner=self.kv_budget[1],
                              on_reload=self.metrics.reload_s.observe)
         self.faults = Faults()  # chaos tests only: inert unless STARJAR_DRAFT_FAULTS is set
-        self.compute = ComputeLoop(engine, self.queue, self.stats, cfg.mode, cfg.max_batch_rounds, self.faults)
+        self.tide = Tide(model, cfg.tide) if cfg.tide is not None else None
+        self.compute = ComputeLoop(engine, self.queue, self.stats, cfg.mode, cfg.max_batch_rounds, self.faults,
+                                   self.tide)
         vocab_size, tok_hash = model.fingerprint.split(":", 1)
         self.service = DraftService(cfg, self.sessions, self.queue, self.stats, (int(vocab_size), tok_hash),
                                     draft_name=draft_name, vocab_size=model.vocab_size, faults=self.faults)
+        self.service.tide = self.tide
         self._server: grpc.aio.Server | None = None
         self._health: HealthAndReflection | None = None
         self._sweeper: asyncio.Task | None = None
@@ -133,6 +137,9 @@ class DraftServer:
             return
         await self._health.set_serving(False)
         self.service.start_draining()
+        self.compute.tide = None  # no more training: the loop only answers what is queued
+        if self.tide is not None:
+            self.tide.close()
         self.faults.release()
         await self._server.stop(grace)
         if self._sweeper:

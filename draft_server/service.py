@@ -49,6 +49,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
         self.vocab_size = vocab_size
         self.draining = False
         self.faults = faults
+        self.tide = None  # draft_server.tide.Tide when adaptation is on (its counters go into GetStats)
         self.refusals: Counter[str] = Counter()  # refused Attach calls by reason (exported as a metric)
         self._streams: set[SpeculateStream] = set()
 
@@ -67,7 +68,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
                 f"fingerprint: the target's tokenizer must equal the draft's (vocab_size {self.fingerprint[0]}, "
                 f"tokenizer_hash {self.fingerprint[1]})", reason="fingerprint"))
         try:
-            s = self.sessions.attach(request.worker_id, caller_identity(context))
+            s = self.sessions.attach(request.worker_id, caller_identity(context), request.no_training)
         except AdmissionRefused as exc:
             raise self._refused(exc.reason, exc) from None
         log.info("attached worker %s (%d/%d targets)", s.worker_id, len(self.sessions), self.sessions.max_targets)
@@ -115,7 +116,8 @@ class DraftService(pb_grpc.DraftServiceServicer):
             reqs.append(DraftRequest((session.tag, s.seq_id), s.start, list(s.tokens), s.gamma))
         session.rounds += 1
         session.last_round_s = now
-        return RoundWork(session.tag, session.worker_id, request.round_id, reqs, deliver)
+        return RoundWork(session.tag, session.worker_id, request.round_id, reqs, deliver,
+                         train=not session.no_training)
 
     # ---- Release --------------------------------------------------------------------------
 
@@ -197,6 +199,13 @@ class DraftService(pb_grpc.DraftServiceServicer):
             max_targets=self.sessions.max_targets, busy_s=snap["busy_s"], idle_s=snap["idle_s"])
         for worker, (n, rate) in sorted(snap["per_worker"].items()):
             msg.targets.add(worker_id=worker, rounds=n, rounds_per_s=rate)
+        if self.tide is not None:
+            t = self.tide.snapshot()
+            msg.tide_acceptance_short, msg.tide_acceptance_long = t["acceptance_short"], t["acceptance_long"]
+            msg.tide_collecting, msg.tide_train_steps, msg.tide_swaps = t["collecting"], t["train_steps"], t["swaps"]
+            msg.tide_train_s, msg.tide_heldout_acceptance = t["train_s"], t["heldout_acceptance"]
+            msg.tide_buffered_sequences, msg.tide_buffered_tokens = t["buffered_sequences"], t["buffered_tokens"]
+            msg.tide_cycles = t["cycles"]
         return msg
 
 

@@ -46,6 +46,7 @@ class Session:
     seq_last_used: dict[int, float] = field(default_factory=dict)  # seq_id -> monotonic time
     last_round_s: float = field(default_factory=time.monotonic)
     detached: bool = False
+    no_training: bool = False  # the target opted out of online adaptation at Attach
     # Set by the tag's open stream: ends it (a detach, or an idle stream) from the event loop.
     end_stream: Callable[[str], None] | None = None
 
@@ -59,14 +60,14 @@ class SessionTable:
         self._lock = threading.Lock()
         self.refused_admission = 0
 
-    def attach(self, worker_id: str, caller: str = "") -> Session:
+    def attach(self, worker_id: str, caller: str = "", no_training: bool = False) -> Session:
         with self._lock:
             if len(self._by_tag) >= self.max_targets:
                 self.refused_admission += 1
                 raise AdmissionRefused("admission", f"{len(self._by_tag)} targets attached; N_max is "
                                        f"{self.max_targets}")
             tag = secrets.token_bytes(TAG_BYTES)
-            s = Session(tag=tag, worker_id=worker_id, caller=caller)
+            s = Session(tag=tag, worker_id=worker_id, caller=caller, no_training=no_training)
             self._by_tag[tag] = s
             return s
 

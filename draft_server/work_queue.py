@@ -27,6 +27,7 @@ class RoundWork:
     requests: list[DraftRequest]  # seq_id = (tag, wire seq id)
     reply: Callable[[RoundWork, list, float, float, int], None]  # (work, replies, wait_s, compute_s, n)
     enqueued_s: float = field(default_factory=time.perf_counter)
+    train: bool = True  # False: the target opted out of online adaptation (its tokens are never buffered)
 
 
 @dataclass

@@ -79,6 +79,10 @@ class RaggedKVCache(Cache):
         self._owners.pop()
         return moved
 
+    def owner(self, slot: int) -> object:
+        """Who holds a slot (what allocate() was given)."""
+        return self._owners[slot]
+
     def truncate(self, slot: int, length: int) -> None:
         """Roll a slot back to its first `length` tokens."""
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])

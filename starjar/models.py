@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,9 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     fingerprint: str
     lean: torch.nn.Module | None = None  # starjar.lean_decoder.LeanDecoder for a Llama-family draft
+    adapter: torch.nn.Module | None = None  # a draft's learned logit correction (TIDE); never on a target
+    # A draft's training-signal tap (TIDE): told (cache, slots, counts, hidden [B, Q, hidden]) after each pass.
+    hidden_tap: Callable | None = None
 
     def new_cache(self) -> RaggedKVCache:
         return RaggedKVCache(self.device, self.dtype)
@@ -77,25 +81,40 @@ class LoadedModel:
         Only the requested rows go through the output layer, which on a 49k vocabulary
         is most of the cost of a short pass.
         """
+        hidden = self.hidden_states(cache, slots, tokens)  # [B, Q, hidden]
+        if self.hidden_tap is not None:
+            self.hidden_tap(cache, slots, [len(t) for t in tokens], hidden)
+        b_idx = [b for b, rows in enumerate(logit_rows) for _ in rows]
+        r_idx = [r for rows in logit_rows for r in rows]
+        logits = self.head_logits(hidden[b_idx, r_idx])  # [sum rows, V]
+        return list(torch.split(logits, [len(r) for r in logit_rows]))
+
+    @torch.no_grad()
+    def hidden_states(self, cache: RaggedKVCache, slots: list[int], tokens: list[list[int]]) -> torch.Tensor:
+        """The pass of forward() without the output layer: last hidden states [B, max len, hidden]."""
         counts = [len(t) for t in tokens]
         assert min(counts) > 0
-        q = max(counts)
-        ids = torch.zeros(len(tokens), q, dtype=torch.long)
+        ids = torch.zeros(len(tokens), max(counts), dtype=torch.long)
         for b, t in enumerate(tokens):
             ids[b, : len(t)] = torch.tensor(t, dtype=torch.long)
         position_ids, mask = cache.begin(slots, counts)
         if self.lean is not None:
-            hidden = self.lean.hidden(ids.to(self.device), position_ids, mask, cache)
-        else:
-            hidden = self.model.base_model(input_ids=ids.to(self.device), position_ids=position_ids,
-                                           attention_mask=mask, past_key_values=cache, use_cache=True
-                                           ).last_hidden_state  # [B, Q, hidden]
-        b_idx = [b for b, rows in enumerate(logit_rows) for _ in rows]
-        r_idx = [r for rows in logit_rows for r in rows]
+            return self.lean.hidden(ids.to(self.device), position_ids, mask, cache)
+        return self.model.base_model(input_ids=ids.to(self.device), position_ids=position_ids,
+                                     attention_mask=mask, past_key_values=cache, use_cache=True).last_hidden_state
+
+    @torch.no_grad()
+    def head_logits(self, hidden: torch.Tensor, adapted: bool = True) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, V] in float32 (a draft's restricted head: its first V ids), plus
+        the draft's online adapter (draft_server TIDE) when one is set and `adapted`. The adapter only
+        reads the last hidden state, so swapping it never invalidates a KV cache."""
         head = self.lean.head if self.lean is not None and self.lean.head is not None \
             else self.model.get_output_embeddings()
-        logits = head(hidden[b_idx, r_idx]).float()  # [sum rows, V] (a draft's restricted head: its first V ids)
-        return list(torch.split(logits, [len(r) for r in logit_rows]))
+        logits = head(hidden).float()
+        adapter = self.adapter  # read once: a swap between two reads must not mix two adapters
+        if adapted and adapter is not None:
+            logits = logits + adapter(hidden.float())
+        return logits
 
 
 def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.dtype = "float32",

@@ -99,13 +99,15 @@ class RemoteProposer:
     def __init__(self, address: str | Callable[[], str | None], fingerprint: str, worker_id: str,
                  deadline_s: float = 0.5, backoff_s: tuple[float, float] = (0.05, 1.0),
                  max_message_bytes: int = 4 << 20, breaker: Breaker | None = None,
-                 keepalive_s: float = 10.0, security: Security | None = None):
+                 keepalive_s: float = 10.0, security: Security | None = None, no_training: bool = False):
         """`address` is HOST:PORT, or a function returning the current one (None = unknown yet): under Ray
         a restarted draft server comes back on a new port, and the attach loop asks again before each try.
         `backoff_s` bounds the waits between attach tries (1 s at most: a restarted draft server is found
         again within about a second, at the price of one refused Attach a second while it is down).
         `breaker` stops proposing to a server that keeps missing deadlines; `keepalive_s` is how often the
-        channel pings (a hung or vanished server breaks the stream within twice that)."""
+        channel pings (a hung or vanished server breaks the stream within twice that). `no_training`: this
+        target's verified tokens never feed the draft server's online adaptation (told at Attach)."""
+        self.no_training = no_training
         self.breaker = breaker or Breaker()
         self.security = security or Security()  # the cluster token on every call; TLS when it has a CA
         self._auth = self.security.metadata()
@@ -307,7 +309,8 @@ class RemoteProposer:
                 delay = min(self._backoff[1], delay * 2)
                 continue
             try:
-                resp = self._stub.Attach(pb.AttachRequest(worker_id=self.worker_id, fingerprint=self._fingerprint),
+                resp = self._stub.Attach(pb.AttachRequest(worker_id=self.worker_id, fingerprint=self._fingerprint,
+                                                            no_training=self.no_training),
                                          metadata=self._auth,
                                          timeout=5.0)
                 self._open_stream(resp)

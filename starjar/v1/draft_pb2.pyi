@@ -15,12 +15,14 @@ class ModelFingerprint(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("worker_id", "fingerprint")
+    __slots__ = ("worker_id", "fingerprint", "no_training")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NO_TRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     fingerprint: ModelFingerprint
-    def __init__(self, worker_id: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ...) -> None: ...
+    no_training: bool
+    def __init__(self, worker_id: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., no_training: _Optional[bool] = ...) -> None: ...
 
 class Limits(_message.Message):
     __slots__ = ("max_sequences", "max_tokens_per_sequence", "max_gamma", "max_message_bytes", "lease_seconds")
@@ -129,7 +131,7 @@ class TargetRate(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rounds_per_s: _Optional[float] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("attached_targets", "live_sequences", "queue_depth", "mode", "rounds", "batches", "drafted_tokens", "draft_steps", "mean_step_s", "mean_service_s", "mean_wait_s", "mean_idle_s", "load", "rounds_per_s", "targets", "uptime_s", "refused_admission", "reclaimed_sequences", "max_targets", "busy_s", "idle_s")
+    __slots__ = ("attached_targets", "live_sequences", "queue_depth", "mode", "rounds", "batches", "drafted_tokens", "draft_steps", "mean_step_s", "mean_service_s", "mean_wait_s", "mean_idle_s", "load", "rounds_per_s", "targets", "uptime_s", "refused_admission", "reclaimed_sequences", "max_targets", "busy_s", "idle_s", "tide_acceptance_short", "tide_acceptance_long", "tide_collecting", "tide_train_steps", "tide_swaps", "tide_train_s", "tide_buffered_sequences", "tide_buffered_tokens", "tide_heldout_acceptance", "tide_cycles")
     ATTACHED_TARGETS_FIELD_NUMBER: _ClassVar[int]
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +153,16 @@ class DraftStats(_message.Message):
     MAX_TARGETS_FIELD_NUMBER: _ClassVar[int]
     BUSY_S_FIELD_NUMBER: _ClassVar[int]
     IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    TIDE_ACCEPTANCE_SHORT_FIELD_NUMBER: _ClassVar[int]
+    TIDE_ACCEPTANCE_LONG_FIELD_NUMBER: _ClassVar[int]
+    TIDE_COLLECTING_FIELD_NUMBER: _ClassVar[int]
+    TIDE_TRAIN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TIDE_SWAPS_FIELD_NUMBER: _ClassVar[int]
+    TIDE_TRAIN_S_FIELD_NUMBER: _ClassVar[int]
+    TIDE_BUFFERED_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    TIDE_BUFFERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIDE_HELDOUT_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    TIDE_CYCLES_FIELD_NUMBER: _ClassVar[int]
     attached_targets: int
     live_sequences: int
     queue_depth: int
@@ -172,4 +184,14 @@ class DraftStats(_message.Message):
     max_targets: int
     busy_s: float
     idle_s: float
-    def __init__(self, attached_targets: _Optional[int] = ..., live_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., mode: _Optional[str] = ..., rounds: _Optional[int] = ..., batches: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_service_s: _Optional[float] = ..., mean_wait_s: _Optional[float] = ..., mean_idle_s: _Optional[float] = ..., load: _Optional[float] = ..., rounds_per_s: _Optional[float] = ..., targets: _Optional[_Iterable[_Union[TargetRate, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused_admission: _Optional[int] = ..., reclaimed_sequences: _Optional[int] = ..., max_targets: _Optional[int] = ..., busy_s: _Optional[float] = ..., idle_s: _Optional[float] = ...) -> None: ...
+    tide_acceptance_short: float
+    tide_acceptance_long: float
+    tide_collecting: bool
+    tide_train_steps: int
+    tide_swaps: int
+    tide_train_s: float
+    tide_buffered_sequences: int
+    tide_buffered_tokens: int
+    tide_heldout_acceptance: float
+    tide_cycles: int
+    def __init__(self, attached_targets: _Optional[int] = ..., live_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., mode: _Optional[str] = ..., rounds: _Optional[int] = ..., batches: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_service_s: _Optional[float] = ..., mean_wait_s: _Optional[float] = ..., mean_idle_s: _Optional[float] = ..., load: _Optional[float] = ..., rounds_per_s: _Optional[float] = ..., targets: _Optional[_Iterable[_Union[TargetRate, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused_admission: _Optional[int] = ..., reclaimed_sequences: _Optional[int] = ..., max_targets: _Optional[int] = ..., busy_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., tide_acceptance_short: _Optional[float] = ..., tide_acceptance_long: _Optional[float] = ..., tide_collecting: _Optional[bool] = ..., tide_train_steps: _Optional[int] = ..., tide_swaps: _Optional[int] = ..., tide_train_s: _Optional[float] = ..., tide_buffered_sequences: _Optional[int] = ..., tide_buffered_tokens: _Optional[int] = ..., tide_heldout_acceptance: _Optional[float] = ..., tide_cycles: _Optional[int] = ...) -> None: ...

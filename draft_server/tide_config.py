@@ -1,0 +1,46 @@
+"""Settings of online draft adaptation (TIDE): buffer, collection control, trainer. Plain dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draft_server.tide_buffer import BufferConfig
+from draft_server.tide_collect import CollectConfig
+from starjar.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    rank: int = 8  # of the low-rank logit adapter (a per-token bias rides with it)
+    chunk_tokens: int = 16  # tokens of a buffered sequence run through the draft per micro-step
+    batch_positions: int = 32  # positions per gradient micro-step
+    steps_per_cycle: int = 48  # gradient micro-steps per training cycle
+    lr: float = 0.01  # Adam
+    weight_decay: float = 1e-4
+    candidates: int = 16  # the base draft's top-k kept per position: the loss is a softmax over them + the truth
+    min_new_positions: int = 256  # new training positions (from newly finished sequences) that start a cycle
+    max_positions: int = 8192  # training positions held (a ring: the newest traffic wins)
+    max_eval_positions: int = 1024  # held-out positions held (a ring)
+    eval_every: int = 4  # every eval_every-th finished sequence is held out, never trained on
+    eval_chunk: int = 16  # held-out positions scored per micro-step
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, lo, hi in (("rank", 1, 256), ("chunk_tokens", 1, 512), ("batch_positions", 1, 4096),
+                             ("steps_per_cycle", 1, 100_000), ("candidates", 1, 1024),
+                             ("min_new_positions", 1, 1 << 20), ("max_positions", 16, 1 << 22),
+                             ("max_eval_positions", 16, 1 << 22), ("eval_every", 2, 1000), ("eval_chunk", 1, 4096)):
+            v = getattr(self, name)
+            if not lo <= v <= hi:
+                raise InvalidArgument(name, f"must be in [{lo}, {hi}]", v)
+        if not 0 < self.lr < 1:
+            raise InvalidArgument("lr", "must be in (0, 1)", self.lr)
+        if not 0 <= self.weight_decay < 1:
+            raise InvalidArgument("weight_decay", "must be in [0, 1)", self.weight_decay)
+
+
+@dataclass(frozen=True)
+class TideConfig:
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    collect: CollectConfig = field(default_factory=CollectConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
