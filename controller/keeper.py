@@ -35,7 +35,8 @@ def _start_ray(spec: ClusterSpec, stop: threading.Event) -> None:
 
     _say(progress="starting Ray (local, loopback only)")
     ray.init(namespace=NAMESPACE, include_dashboard=False, num_cpus=os.cpu_count(), num_gpus=None,
-             resources={"starjar_draft": 1, "starjar_target": spec.targets}, _node_ip_address="127.0.0.1",
+             resources={"starjar_draft": spec.draft_servers, "starjar_target": spec.targets},
+             _node_ip_address="127.0.0.1",
              # starjar passes no large objects through Ray: a small object store spares memory and /dev/shm.
              object_store_memory=200 * 1024 * 1024, log_to_driver=False)
     _catch_stop(stop)  # ray.init installs a handler that dies at once on SIGTERM; ours drains first

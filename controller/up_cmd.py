@@ -44,7 +44,10 @@ def _add_up_parser(sub) -> None:
                    "(default: octaves 1,2,4,...,128)")
     u.add_argument("--batch-size", type=int, default=8, help="running requests per target (default 8)")
     u.add_argument("--draft-mode", default="batched", choices=["batched", "fifo"])
-    u.add_argument("--max-targets", type=int, default=8, help="N_max on the draft server (its cap with auto)")
+    u.add_argument("--max-targets", type=int, default=8, help="N_max on each draft server (its cap with auto)")
+    u.add_argument("--draft-servers", type=int, default=1,
+                   help="draft server actors (default 1); each target speculates with one (same tokenizer, least "
+                        "loaded, under its N_max) and moves to another at once if its own dies")
     u.add_argument("--admission", default="fixed", choices=["fixed", "auto"],
                    help="auto: the controller recomputes N_max from measured Z, S and speeds (StarSD 4.2)")
     u.add_argument("--no-saturation-guard", action="store_true",
@@ -87,7 +90,7 @@ def _spec(args) -> ClusterSpec:
     return local_spec(args.target, args.draft, args.no_draft, targets=args.targets, gamma=spec_on.gamma,
                       policy=spec_on.policy, profile=os.path.abspath(args.profile) if args.profile else None,
                       buckets=args.buckets, batch_size=args.batch_size, draft_mode=args.draft_mode,
-                      max_targets=args.max_targets, admission=args.admission,
+                      max_targets=args.max_targets, draft_servers=args.draft_servers, admission=args.admission,
                       saturation_guard=not args.no_saturation_guard, threads=args.threads,
                       draft_threads=args.draft_threads, device=args.device, dtype=args.dtype, host=args.host,
                       grpc_port=args.grpc_port, http_port=args.http_port, auth_token=args.auth_token,
