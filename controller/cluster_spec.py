@@ -62,6 +62,7 @@ class ClusterSpec:
     draft_mode: str = "batched"  # batched | fifo
     max_targets: int = 8  # N_max on each draft server (with admission "auto": its upper bound)
     draft_servers: int = 1  # draft server actors; the controller assigns each target to one (draft_assignment)
+    autoscale_drafts: str | None = None  # "MIN..MAX": the controller adds and retires draft servers (draft_autoscale)
     admission: str = "fixed"  # fixed: N_max = max_targets | auto: the controller recomputes N_max (StarSD 4.2)
     saturation_guard: bool = True  # the controller forces gamma = 0 while a saturated draft makes steps slower
     draft_deadline_s: float = 0.5
@@ -114,6 +115,13 @@ class ClusterSpec:
             raise InvalidArgument("--max-targets", "must be >= 1", self.max_targets)
         if not 1 <= self.draft_servers <= 64:
             raise InvalidArgument("--draft-servers", "must be in [1, 64]", self.draft_servers)
+        if self.autoscale_drafts is not None:
+            from controller.draft_autoscale import parse_range
+
+            lo, hi = parse_range(self.autoscale_drafts)
+            if not lo <= self.draft_servers <= hi:
+                raise InvalidArgument("--draft-servers", f"must be within --autoscale-drafts {lo}..{hi}",
+                                      self.draft_servers)
         if self.draft_threads is not None and self.draft_threads < 1:
             raise InvalidArgument("--draft-threads", "must be >= 1", self.draft_threads)
         if self.threads < 1:

@@ -54,6 +54,11 @@ class Controller:
         for i in range(self.spec.draft_servers if self.spec.draft else 0):
             self.fleet.add(i)
         self.draft = self.fleet.handles.get(DRAFT)  # the first: N_full, admission and the guard sample it
+        self.autoscaler = None
+        if self.spec.autoscale_drafts and self.spec.draft:
+            from controller.draft_autoscale import Autoscaler, parse_range
+
+            self.autoscaler = Autoscaler(*parse_range(self.spec.autoscale_drafts), stop=_stop_actor, keep=(DRAFT,))
         self.frontend = ray.remote(FrontEndActor).options(**actor_options(FRONTEND, HEAD)).remote(self.spec.to_dict())
         self.info: dict[str, dict] = {}  # actor name -> its last answer to info()
         self.live: dict[str, bool] = {}
@@ -130,6 +135,8 @@ class Controller:
         await self.fleet.follow(self.fleet.settle(), self.targets)
         if self._polls % STATS_EVERY == 0:
             await self.fleet.sample_loads()
+            if self.autoscaler is not None:
+                await self.autoscaler.step(self.fleet)
         if self.draft is not None and self.live.get(DRAFT) and self._polls % STATS_EVERY == 0:
             await self._sample_draft()
         self._write_sd()
@@ -346,6 +353,12 @@ class Controller:
             await _bounded(handle.stop.remote())
             ray.kill(handle, no_restart=True)
         return drained
+
+
+async def _stop_actor(name: str, handle) -> None:
+    """A retired draft server: close its server (nothing is attached any more), then end the actor."""
+    await _bounded(handle.stop.remote())
+    ray.kill(handle, no_restart=True)
 
 
 async def _bounded(ref, timeout: float = INFO_TIMEOUT_S * 5):

@@ -1,11 +1,10 @@
 """Which draft server each target speculates with: pure decisions, no Ray, no gRPC (the controller acts on them).
 
 A target goes to a draft server that serves its tokenizer (same fingerprint),
-is live, and has room under its own N_max; among those, the one whose load
-would be lowest with this target added (measured load grows by the draft's
-load per attached target; with nothing measured yet the attached fraction of
-N_max decides). A target no draft server can take is unassigned and decodes
-without drafts, exactly as a target refused at admission does today.
+is live, and has room under its own N_max; among those, the least loaded:
+attached fraction of N_max plus measured busy fraction (see score). A target
+no draft server can take is unassigned and decodes without drafts, exactly
+as a target refused at admission does today.
 
 Failover moves a dead draft server's targets at once to live ones with room;
 rebalancing, when a draft server returns or one is added, moves targets from
@@ -58,12 +57,10 @@ def _usable(slot: DraftSlot, fingerprint: str | None) -> bool:
     return slot.live and not slot.draining and (fingerprint is None or slot.fingerprint == fingerprint)
 
 
-def projected_load(slot: DraftSlot, count: int) -> float:
-    """The slot's load with one more target: its measured load per target added, or the attached fraction of
-    N_max while nothing is measured."""
-    if count > 0 and slot.load > 0:
-        return slot.load * (count + 1) / count
-    return (count + 1) / max(1, slot.n_max)
+def score(slot: DraftSlot, count: int) -> float:
+    """How loaded a draft server is for a newcomer: its attached fraction of N_max (exact, immediate) plus its
+    measured busy fraction (a slower server, or one with busier targets, is measured higher; 0 until measured)."""
+    return count / max(1, slot.n_max) + slot.load
 
 
 def pick(slots: list[DraftSlot], assignment: Assignment, fingerprint: str | None,
@@ -74,7 +71,7 @@ def pick(slots: list[DraftSlot], assignment: Assignment, fingerprint: str | None
         n = assignment.count(s.name)
         if s.name in exclude or not _usable(s, fingerprint) or n >= s.n_max:
             continue
-        key = (projected_load(s, n), n / max(1, s.n_max), s.name)
+        key = (score(s, n), n, s.name)
         if best_key is None or key < best_key:
             best, best_key = s.name, key
     return best

@@ -61,6 +61,15 @@ class DraftFleet:
         self.slots[name] = DraftSlot(name, None, self.n_max)
         return name
 
+    def remove(self, name: str) -> None:
+        """Forget a retired draft server (its targets have moved already)."""
+        self.handles.pop(name, None)
+        self.slots.pop(name, None)
+        self.loads.pop(name, None)
+        for t, d in self.assignment.of.items():
+            if d == name:
+                self.assignment.of[t] = None
+
     def next_index(self) -> int:
         used = {int(n.rsplit("-", 1)[1]) if n[-1].isdigit() else 0 for n in self.handles}
         return next(i for i in range(len(used) + 1) if i not in used)
