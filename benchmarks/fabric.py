@@ -56,15 +56,30 @@ def validate(rows: list[dict], models: dict[str, StarModel]) -> list[dict]:
     return out
 
 
+def admitted(model: StarModel) -> StarModel:
+    """The model with N_max as the controller's admission sets it (StarSD 4.2: the largest N at which a
+    speculating target still beats decoding alone; see controller/admission.py)."""
+    from dataclasses import replace
+
+    from controller.admission import n_max
+
+    s = model.cost(1)
+    return replace(model, n_max=max(1, n_max(model.z_s + model.wake_s, s, model.tokens_per_round,
+                                              1 / model.plain_step_s, cap=64)))
+
+
 def scale(models: dict[str, StarModel]) -> list[dict]:
+    """Each N with one draft server and with the fewest that keep 90% of unsaturated throughput; each draft
+    server admits its N_max (past that, targets decode alone, as the controller would have them)."""
     out = []
     for mode, model in models.items():
+        model = admitted(model)
         for n in SCALE_NS:
             cycles = 100 if n <= 64 else 40
             need = drafts_needed(model, n, cycles=cycles)
             for m in sorted({1, need}):
                 sim = simulate(model, n, m, cycles=cycles)
-                out.append({"mode": mode, "n_targets": n, "m_drafts": m, "m_needed": need,
+                out.append({"mode": mode, "n_targets": n, "m_drafts": m, "m_needed": need, "n_max": model.n_max,
                             "system_tokens_per_s": round(sim["system_tokens_per_s"], 2),
                             "draft_load": round(sim["draft_load"], 4)})
     return out
@@ -75,9 +90,10 @@ def m_needed(model: StarModel, n: int = 1024) -> list[dict]:
     s = model.cost(1)
     out = []
     for ratio in Z_OVER_S:
-        m = StarModel(z_s=ratio * s, tokens_per_round=model.tokens_per_round, plain_step_s=model.plain_step_s,
-                      cost=model.cost, mode=model.mode, wake_s=model.wake_s)
-        out.append({"z_over_s": ratio, "n_targets": n, "n_full": n_full(m), "m_drafts": drafts_needed(m, n, cycles=40)})
+        m = admitted(StarModel(z_s=ratio * s, tokens_per_round=model.tokens_per_round,
+                               plain_step_s=model.plain_step_s, cost=model.cost, mode=model.mode, wake_s=model.wake_s))
+        out.append({"z_over_s": ratio, "n_targets": n, "n_full": n_full(m), "n_max": m.n_max,
+                    "m_drafts": drafts_needed(m, n, cycles=40)})
     return out
 
 

@@ -13,6 +13,7 @@ the most to the least attached until the counts differ by at most one.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -64,11 +65,13 @@ def score(slot: DraftSlot, count: int) -> float:
 
 
 def pick(slots: list[DraftSlot], assignment: Assignment, fingerprint: str | None,
-         exclude: tuple[str, ...] = ()) -> str | None:
-    """The draft server a target with this fingerprint should join now, or None when none has room."""
+         exclude: tuple[str, ...] = (), counts: Counter | None = None) -> str | None:
+    """The draft server a target with this fingerprint should join now, or None when none has room.
+    `counts`: targets per draft server, when the caller keeps them (place() does, for thousands of targets)."""
+    counts = Counter(assignment.of.values()) if counts is None else counts
     best, best_key = None, None
     for s in slots:
-        n = assignment.count(s.name)
+        n = counts[s.name]
         if s.name in exclude or not _usable(s, fingerprint) or n >= s.n_max:
             continue
         key = (score(s, n), n, s.name)
@@ -81,16 +84,19 @@ def place(slots: list[DraftSlot], assignment: Assignment, fingerprints: dict[str
     """Moves that take every target off a dead, draining or unknown draft server (or off none) onto a live one
     with room; a target no live one can take is left (or put) without a draft server. Applied as it goes."""
     names = {s.name: s for s in slots}
+    counts = Counter(assignment.of.values())
     moves = []
     for target in sorted(assignment.of):
         cur = assignment.of[target]
         slot = names.get(cur) if cur is not None else None
         if slot is not None and slot.live and not slot.draining:
             continue
-        dst = pick(slots, assignment, fingerprints.get(target), exclude=(cur,) if cur else ())
+        dst = pick(slots, assignment, fingerprints.get(target), exclude=(cur,) if cur else (), counts=counts)
         if dst != cur:
             move = Move(target, cur, dst)
             assignment.apply([move])
+            counts[cur] -= 1
+            counts[dst] += 1
             moves.append(move)
     return moves
 

@@ -58,7 +58,7 @@ def _stop_ours(marks: tuple[str, ...]) -> None:
 def two_nodes(model_dirs):
     temp_dir = tempfile.mkdtemp(prefix="sj2n", dir="/tmp")  # short: Ray's socket paths live under it
     port = _free_port()
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", RAY_AUTH_MODE="disabled",
                RAY_USAGE_STATS_ENABLED="0", STARJAR_HOME=os.path.join(temp_dir, "home"))
     try:
         _ray("start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={port}", f"--temp-dir={temp_dir}",
