@@ -18,7 +18,7 @@ from starjar.kernels import machine_info
 BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "benchmarks.star",
               "cluster": "benchmarks.cluster", "draft": "benchmarks.draft", "api": "benchmarks.api",
               "nightjar": "benchmarks.nightjar", "offload": "benchmarks.offload",
-              "faults": "benchmarks.faults", "tide": "benchmarks.tide"}
+              "faults": "benchmarks.faults", "tide": "benchmarks.tide", "fabric": "benchmarks.fabric"}
 
 
 def run_bench(args) -> int:

@@ -113,12 +113,8 @@ def exported_draft_metrics(metrics_address: str) -> dict:
             "t_idle_ms": round(1000 * values["starjar_draft_idle_gap_seconds_sum"] / gaps, 3) if gaps else 0.0}
 
 
-def run(args) -> dict:
-    if not getattr(args, "replay", False):
-        raise SystemExit("bench star runs replay targets only on this machine: pass --replay")
-    quick = args.quick
-    ns = [1, 2, 4, 6, 8] if quick else list(range(1, 9))
-    duration = 6.0 if quick else 15.0
+def prepare(args) -> dict:
+    """The pair, the scripts (prompts and the target's greedy continuations) and the calibrated Z."""
     target_dir, draft_dir, note = pair_dirs(args)
     target = load_model(target_dir)
     prompts = prompt_ids(target.tokenizer, 16)
@@ -133,7 +129,24 @@ def run(args) -> dict:
     # margin: at N = 4 the queue must stay non-empty through the jitter of S on a shared 2-core machine.
     calib = _run_n(draft_dir, "fifo", 1, scripts, 0.0, 4.0, fingerprint)
     s_round = calib["s_ms"] / 1000
-    verify_s = VERIFY_OVER_S * s_round
+    return {"target_dir": target_dir, "draft_dir": draft_dir, "note": note, "scripts": scripts,
+            "fingerprint": fingerprint, "s_round": s_round, "verify_s": VERIFY_OVER_S * s_round}
+
+
+def run(args) -> dict:
+    if not getattr(args, "replay", False):
+        raise SystemExit("bench star runs replay targets only on this machine: pass --replay")
+    quick = args.quick
+    ns = [1, 2, 4, 6, 8] if quick else list(range(1, 9))
+    duration = 6.0 if quick else 15.0
+    prep = prepare(args)
+    if getattr(args, "draft_servers", 1) > 1:
+        from benchmarks.star_fleet import compare
+
+        return compare(prep, args.draft_servers, [1, 4, 8] if quick else [1, 2, 4, 6, 8], duration,
+                       Path(args.out).with_suffix(".png"))
+    target_dir, draft_dir, note = prep["target_dir"], prep["draft_dir"], prep["note"]
+    scripts, fingerprint, s_round, verify_s = prep["scripts"], prep["fingerprint"], prep["s_round"], prep["verify_s"]
     modes = {}
     bar = tqdm(total=2 * len(ns), desc="star scaling (replay)", file=sys.stderr)
     for mode in ("batched", "fifo"):

@@ -63,13 +63,15 @@ class DraftServerActor:
 
         self.host = ray.util.get_node_ip_address()
         model = load_model(self.spec.draft, _device(self.spec), self.spec.dtype, what="draft")
+        self.fingerprint = model.fingerprint  # the controller gives it only targets with this tokenizer
         cfg = DraftServerConfig(host=self.host, port=0, mode=self.spec.draft_mode, max_targets=self.spec.max_targets)
         self.server = BackgroundDraftServer(model, cfg, _security(self.spec)).start()
         self.metrics = _start_metrics(self.server.server.metrics.registry, self.host) if self.spec.metrics else None
         log.info("draft server actor ready at %s", self.server.address)
 
     def info(self) -> dict:
-        return {"address": self.server.address, "metrics": self.metrics, "pid": os.getpid()}
+        return {"address": self.server.address, "metrics": self.metrics, "pid": os.getpid(),
+                "fingerprint": self.fingerprint}
 
     def stats(self) -> dict:
         """The same numbers as the GetStats RPC, read through it."""
@@ -91,10 +93,11 @@ class DraftServerActor:
         self.server.stop(grace=1.0)
 
 
-def _resolve_draft_address() -> str | None:
-    """Ask the controller where the draft server is now (None until it is known)."""
+def _resolve_draft_address(target: str, lost: str | None) -> str | None:
+    """Ask the controller where this target's draft server is now (None: unknown yet, or none has room).
+    `lost`: the address the target was attached to or tried last; the controller checks it is still there."""
     controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
-    return ray.get(controller.draft_address.remote(), timeout=5)
+    return ray.get(controller.draft_address.remote(target, lost), timeout=5)
 
 
 class TargetWorkerActor:
@@ -110,7 +113,8 @@ class TargetWorkerActor:
 
         self.host = ray.util.get_node_ip_address()
         model = load_model(self.spec.target, _device(self.spec), self.spec.dtype, what="target")
-        draft = _resolve_draft_address if self.spec.draft else None
+        self.fingerprint = model.fingerprint
+        draft = self._draft_address if self.spec.draft else None
         self.policy = serving_policy(self.spec.policy, self.spec.gamma, self.spec.profile, bool(self.spec.draft),
                                      parse_buckets(self.spec.buckets))
         cfg = TargetWorkerConfig(worker_id=name, draft_server=draft, host=self.host, port=0,
@@ -124,9 +128,22 @@ class TargetWorkerActor:
         self.metrics = _start_metrics(self.server.metrics.registry, self.host) if self.spec.metrics else None
         log.info("target worker %s ready at %s:%d", name, self.host, self.server.port)
 
+    def _draft_address(self) -> str | None:
+        """The draft client's resolver (called from its attach thread, possibly before self.server is set)."""
+        proposer = getattr(getattr(self, "server", None), "proposer", None)
+        return _resolve_draft_address(self.name, (proposer.address or None) if proposer else None)
+
     def info(self) -> dict:
+        proposer = self.server.proposer
         return {"address": f"{self.host}:{self.server.port}", "metrics": self.metrics, "pid": os.getpid(),
-                "draft_attached": bool(self.server.proposer and self.server.proposer.attached)}
+                "draft_attached": bool(proposer and proposer.attached), "fingerprint": self.fingerprint,
+                "draft_address": proposer.address if proposer and proposer.attached else None,
+                "draft_attached_at": proposer.attached_at if proposer else None}
+
+    def follow_draft(self) -> None:
+        """The controller moved this target to another draft server: drop the stream, ask where to attach."""
+        if self.server.proposer is not None:
+            self.server.proposer.follow()
 
     def stats(self) -> dict:
         engine = self.server.runner.engine

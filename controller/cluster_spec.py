@@ -29,6 +29,15 @@ def target_name(i: int) -> str:
     return f"starjar-target-{i}"
 
 
+def draft_name(i: int) -> str:
+    """The first draft server keeps the name it had when there was only one."""
+    return DRAFT if i == 0 else f"{DRAFT}-{i}"
+
+
+def is_draft_name(name: str) -> bool:
+    return name == DRAFT or (name.startswith(DRAFT + "-") and name[len(DRAFT) + 1:].isdigit())
+
+
 # A single-host cluster: keep Ray on loopback and without token auth (every process here is ours).
 LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
                  "RAY_USAGE_STATS_ENABLED": "0"}
@@ -51,7 +60,9 @@ class ClusterSpec:
     batch_size: int = 8  # running requests per target worker
     max_waiting: int = DEFAULT_MAX_WAITING  # requests queued per worker beyond its batch; then queue_full
     draft_mode: str = "batched"  # batched | fifo
-    max_targets: int = 8  # N_max on the draft server (with admission "auto": its upper bound)
+    max_targets: int = 8  # N_max on each draft server (with admission "auto": its upper bound)
+    draft_servers: int = 1  # draft server actors; the controller assigns each target to one (draft_assignment)
+    autoscale_drafts: str | None = None  # "MIN..MAX": the controller adds and retires draft servers (draft_autoscale)
     admission: str = "fixed"  # fixed: N_max = max_targets | auto: the controller recomputes N_max (StarSD 4.2)
     saturation_guard: bool = True  # the controller forces gamma = 0 while a saturated draft makes steps slower
     draft_deadline_s: float = 0.5
@@ -102,6 +113,15 @@ class ClusterSpec:
             raise InvalidArgument("--admission", "must be fixed or auto", self.admission)
         if self.max_targets < 1:
             raise InvalidArgument("--max-targets", "must be >= 1", self.max_targets)
+        if not 1 <= self.draft_servers <= 64:
+            raise InvalidArgument("--draft-servers", "must be in [1, 64]", self.draft_servers)
+        if self.autoscale_drafts is not None:
+            from controller.draft_autoscale import parse_range
+
+            lo, hi = parse_range(self.autoscale_drafts)
+            if not lo <= self.draft_servers <= hi:
+                raise InvalidArgument("--draft-servers", f"must be within --autoscale-drafts {lo}..{hi}",
+                                      self.draft_servers)
         if self.draft_threads is not None and self.draft_threads < 1:
             raise InvalidArgument("--draft-threads", "must be >= 1", self.draft_threads)
         if self.threads < 1:

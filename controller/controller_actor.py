@@ -19,7 +19,8 @@ from collections import Counter
 import ray
 
 from controller.actors import DraftServerActor, FrontEndActor, TargetWorkerActor
-from controller.cluster_spec import DRAFT, FRONTEND, NAMESPACE, ClusterSpec, target_name
+from controller.cluster_spec import DRAFT, FRONTEND, NAMESPACE, ClusterSpec, is_draft_name, target_name
+from controller.draft_fleet import DraftFleet
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5
@@ -44,11 +45,20 @@ class Controller:
         self.spec = ClusterSpec.from_dict(spec)
         gpus = 1 if self.spec.device == "cuda" or (
             self.spec.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0) else 0
-        self.draft = (ray.remote(DraftServerActor).options(**actor_options(DRAFT, {"starjar_draft": 1}, gpus))
-                      .remote(self.spec.to_dict()) if self.spec.draft else None)
         self.targets = {target_name(i): ray.remote(TargetWorkerActor).options(
             **actor_options(target_name(i), {"starjar_target": 1}, gpus)).remote(self.spec.to_dict(), target_name(i))
             for i in range(self.spec.targets)}
+        self.fleet = DraftFleet(lambda name: ray.remote(DraftServerActor).options(
+            **actor_options(name, {"starjar_draft": 1}, gpus)).remote(self.spec.to_dict()),
+            self.spec.max_targets, list(self.targets))
+        for i in range(self.spec.draft_servers if self.spec.draft else 0):
+            self.fleet.add(i)
+        self.draft = self.fleet.handles.get(DRAFT)  # the first: N_full, admission and the guard sample it
+        self.autoscaler = None
+        if self.spec.autoscale_drafts and self.spec.draft:
+            from controller.draft_autoscale import Autoscaler, parse_range
+
+            self.autoscaler = Autoscaler(*parse_range(self.spec.autoscale_drafts), stop=_stop_actor, keep=(DRAFT,))
         self.frontend = ray.remote(FrontEndActor).options(**actor_options(FRONTEND, HEAD)).remote(self.spec.to_dict())
         self.info: dict[str, dict] = {}  # actor name -> its last answer to info()
         self.live: dict[str, bool] = {}
@@ -118,12 +128,15 @@ class Controller:
         self.info[name], self.live[name] = info, True
 
     async def _refresh(self) -> None:
-        actors = dict(self.targets)
-        actors[FRONTEND] = self.frontend
-        if self.draft is not None:
-            actors[DRAFT] = self.draft
+        actors = {**self.targets, FRONTEND: self.frontend, **self.fleet.handles}
         await asyncio.gather(*(self._ask(n, h) for n, h in actors.items()))
         self._polls += 1
+        self.fleet.observe(self.info, self.live)
+        await self.fleet.follow(self.fleet.settle(), self.targets)
+        if self._polls % STATS_EVERY == 0:
+            await self.fleet.sample_loads()
+            if self.autoscaler is not None:
+                await self.autoscaler.step(self.fleet)
         if self.draft is not None and self.live.get(DRAFT) and self._polls % STATS_EVERY == 0:
             await self._sample_draft()
         self._write_sd()
@@ -208,8 +221,10 @@ class Controller:
             log.info("N_max %d -> %d (Z %.1f ms, S %.1f ms, %.2f tokens/round, alone %.1f tokens/s)",
                      self.n_max, n, 1000 * z, 1000 * s, tau, alone)
             try:
-                await asyncio.wait_for(self.draft.set_max_targets.remote(n), INFO_TIMEOUT_S)
+                await asyncio.gather(*(asyncio.wait_for(h.set_max_targets.remote(n), INFO_TIMEOUT_S)
+                                       for h in self.fleet.handles.values()))
                 self.n_max = n
+                self.fleet.set_n_max(n)
             except Exception as exc:
                 log.warning("could not set N_max: %s", exc)
 
@@ -219,8 +234,8 @@ class Controller:
         endpoints = {}
         for name, info in self.info.items():
             if self.live.get(name) and info.get("metrics"):
-                kind = ("draft_server" if name == DRAFT else "front_end" if name == FRONTEND
-                        else f"target_worker:{name}")
+                kind = ("draft_server" if name == DRAFT else f"draft_server:{name}" if is_draft_name(name)
+                        else "front_end" if name == FRONTEND else f"target_worker:{name}")
                 endpoints[kind] = info["metrics"]
         if self.metrics_address:
             endpoints["controller"] = self.metrics_address
@@ -235,11 +250,17 @@ class Controller:
 
     # ---- what others ask ------------------------------------------------------------------------
 
-    async def draft_address(self) -> str | None:
+    async def draft_address(self, target: str | None = None, lost: str | None = None) -> str | None:
+        """Where `target` should attach now (its assigned draft server; None: none has room, decode alone).
+        `lost`: the address it just lost its stream to, checked at once (see DraftFleet.lost). Without a
+        target name (older callers): the first live draft server."""
         self._ensure_monitor()
-        if self.draft is None or not self.live.get(DRAFT):
-            return None
-        return self.info[DRAFT]["address"]
+        if target is None or target not in self.targets:
+            live = [n for n in self.fleet.handles if self.live.get(n)]
+            return self.info[live[0]]["address"] if live else None
+        if lost:
+            await self.fleet.follow(await self.fleet.lost(target, lost, self.info, self.live), self.targets)
+        return self.fleet.address_for(target, self.info)
 
     async def addresses(self) -> dict:
         self._ensure_monitor()
@@ -255,12 +276,13 @@ class Controller:
         return {"actors": {n: {"live": self.live.get(n, False), **self.info.get(n, {})} for n in self._names()},
                 "restarts": dict(self.restarts), "uptime_s": time.time() - self.started_s,
                 "n_max": self.n_max, "n_full_estimate": self.n_full_estimate, "policy": self.policy_name(),
+                "drafts": self.fleet.view(),
                 "saturation_guard": None if g is None else {
                     "forcing": g.forcing, "holds": g.times_forced, "probes": g.probes,
                     "last_window": None if self._last_window is None else vars(self._last_window)}}
 
     def _names(self) -> list[str]:
-        return ([DRAFT] if self.draft is not None else []) + list(self.targets) + [FRONTEND]
+        return list(self.fleet.handles) + list(self.targets) + [FRONTEND]
 
     async def wait_ready(self, timeout: float = 600.0) -> dict:
         """Until every actor answers, the targets are routable and (with a draft) attached to it."""
@@ -268,8 +290,9 @@ class Controller:
         deadline = time.time() + timeout
         while time.time() < deadline:
             ready = all(self.live.get(n) for n in self._names()) and self._pushed is not None
-            if ready and self.draft is not None:
-                ready = all(self.info[n].get("draft_attached") for n in self.targets)
+            if ready and self.fleet.handles:  # every target that has a draft server is attached to it
+                with_one = [t for t, d in self.fleet.assignment.of.items() if d is not None]
+                ready = bool(with_one) and all(self.info[n].get("draft_attached") for n in with_one)
             if ready:
                 return await self.addresses()
             await asyncio.sleep(POLL_S)
@@ -321,7 +344,7 @@ class Controller:
         drained = await self.drain() if drain else None
         if self._monitor:
             self._monitor.cancel()
-        order = [FRONTEND, *self.targets, *([DRAFT] if self.draft is not None else [])]
+        order = [FRONTEND, *self.targets, *self.fleet.handles]
         for name in order:
             try:
                 handle = ray.get_actor(name, namespace=NAMESPACE)
@@ -330,6 +353,12 @@ class Controller:
             await _bounded(handle.stop.remote())
             ray.kill(handle, no_restart=True)
         return drained
+
+
+async def _stop_actor(name: str, handle) -> None:
+    """A retired draft server: close its server (nothing is attached any more), then end the actor."""
+    await _bounded(handle.stop.remote())
+    ray.kill(handle, no_restart=True)
 
 
 async def _bounded(ref, timeout: float = INFO_TIMEOUT_S * 5):

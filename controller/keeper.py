@@ -30,12 +30,22 @@ def _catch_stop(stop: threading.Event) -> None:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
 
 
+def _draft_slots(spec: ClusterSpec) -> int:
+    """starjar_draft slots this machine offers: as many draft servers as the cluster may run."""
+    if spec.autoscale_drafts:
+        from controller.draft_autoscale import parse_range
+
+        return max(spec.draft_servers, parse_range(spec.autoscale_drafts)[1])
+    return spec.draft_servers
+
+
 def _start_ray(spec: ClusterSpec, stop: threading.Event) -> None:
     import ray
 
     _say(progress="starting Ray (local, loopback only)")
     ray.init(namespace=NAMESPACE, include_dashboard=False, num_cpus=os.cpu_count(), num_gpus=None,
-             resources={"starjar_draft": 1, "starjar_target": spec.targets}, _node_ip_address="127.0.0.1",
+             resources={"starjar_draft": _draft_slots(spec), "starjar_target": spec.targets},
+             _node_ip_address="127.0.0.1",
              # starjar passes no large objects through Ray: a small object store spares memory and /dev/shm.
              object_store_memory=200 * 1024 * 1024, log_to_driver=False)
     _catch_stop(stop)  # ray.init installs a handler that dies at once on SIGTERM; ours drains first

@@ -90,6 +90,33 @@ class _Collector:
         for name in c.actor_names():
             live.add_metric([name], 1 if c.live.get(name) else 0)
         yield live
+        yield from fleet_metrics(c.fleet)
+
+
+def fleet_metrics(fleet):
+    """Per draft server: measured load, attached targets, targets given to it; moves by reason; and the targets
+    no draft server has room for (they decode without drafts)."""
+    load = GaugeMetricFamily(P + "draft_load_ratio", "a draft server's busy fraction over the last window, "
+                             "as the controller measured it for assignment", labels=["draft"])
+    attached = GaugeMetricFamily(P + "draft_assigned_targets", "targets the controller assigned to a draft server",
+                                 labels=["draft"])
+    given = CounterMetricFamily(P + "draft_assignments", "targets given to a draft server (any reason)",
+                                labels=["draft"])
+    for name, slot in sorted(fleet.slots.items()):
+        load.add_metric([name], slot.load)
+        attached.add_metric([name], fleet.assignment.count(name))
+        given.add_metric([name], fleet.assigned.get(name, 0))
+    yield load
+    yield attached
+    yield given
+    moves = CounterMetricFamily(P + "draft_reassignments", "targets moved between draft servers, by reason "
+                                "(failover: its server died; rebalance; retire: its server was drained)",
+                                labels=["reason"])
+    for reason in ("failover", "rebalance", "retire"):
+        moves.add_metric([reason], fleet.moves.get(reason, 0))
+    yield moves
+    yield GaugeMetricFamily(P + "targets_without_draft", "targets no live draft server has room for (they decode "
+                            "without drafts)", value=len(fleet.assignment.unassigned()) if fleet.slots else 0)
 
 
 def write_file_sd(path: str, endpoints: dict[str, str]) -> None:

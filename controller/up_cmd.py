@@ -44,7 +44,14 @@ def _add_up_parser(sub) -> None:
                    "(default: octaves 1,2,4,...,128)")
     u.add_argument("--batch-size", type=int, default=8, help="running requests per target (default 8)")
     u.add_argument("--draft-mode", default="batched", choices=["batched", "fifo"])
-    u.add_argument("--max-targets", type=int, default=8, help="N_max on the draft server (its cap with auto)")
+    u.add_argument("--max-targets", type=int, default=8, help="N_max on each draft server (its cap with auto)")
+    u.add_argument("--autoscale-drafts", default=None, metavar="MIN..MAX",
+                   help="add a draft server while targets wait for one (every one at N_max or saturated), retire "
+                        "one (drain, then stop) when the others can carry its targets; starts with --draft-servers "
+                        "(default MIN)")
+    u.add_argument("--draft-servers", type=int, default=None,
+                   help="draft server actors (default 1); each target speculates with one (same tokenizer, least "
+                        "loaded, under its N_max) and moves to another at once if its own dies")
     u.add_argument("--admission", default="fixed", choices=["fixed", "auto"],
                    help="auto: the controller recomputes N_max from measured Z, S and speeds (StarSD 4.2)")
     u.add_argument("--no-saturation-guard", action="store_true",
@@ -87,7 +94,8 @@ def _spec(args) -> ClusterSpec:
     return local_spec(args.target, args.draft, args.no_draft, targets=args.targets, gamma=spec_on.gamma,
                       policy=spec_on.policy, profile=os.path.abspath(args.profile) if args.profile else None,
                       buckets=args.buckets, batch_size=args.batch_size, draft_mode=args.draft_mode,
-                      max_targets=args.max_targets, admission=args.admission,
+                      max_targets=args.max_targets, draft_servers=_draft_servers(args),
+                      autoscale_drafts=args.autoscale_drafts, admission=args.admission,
                       saturation_guard=not args.no_saturation_guard, threads=args.threads,
                       draft_threads=args.draft_threads, device=args.device, dtype=args.dtype, host=args.host,
                       grpc_port=args.grpc_port, http_port=args.http_port, auth_token=args.auth_token,
@@ -97,6 +105,17 @@ def _spec(args) -> ClusterSpec:
                                            ("request_timeout_s", args.request_timeout)) if v is not None},
                       # On a cluster of someone else's (--address) there is no local file to keep current.
                       prometheus_sd=sd if sd or not args.address else None)
+
+
+def _draft_servers(args) -> int:
+    """--draft-servers, or the autoscaling range's MIN when only that is given."""
+    if args.draft_servers is not None:
+        return args.draft_servers
+    if args.autoscale_drafts:
+        from controller.draft_autoscale import parse_range
+
+        return parse_range(args.autoscale_drafts)[0]
+    return 1
 
 
 def _print_ready(addrs: dict, as_json: bool) -> None:

@@ -127,6 +127,7 @@ class RemoteProposer:
             self._connect(self.address)
         self._lock = threading.Lock()
         self._attached = threading.Event()
+        self.attached_at: float | None = None  # wall time of the last attach (when speculation resumed)
         self._closed = False
         self._tag: bytes | None = None
         self.limits: pb.Limits | None = None
@@ -226,6 +227,19 @@ class RemoteProposer:
                                         metadata=self._auth)
         fut.add_done_callback(lambda f: f.exception() and log.debug("release failed: %s", f.exception()))
 
+    def follow(self) -> None:
+        """Leave the current draft server and ask the resolver where to attach (the controller moved this
+        target to another one). Steps until the new stream is up decode without drafts; the old server frees
+        this target's sequences with the stream it loses."""
+        if self._resolve is None:
+            return
+        tag, stub = self._tag, self._stub
+        self._drop_stream()
+        if tag is not None and stub is not None:
+            fut = stub.Release.future(pb.ReleaseRequest(tag=tag, detach=True), timeout=2.0, metadata=self._auth)
+            fut.add_done_callback(lambda f: f.exception() and log.debug("detach failed: %s", f.exception()))
+        self._wake.set()
+
     def close(self) -> None:
         self._closed = True
         self._wake.set()
@@ -305,7 +319,7 @@ class RemoteProposer:
                 self._wake.clear()
                 continue
             if not self._follow_address():
-                time.sleep(delay * (0.5 + random.random()))
+                self._pause(delay)
                 delay = min(self._backoff[1], delay * 2)
                 continue
             try:
@@ -323,8 +337,13 @@ class RemoteProposer:
                 self.stats.refusals[reason] += 1
                 log.info("draft server %s: %s (%s); retrying in %.2fs", self.address, exc.code().name, reason,
                          delay)
-            time.sleep(delay * (0.5 + random.random()))
+            self._pause(delay)
             delay = min(self._backoff[1], delay * 2)
+
+    def _pause(self, delay: float) -> None:
+        """The backoff between attach tries, cut short by follow() (a new assignment is known now)."""
+        if self._wake.wait(delay * (0.5 + random.random())):
+            self._wake.clear()
 
     def _open_stream(self, resp: pb.AttachResponse) -> None:
         requests: queue.Queue = queue.Queue()
@@ -344,6 +363,7 @@ class RemoteProposer:
         self._outstanding.clear()
         self._wire_ids.clear()  # a new tag knows no sequence: ids restart, the server asks for resyncs
         threading.Thread(target=self._read, args=(stream, requests), name="draft-reader", daemon=True).start()
+        self.attached_at = time.time()
         self._attached.set()
 
     def _read(self, stream, requests: queue.Queue) -> None:

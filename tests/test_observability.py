@@ -163,7 +163,7 @@ def test_every_dashboard_query_returns_series(observed):
 
 
 def test_dashboards_use_the_datasource_variable_and_rate_interval():
-    assert len(DASHBOARDS) == 3
+    assert len(DASHBOARDS) == 4
     for path in DASHBOARDS:
         dash = json.loads(path.read_text())
         names = [v["name"] for v in dash["templating"]["list"] if v["type"] == "datasource"]

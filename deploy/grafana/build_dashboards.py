@@ -132,10 +132,25 @@ DRAFT_SERVER = [
     Panel("Actor restarts", units.Short, [("starjar_controller_actor_restarts_total", "{{actor}}")]),
 ]
 
+FLEET = [
+    Panel("Draft server load (controller's window)", units.PercentUnit,
+          [("starjar_controller_draft_load_ratio", "{{draft}}")]),
+    Panel("Targets assigned per draft server", units.Short,
+          [("starjar_controller_draft_assigned_targets", "{{draft}}"), ("starjar_controller_n_max", "N_max")]),
+    Panel("Assignments per second", units.Short,
+          [(rate("starjar_controller_draft_assignments_total", "draft"), "{{draft}}")]),
+    Panel("Reassignments per second", units.Short,
+          [(rate("starjar_controller_draft_reassignments_total", "reason"), "{{reason}}")]),
+    Panel("Targets without a draft server", units.Short,
+          [("starjar_controller_targets_without_draft", "decoding without drafts")]),
+    Panel("Draft servers up", units.Short, [('starjar_controller_actor_up{actor=~"starjar-draft.*"}', "{{actor}}")]),
+]
+
 DASHBOARDS = {
     "starjar-overview": ("starjar / Overview", OVERVIEW),
     "starjar-speculation": ("starjar / Speculation", SPECULATION),
     "starjar-draft-server": ("starjar / Draft server", DRAFT_SERVER),
+    "starjar-draft-fleet": ("starjar / Draft servers (fleet)", FLEET),
 }
 
 

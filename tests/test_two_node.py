@@ -1,0 +1,127 @@
+"""Issue 19, placement across nodes: a Ray cluster of two nodes on this machine, a head on 127.0.0.1 offering
+starjar_target slots and a second node (`ray start --address`, its own IP 127.0.0.2) offering starjar_draft
+slots. `starjar up --address --draft-servers 2`: both draft servers on the second node, every target on the
+head, each publishing its node's IP; then the failover check of test_draft_failover (one draft server
+SIGKILLed under 4 targets x 50 requests: nothing lost or altered, its targets on the other within 2 s).
+
+Only the Ray processes this test started are stopped (by pid, found by its own temp dir): never `ray stop`,
+which would take every Ray cluster on the machine with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from test_draft_failover import DRAFTS, MAX_TOKENS, PER_TARGET, TARGETS, _drafted, _status, _wait_moved
+from test_ray_cluster import _cli
+
+from starjar import Client
+
+pytestmark = pytest.mark.chaos
+HEAD_IP, DRAFT_IP = "127.0.0.1", "127.0.0.2"
+
+
+def _ray(*args: str, env: dict) -> None:
+    out = subprocess.run(["ray", *args], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((HEAD_IP, 0))
+        return s.getsockname()[1]
+
+
+def _stop_ours(marks: tuple[str, ...]) -> None:
+    """SIGKILL the processes of our Ray cluster: those whose command line names its temp dir or GCS address."""
+    import psutil
+
+    ours = [p for p in psutil.process_iter(["cmdline"])
+            if any(m in " ".join(p.info["cmdline"] or []) for m in marks) and p.pid != os.getpid()]
+    for p in ours:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+
+
+@pytest.fixture(scope="module")
+def two_nodes(model_dirs):
+    temp_dir = tempfile.mkdtemp(prefix="sj2n", dir="/tmp")  # short: Ray's socket paths live under it
+    port = _free_port()
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", RAY_AUTH_MODE="disabled",
+               RAY_USAGE_STATS_ENABLED="0", STARJAR_HOME=os.path.join(temp_dir, "home"))
+    try:
+        _ray("start", "--head", f"--node-ip-address={HEAD_IP}", f"--port={port}", f"--temp-dir={temp_dir}",
+             "--include-dashboard=false", "--num-cpus=2", f"--resources={json.dumps({'starjar_target': TARGETS})}",
+             "--object-store-memory=200000000", env=env)
+        _ray("start", f"--address={HEAD_IP}:{port}", f"--node-ip-address={DRAFT_IP}", "--num-cpus=2",
+             f"--temp-dir={temp_dir}",
+             f"--resources={json.dumps({'starjar_draft': 2})}", "--object-store-memory=200000000", env=env)
+        address = f"{HEAD_IP}:{port}"
+        up = _cli("up", "--address", address, "--target", model_dirs["llama"], "--draft", model_dirs["draft"],
+                  "--targets", str(TARGETS), "--draft-servers", "2", "--gamma", "3", "--batch-size", "4",
+                  "--grpc-port", "0", "--http-port", "0", "--json", env=env, timeout=600)
+        assert up.returncode == 0, up.stderr[-3000:]
+        addrs = json.loads(up.stdout.strip().splitlines()[-1])
+        import ray
+
+        from controller.cluster_spec import CONTROLLER, NAMESPACE
+
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        yield addrs, ray.get_actor(CONTROLLER, namespace=NAMESPACE)
+        ray.shutdown()
+        _cli("down", "--address", address, env=env, timeout=180)
+    finally:
+        _stop_ours((temp_dir, f"{HEAD_IP}:{port}"))
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_drafts_on_one_node_targets_on_the_other_and_failover_across_them(two_nodes, spec_prompts, reference):
+    addrs, controller = two_nodes
+    st = _status(controller)
+    places = {n: a["address"].rsplit(":", 1)[0] for n, a in st["actors"].items() if a.get("address")}
+    print(f"placement: {places}")
+    assert all(places[d] == DRAFT_IP for d in DRAFTS)
+    assert all(ip == HEAD_IP for n, ip in places.items() if n.startswith("starjar-target"))
+    assert [len(st["drafts"]["servers"][d]["attached"]) for d in DRAFTS] == [2, 2]
+    n = TARGETS * PER_TARGET
+    prompts = (spec_prompts * (n // len(spec_prompts) + 1))[:n]
+    ref = [r[:MAX_TOKENS] for r in reference("llama", 64)]
+    ref = (ref * (n // len(ref) + 1))[:n]
+    results, errors = [None] * n, []
+
+    def lane(idx):
+        try:
+            with Client(addrs["grpc"], timeout=600) as c:
+                for i in idx:
+                    results[i] = c.generate(prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS).token_ids
+        except Exception as exc:  # noqa: BLE001 - any failure is the test's failure
+            errors.append(exc)
+
+    with ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(lane, list(range(k, n, 8))) for k in range(8)]
+        time.sleep(3.0)
+        moved = st["drafts"]["servers"][DRAFTS[1]]["attached"]
+        t_kill = time.time()
+        os.kill(st["actors"][DRAFTS[1]]["pid"], signal.SIGKILL)  # same machine: the pid is ours to signal
+        took = _wait_moved(controller, moved, DRAFTS[0], t_kill)
+        before = {t: _drafted(t) for t in moved}
+        time.sleep(1.0)
+        after = {t: _drafted(t) for t in moved}
+        [f.result() for f in futs]
+    lost = sum(r is None for r in results)
+    altered = sum(r is not None and r != e for r, e in zip(results, ref, strict=True))
+    print(f"two nodes: {n} requests, 1 of 2 draft servers killed: lost {lost}, altered {altered}, "
+          f"moved in s { {t: round(s, 3) for t, s in took.items()} }")
+    assert not errors and lost == 0 and altered == 0
+    assert max(took.values()) <= 2.0 and all(after[t] > before[t] for t in moved)
