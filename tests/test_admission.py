@@ -47,12 +47,15 @@ def test_eight_targets_at_n_max_four_twice(models, spec_prompts, reference):
     fp = models["llama"].fingerprint
     with BackgroundDraftServer(models["draft"], DraftServerConfig(max_targets=4)) as server:
         for round_ in range(2):
+            # Counted per round: a refused target retries with backoff while round 0's engine runs (more
+            # often on a slow machine), and those refusals are the server's too.
+            before = server.server.service.refusals["admission"]
             proposers = _attach_concurrently(server.address, fp, 8)
             admitted = [p for p in proposers if p.attached]
             refused = [p for p in proposers if p.stats.refusals["admission"]]
             assert len(admitted) == 4 and len(refused) == 4, round_
             assert all(p.stats.refusals["admission"] == 1 and not p.attached for p in refused)
-            assert server.server.service.refusals["admission"] == 4 * (round_ + 1)
+            assert server.server.service.refusals["admission"] - before == 4
             if round_ == 0:
                 # A refused target's requests all complete, token for token the target's own.
                 engine = TargetEngine(models["llama"], refused[0], FixedGamma(3), EngineConfig(max_batch_size=8))

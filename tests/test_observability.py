@@ -185,7 +185,8 @@ def test_committed_dashboards_match_their_generator():
 def test_labels_stay_bounded(observed):
     """No request ids, tags, prompts or client addresses in labels: every label value is from a small set."""
     allowed = {"le", "finish_reason", "batch_bucket", "gamma", "part", "reason", "position", "target", "actor",
-               "worker", "policy", "component", "version", "target_model", "draft_model", "quantile"}
+               "worker", "policy", "component", "version", "target_model", "draft_model", "quantile",
+               "draft"}  # draft: a draft server's actor name, at most --autoscale-drafts MAX of them
     for endpoint in observed["addrs"]["metrics"]:
         from prometheus_client.parser import text_string_to_metric_families
 
