@@ -3,19 +3,22 @@
 What is trained is small and sits after the draft's last layer: logits +=
 B (A h) + b, with h the draft's last hidden state (A: rank x hidden, B: vocab x
 rank, b: a per-token bias). The draft's layers stay frozen, so
-- the training data is the frozen draft's hidden states of buffered sequences
-  and the token the target verified next: computed once per sequence;
+- the training data is the frozen draft's hidden state at each position of a
+  buffered sequence and the token the target verified next. The serving
+  passes computed those states already (draft_server.tide taps them), so
+  normally no pass of ours is needed; a sequence that arrives without them (a
+  test, a cold buffer) is run through the draft in chunks;
 - swapping an adapter in never invalidates any KV cache: a sequence in
   flight keeps its KV, and its next pass proposes with the new adapter.
 
-All work is cut into micro-steps (one chunk of one sequence through the
-draft, one gradient step, or one chunk of held-out scoring), each a few
-milliseconds, so the compute loop can run one whenever it would otherwise
-wait and a round that arrives waits at most one micro-step. A cycle runs
-when enough new training positions arrived: train a copy of the serving
-adapter, score it and the serving one on held-out positions (exact next-token
-agreement with the target, over the full vocabulary), and hand back the
-result; the caller decides whether to deploy.
+All work is cut into micro-steps (the base draft's top-k for chunk_tokens
+positions, one gradient step, or eval_chunk held-out positions scored), so the
+compute loop can run one whenever it would otherwise wait and a round that
+arrives waits at most one micro-step. A cycle runs when enough new training
+positions arrived: train a copy of the serving adapter, score it and the
+serving one on held-out positions (exact next-token agreement with the target,
+over the full vocabulary), and hand back the result; the caller decides
+whether to deploy.
 """
 
 from __future__ import annotations
