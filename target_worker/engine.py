@@ -36,12 +36,14 @@ from starjar.models import LoadedModel
 from starjar.policy import FixedGamma, SpeculationPolicy
 from starjar.proposer import DraftRequest, Proposer
 from starjar.sampling import SamplingParams
-from starjar.token_ids import check_token_ids, first_out_of_range
+from starjar.token_ids import check_token_ids
+from starjar.token_tree import TokenTree
 from starjar.verify import Verdict, sample_next, verify
 from target_worker.elastic_kv import ElasticKV
 from target_worker.request import Request, Status
 from target_worker.scheduler import Scheduler
 from target_worker.stats import MAX_GAMMA, EngineStats
+from target_worker.tree_score import as_tree, score_rounds
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,7 @@ class SeqRound:
     req: Request
     gamma: int  # drafts it may ask for: the batch's gamma, capped by its max_tokens and context
     draft: list[int] = field(default_factory=list)  # what the proposer gave (may be shorter, or nothing)
+    tree: TokenTree | None = None  # a tree proposal instead (draft then holds its tokens, for the counts)
     verdict: Verdict | None = None  # set by the score phase
 
 
@@ -271,11 +274,12 @@ class TargetEngine:
                 r.req.draft_synced = 0
                 continue
             r.req.draft_synced = dreq.start + len(dreq.tokens)
-            reply = [int(t) for t in reply[: r.gamma]]
-            if first_out_of_range(reply, vocab) is not None:
+            usable = as_tree(reply, vocab, r.gamma)  # a tree is cut to gamma nodes: the KV planned for
+            if usable is None:
                 self.stats.proposer_failures += 1
                 continue
-            r.draft = reply
+            r.tree = usable if isinstance(usable, TokenTree) else None
+            r.draft = list(usable.tokens) if r.tree is not None else usable
 
     def _ask_proposer(self, reqs: list[DraftRequest]) -> list | None:
         """The proposer's replies, one per request; None when it failed."""
@@ -295,6 +299,9 @@ class TargetEngine:
     def _score(self, plan: DecodePlan) -> None:
         """One pass over each round's pending token and drafts; a verdict per round, rejected KV rolled back."""
         plan.scored_s = time.perf_counter()
+        if any(r.tree is not None for r in plan.rounds):
+            score_rounds(self.model, self.cache, plan.rounds)
+            return
         scored = forward_pass(self.model, self.cache, plan.rounds, lambda r: [r.req.output_ids[-1]] + r.draft,
                               lambda r: r.req.slot, all_logits=True)
         for r, lg in zip(scored.rows, scored.logits, strict=True):
