@@ -129,7 +129,7 @@ class ComputeLoop(threading.Thread):
         now = time.perf_counter()
         for a in finished:
             for i, job in a.jobs:
-                a.replies[i] = job.drafts
+                a.replies[i] = job.reply()
             wait, service = a.started_s - a.work.enqueued_s, now - a.started_s
             self.stats.record_round(wait, service, a.work.worker_id)
             replies = self.faults.before_reply(a.replies)
