@@ -80,6 +80,16 @@ class TokenTree:
         n = max(0, min(n, len(self.tokens)))
         return TokenTree(self.tokens[:n], self.parents[:n], self.path_probs[:n])
 
+    def within_depth(self, depth: int) -> TokenTree:
+        """The nodes at most `depth` deep (parents of kept nodes are kept: they are shallower)."""
+        depths = self.depths()
+        keep = [i for i in range(len(self.tokens)) if depths[i] <= depth]
+        if len(keep) == len(self.tokens):
+            return self
+        index = {n: i for i, n in enumerate(keep)}
+        return TokenTree([self.tokens[n] for n in keep], [index.get(self.parents[n], -1) for n in keep],
+                         [self.path_probs[n] for n in keep] if self.path_probs else ())
+
     def path_to(self, node: int) -> list[int]:
         """Nodes from the root's child down to `node` (empty for the root, -1)."""
         path = []
