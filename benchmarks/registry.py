@@ -18,7 +18,7 @@ from starjar.kernels import machine_info
 BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "benchmarks.star",
               "cluster": "benchmarks.cluster", "draft": "benchmarks.draft", "api": "benchmarks.api",
               "nightjar": "benchmarks.nightjar", "offload": "benchmarks.offload",
-              "faults": "benchmarks.faults"}
+              "faults": "benchmarks.faults", "adaserve": "benchmarks.adaserve"}
 
 
 def run_bench(args) -> int:

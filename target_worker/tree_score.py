@@ -110,3 +110,19 @@ class TreeSelector:
             r.tree, r.draft = (tree, list(tree.tokens)) if len(tree) else (None, [])
         self.select_s.append(time.perf_counter() - t0)
         del self.select_s[:-4096]
+
+
+MAX_TPOT_SLO_S = 3600.0
+
+
+def tpot_timing(timing, req) -> None:
+    """The last message's timing: achieved TPOT (first token to last, over the tokens after the first) and,
+    when the request gave a TPOT SLO, whether it held."""
+    n = len(req.output_ids)
+    if req.first_token_s is None or req.finish_s is None or n < 2:
+        tpot = 0.0
+    else:
+        tpot = (req.finish_s - req.first_token_s) / (n - 1)
+    timing.tpot_s = tpot
+    if req.tpot_slo_s is not None:
+        timing.tpot_slo_met = tpot <= req.tpot_slo_s
