@@ -20,6 +20,7 @@ from pathlib import Path
 
 from benchmarks.common import p50, pair_dirs, prompt_ids, save_plot
 from controller.colocated import load_pair
+from controller.profiler import profile_verify_budget
 from draft_server.engine import DraftEngine
 from starjar.policy import FixedGamma
 from starjar.reference import hf_greedy
@@ -36,7 +37,7 @@ def run(args) -> dict:
     target, draft = load_pair(target_dir, draft_dir)
     prompts = prompt_ids(target.tokenizer, 24)
     engine_for(target, draft, "none", 1, 1, 8).generate(prompts[:2], SamplingParams(max_tokens=8))  # warm-up
-    budget = profile_budget(target, prompts[0])
+    budget = profile_verify_budget(target, prompts[0])
     b1 = batch1(target, draft, prompts[: 3 if quick else 6], 32 if quick else 48, budget["budget"], quick)
     slo = slo_sweep(target, draft, prompts, budget["budget"], b1, quick)
     out = {"note": note, "budget_profile": budget, "batch1": b1, **slo}
@@ -56,25 +57,6 @@ def engine_for(target, draft, policy: str, gamma: int, batch: int, budget: int, 
     tree = TreeConfig(policy, width, budget, cap) if policy != "chain" else None
     cfg = EngineConfig(max_batch_size=batch, max_gamma=max(gamma, 1), tree=tree)
     return TargetEngine(target, DraftEngine(draft), FixedGamma(gamma), cfg)
-
-
-def profile_budget(target, prompt: list[int], slack: float = 1.25) -> dict:
-    """Time of one target pass feeding n tokens after the prompt, n = 1..64: the budget is the largest n whose
-    pass stays within `slack` x the one-token pass."""
-    times = {}
-    for n in (1, 2, 4, 8, 16, 24, 32, 48, 64):
-        cache = target.new_cache()
-        slot = cache.allocate()
-        target.forward(cache, [slot], [prompt], [[len(prompt) - 1]])
-        runs = []
-        for _ in range(5):
-            cache.truncate(slot, len(prompt))
-            t0 = time.perf_counter()
-            target.forward(cache, [slot], [prompt[:n] if n <= len(prompt) else (prompt * 4)[:n]], [list(range(n))])
-            runs.append(time.perf_counter() - t0)
-        times[n] = p50(runs)
-    budget = max(n for n, t in times.items() if t <= slack * times[1])
-    return {"pass_s": {str(n): round(t, 5) for n, t in times.items()}, "slack": slack, "budget": budget}
 
 
 def batch1(target, draft, prompts, max_new: int, budget: int, quick: bool) -> dict:
