@@ -46,10 +46,10 @@ def forward_pass(model: LoadedModel, cache: RaggedKVCache, rows: Sequence[T], fe
     counts = [len(f) if all_logits else min(len(f), last(r)) if last else 1 for r, f in zip(ordered, feeds,
                                                                                           strict=True)]
     wanted = [list(range(len(f) - n, len(f))) for f, n in zip(feeds, counts, strict=True)]
-    trees = [tree(r) for r in ordered] if tree else None
+    trees = [tree(r) for r in ordered] if tree else []
+    extra = {"trees": trees} if any(t is not None for t in trees) else {}  # chain-only passes: as before
     t0 = time.perf_counter()
-    logits = model.forward(cache, [slot(r) for r in ordered], feeds, wanted,
-                           trees if trees and any(t is not None for t in trees) else None)
+    logits = model.forward(cache, [slot(r) for r in ordered], feeds, wanted, **extra)
     return Pass(ordered, feeds, logits, time.perf_counter() - t0)
 
 

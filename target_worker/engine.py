@@ -262,9 +262,9 @@ class TargetEngine:
         want = [r for r in plan.rounds if r.gamma > 0]
         if not want:
             return
-        width = self.trees.draft_width if self.trees is not None else 0
-        reqs = [DraftRequest(r.req.draft_key, r.req.draft_synced, r.req.all_ids()[r.req.draft_synced:], r.gamma,
-                             width) for r in want]
+        shape = self.trees.shape if self.trees is not None else lambda n, g: (g, 0)  # (depth, width) for n
+        reqs = [DraftRequest(r.req.draft_key, r.req.draft_synced, r.req.all_ids()[r.req.draft_synced:],
+                             *shape(len(want), r.gamma)) for r in want]
         replies = self._ask_proposer(reqs)
         if replies is None:
             for r in want:

@@ -87,6 +87,14 @@ class TreeSelector:
         self.select_s: list[float] = []  # per step: the selection's time (AdaServe Figure 9), bounded
         self.draft_width = cfg.width if cfg.policy != "chain" else 0
 
+    def shape(self, n: int, gamma: int) -> tuple[int, int]:
+        """(depth, width) of the candidate trees for n sequences (AdaServe eq. 8-9): depth ceil(B/n) and width
+        floor(B/n), within gamma (D_max, the policy's) and the configured width (W_max)."""
+        b = self.cfg.budget
+        depth = max(1, min(gamma, -(-b // max(1, n))))
+        width = max(1, min(self.draft_width, b // max(1, n))) if self.draft_width else 0
+        return depth, width
+
     def observe_step(self, seconds: float) -> None:
         self.step_s = seconds if not self.step_s else 0.8 * self.step_s + 0.2 * seconds
 

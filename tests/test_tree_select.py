@@ -86,3 +86,12 @@ def test_trees_through_the_real_draft_server(models, spec_prompts, reference):
         assert snap["tree_rounds"] > 0 and snap["tree_nodes"] >= 3 * snap["tree_rounds"]
         assert engine.stats.accepted_tokens > 0 and not rp.stats.fallbacks
         rp.close()
+
+
+def test_candidate_tree_shape_follows_the_batch():
+    from target_worker.tree_score import TreeSelector
+
+    sel = TreeSelector(TreeConfig("adaserve", width=4, budget=32, cap=16))
+    assert sel.shape(1, 8) == (8, 4)  # gamma is D_max, the configured width W_max
+    assert sel.shape(8, 8) == (4, 4) and sel.shape(16, 8) == (2, 2) and sel.shape(64, 8) == (1, 1)
+    assert TreeSelector(TreeConfig("chain")).shape(1, 5) == (5, 0)  # chains: the draft's greedy chain
