@@ -49,6 +49,7 @@ def test_small_gamma_cuts_trees_and_chains_mix(models, spec_prompts, reference):
     assert [r.output_ids for r in reqs] == [ref[:48] for ref in reference("llama")[:N]]
 
 
+@pytest.mark.slow
 def test_sampling_with_trees_is_seeded_and_in_range(models, spec_prompts):
     params = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=11)
     runs = []
