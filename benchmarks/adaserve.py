@@ -42,7 +42,7 @@ def run(args) -> dict:
     # On a CPU the pass time grows from the second token on (compute-bound), so the profiled budget can be 1:
     # no room for any tree. The tree policies then get at least MIN_BUDGET, and the JSON says so.
     used = max(budget["budget"], MIN_BUDGET)
-    b1 = batch1(target, draft, prompts[: 3 if quick else 6], 24 if quick else 48, quick)
+    b1 = batch1(target, draft, prompts[: 2 if quick else 6], 24 if quick else 48, quick)
     slo = slo_sweep(target, draft, prompts, used, b1, quick)
     out = {"note": note, "budget_profile": budget, "budget_used": used, "batch1": b1, **slo}
     plot = Path(args.out).with_name(Path(args.out).stem + "_attainment.png")
@@ -69,7 +69,7 @@ def batch1(target, draft, prompts, max_new: int, quick: bool) -> dict:
     ref = [hf_greedy(target, p, max_new) for p in prompts]
     params = SamplingParams(max_tokens=max_new)
     configs = [("none", 0, 0, 0)] + [("chain", g, 0, 0) for g in ((3, 5) if quick else (2, 3, 4, 5, 6, 8))]
-    configs += [("adaserve", d, w, b) for d, w, b in (((4, 2, 8), (6, 2, 12), (5, 3, 16)) if quick else
+    configs += [("adaserve", d, w, b) for d, w, b in (((4, 2, 8), (6, 2, 12)) if quick else
                                                       ((4, 2, 8), (6, 2, 12), (8, 2, 16), (4, 3, 12), (6, 3, 16)))]
     runs = []
     for policy, depth, width, budget in configs:
@@ -105,7 +105,7 @@ def slo_sweep(target, draft, prompts, budget: int, b1: dict, quick: bool) -> dic
     """Poisson arrivals; SLO classes from the target alone's TPOT at batch 1 (AdaServe Table 2, scaled)."""
     tpot0 = b1["target_alone_tpot_s"]
     classes, weights = (tpot0, 1.5 * tpot0, 5 * tpot0), (0.6, 0.2, 0.2)
-    n_req, max_new = (8, 16) if quick else (24, 32)
+    n_req, max_new = (6, 12) if quick else (24, 32)
     capacity = 1 / (tpot0 * max_new)  # requests/s that batch-1 plain decoding sustains
     rates = [round(capacity * m, 3) for m in ((1, 3) if quick else (0.5, 1, 2, 4, 8))]
     best_chain = b1["best_chain"]["depth"]
