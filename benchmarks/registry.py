@@ -18,7 +18,8 @@ from starjar.kernels import machine_info
 BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "benchmarks.star",
               "cluster": "benchmarks.cluster", "draft": "benchmarks.draft", "api": "benchmarks.api",
               "nightjar": "benchmarks.nightjar", "offload": "benchmarks.offload",
-              "faults": "benchmarks.faults", "tide": "benchmarks.tide", "fabric": "benchmarks.fabric"}
+              "faults": "benchmarks.faults", "tide": "benchmarks.tide", "fabric": "benchmarks.fabric",
+              "adaserve": "benchmarks.adaserve"}
 
 
 def run_bench(args) -> int:

@@ -45,6 +45,18 @@ _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENT
 _HTTP_KIND = {400: "invalid_request_error", 429: "rate_limit_error"}  # anything else: server_error
 
 
+def tpot_usage(ends: list[dict]) -> dict:
+    """The usage extension from the choices' last messages: the slowest achieved TPOT and whether every
+    choice met the request's TPOT SLO (only when it gave one)."""
+    timings = [e["timing"] for e in ends if e.get("timing") is not None]
+    if not timings:
+        return {}
+    out = {"tpot_s": max(t.tpot_s for t in timings)}
+    if all(t.HasField("tpot_slo_met") for t in timings):
+        out["tpot_slo_met"] = all(t.tpot_slo_met for t in timings)
+    return out
+
+
 def _add_usage(tokens: list[int], end: dict) -> None:
     """Add one choice's (prompt, completion) tokens to the request's."""
     if end.get("usage"):
@@ -154,7 +166,8 @@ class OpenAIServer:
                 if resp.finish_reason:
                     text += cut.flush()
                     yield text, {"finish_reason": resp.finish_reason,
-                                 "usage": (resp.usage.prompt_tokens, resp.usage.completion_tokens)}
+                                 "usage": (resp.usage.prompt_tokens, resp.usage.completion_tokens),
+                                 "timing": resp.timing}
                     return
                 if text:
                     yield text, None
@@ -179,7 +192,7 @@ class OpenAIServer:
         for _, end in results:
             _add_usage(tokens, end)
         return web.json_response(envelope.whole([(text, end.get("finish_reason")) for text, end in results],
-                                                (tokens[0], tokens[1])))
+                                                (tokens[0], tokens[1]), tpot_usage([end for _, end in results])))
 
     # ---- server-sent events ---------------------------------------------------------------------
 
@@ -221,7 +234,7 @@ class OpenAIServer:
         if envelope.chat:
             for i in range(len(parsed.requests)):
                 await send(envelope.role_chunk(i))
-        tokens, open_choices = [0, 0], len(parsed.requests)
+        tokens, open_choices, ends = [0, 0], len(parsed.requests), []
         while open_choices:
             i, piece, fin, err = item if item is not None else await merged.get()
             item = None
@@ -234,6 +247,7 @@ class OpenAIServer:
                 open_choices -= 1
                 await send(envelope.chunk(i, None if envelope.chat else "", fin["finish_reason"]))
                 _add_usage(tokens, fin)
+                ends.append(fin)
         if parsed.include_usage:
-            await send(envelope.usage_chunk((tokens[0], tokens[1])))
+            await send(envelope.usage_chunk((tokens[0], tokens[1]), tpot_usage(ends)))
         await resp.write(b"data: [DONE]\n\n")

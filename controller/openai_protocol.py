@@ -55,11 +55,14 @@ class Parsed:
     stops: list[str] = field(default_factory=list)
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     messages: list[dict] | None = None  # chat: the conversation, until the tokenizer's template renders it
+    tpot_slo_s: float | None = None  # extension field: the TPOT SLO every choice asks for (AdaServe)
 
     def add(self, prompt: str = "", ids: list[int] | None = None) -> None:
         """One more choice, from a text prompt or prompt token ids, checked as the gRPC front end checks it."""
         req = pb.GenerateRequest(request_id=f"http-{secrets.token_hex(8)}", prompt=prompt,
                                  prompt_token_ids=ids or [], sampling=sampling_to_proto(self.sampling))
+        if self.tpot_slo_s is not None:
+            req.tpot_slo_s = self.tpot_slo_s
         check_request_shape(req, self.model)
         self.requests.append(req)
 
@@ -85,7 +88,7 @@ def parse_completions(body: dict, model_name: str) -> Parsed:
     _unsupported(body, "logprobs", (None,))
     _unsupported(body, "suffix", (None,))
     prompts = _prompts(body.get("prompt"))
-    parsed = Parsed(sampling, model_name)
+    parsed = Parsed(sampling, model_name, tpot_slo_s=_tpot_slo(body))
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             parsed.add(prompt=p)
@@ -123,7 +126,7 @@ def parse_chat(body: dict, model_name: str, has_template: bool) -> Parsed:
     messages = _messages(body.get("messages"))
     if not has_template:
         raise InvalidArgument("messages", "the model's tokenizer has no chat template; use /v1/completions")
-    parsed = Parsed(sampling, model_name, *_stream_flags(body), messages=messages)
+    parsed = Parsed(sampling, model_name, *_stream_flags(body), messages=messages, tpot_slo_s=_tpot_slo(body))
     parsed.stops = _stops(body)
     return parsed
 
@@ -193,6 +196,14 @@ def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
                           seed=seed, ignore_eos=_field(body, "ignore_eos", (bool,), False, "a boolean"))
 
 
+def _tpot_slo(body: dict) -> float | None:
+    """The extension field tpot_slo_s: seconds per output token the request needs, in (0, 3600]."""
+    slo = _field(body, "tpot_slo_s", (int, float), None, "a number")
+    if slo is not None and not 0 < slo <= 3600:
+        raise InvalidArgument("tpot_slo_s", "must be in (0, 3600] seconds", slo)
+    return None if slo is None else float(slo)
+
+
 def _stops(body: dict) -> list[str]:
     stop = body.get("stop")
     if stop is None:
@@ -213,9 +224,11 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 # ---- responses ------------------------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, timing: dict | None = None) -> dict:
+    """OpenAI's usage; timing (extension): the slowest choice's achieved tpot_s and, when the request gave a
+    tpot_slo_s, whether every choice met it (tpot_slo_met)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, **(timing or {})}
 
 
 @dataclass(frozen=True)
@@ -231,13 +244,15 @@ class Envelope:
     def new(cls, model: str, chat: bool) -> Envelope:
         return cls(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), int(time.time()), model, chat)
 
-    def wrap(self, obj: str, choices: list[dict], tokens: tuple[int, int] | None = None) -> dict:
+    def wrap(self, obj: str, choices: list[dict], tokens: tuple[int, int] | None = None,
+             timing: dict | None = None) -> dict:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if tokens is not None:
-            out["usage"] = usage(*tokens)
+            out["usage"] = usage(*tokens, timing)
         return out
 
-    def whole(self, results: list[tuple[str, str | None]], tokens: tuple[int, int]) -> dict:
+    def whole(self, results: list[tuple[str, str | None]], tokens: tuple[int, int],
+              timing: dict | None = None) -> dict:
         """The non-streaming answer: per choice (text, finish_reason)."""
         choices = []
         for i, (text, finish) in enumerate(results):
@@ -247,7 +262,7 @@ class Envelope:
             else:
                 choice["text"] = text
             choices.append(choice)
-        return self.wrap("chat.completion" if self.chat else "text_completion", choices, tokens)
+        return self.wrap("chat.completion" if self.chat else "text_completion", choices, tokens, timing)
 
     def chunk(self, i: int, text: str | None, finish: str | None) -> dict:
         """One streamed event of choice i: new text (None: none, as in a chat's last chunk) or its finish."""
@@ -263,9 +278,9 @@ class Envelope:
         return self._event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                              "logprobs": None}])
 
-    def usage_chunk(self, tokens: tuple[int, int]) -> dict:
+    def usage_chunk(self, tokens: tuple[int, int], timing: dict | None = None) -> dict:
         """The last event when the client asked for stream_options.include_usage."""
-        return self.wrap(self._stream_object(), [], tokens)
+        return self.wrap(self._stream_object(), [], tokens, timing)
 
     def _event(self, choices: list[dict]) -> dict:
         return self.wrap(self._stream_object(), choices)

@@ -125,18 +125,22 @@ class ComputeLoop(threading.Thread):
     def _pass(self) -> None:
         es = self.engine.stats
         passes0, pass_s0, drafted0 = es.passes, es.catchup_s + es.step_s, es.drafted_tokens
+        trees0 = (es.tree_jobs, es.tree_nodes, es.tree_expand_s)
         jobs = [j for a in self._active for _, j in a.jobs if not j.done]
         if jobs:
             self.engine.advance(jobs)
             self.faults.after_pass()
         self.stats.record_pass(len(self._active), len(jobs), es.passes - passes0,
                                es.catchup_s + es.step_s - pass_s0, es.drafted_tokens - drafted0)
+        if es.tree_jobs != trees0[0]:
+            self.stats.record_trees(es.tree_jobs - trees0[0], es.tree_nodes - trees0[1],
+                                    es.tree_expand_s - trees0[2])
         finished = [a for a in self._active if a.done]
         self._active = [a for a in self._active if not a.done]
         now = time.perf_counter()
         for a in finished:
             for i, job in a.jobs:
-                a.replies[i] = job.drafts
+                a.replies[i] = job.reply()
             wait, service = a.started_s - a.work.enqueued_s, now - a.started_s
             self.stats.record_round(wait, service, a.work.worker_id)
             replies = self.faults.before_reply(a.replies)

@@ -19,6 +19,8 @@ class DraftServerConfig:
     max_sequences_per_target: int = 256
     max_tokens_per_sequence: int = 8192
     max_gamma: int = 16
+    max_tree_width: int = 4  # widest beam-search tree a round may ask for (1: chains only)
+    max_tree_nodes: int = 64  # most nodes in one sequence's tree (a wider request is narrowed to fit)
     max_message_bytes: int = 4 << 20
     lease_s: float = 60.0  # unused sequences and stream-less tags are reclaimed after this
     max_batch_rounds: int = 64  # cap on rounds merged into one batch
@@ -46,7 +48,8 @@ class DraftServerConfig:
         if self.mode not in MODES:
             raise InvalidArgument("mode", f"one of {MODES}", self.mode)
         for name, lo, hi in (("max_targets", 0, 4096), ("max_sequences_per_target", 1, 65536),
-                             ("max_tokens_per_sequence", 2, 1 << 20), ("max_gamma", 1, 64),
+                             ("max_tokens_per_sequence", 2, 1 << 20), ("max_gamma", 1, 64), ("max_tree_width", 1, 16),
+                             ("max_tree_nodes", 1, 256),
                              ("max_message_bytes", 1024, 1 << 30), ("max_batch_rounds", 1, 4096)):
             v = getattr(self, name)
             if not lo <= v <= hi:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+from draft_server.tree_draft import BeamTree, fit_width
 from starjar.grouped_forward import grouped_forward
 from starjar.models import LoadedModel, kv_bytes_per_token
 from starjar.proposer import DraftReply, DraftRequest
@@ -52,10 +53,14 @@ class DraftJob:
     feed: list[int]  # the catch-up tokens first, then the last draft
     drafts: list[int] = field(default_factory=list)
     passes: int = 0
+    beam: BeamTree | None = None  # a candidate tree instead of a chain (draft_server.tree_draft)
 
     @property
     def done(self) -> bool:
-        return len(self.drafts) >= self.gamma
+        return self.beam.done if self.beam is not None else len(self.drafts) >= self.gamma
+
+    def reply(self) -> DraftReply:
+        return self.beam.tree() if self.beam is not None else self.drafts
 
 
 @dataclass
@@ -68,6 +73,9 @@ class DraftStats:
     steps: int = 0
     resyncs: int = 0
     passes: int = 0  # draft forward passes (catch-up + one-token steps)
+    tree_jobs: int = 0  # sequence-rounds that built a candidate tree
+    tree_nodes: int = 0  # nodes of those trees
+    tree_expand_s: float = 0.0  # choosing their children and beams (besides the passes they rode in)
 
 
 class DraftEngine:
@@ -162,7 +170,7 @@ class DraftEngine:
             self.advance(live)
             live = [j for j in live if not j.done]
         for i, job in jobs:
-            replies[i] = job.drafts
+            replies[i] = job.reply()
         return replies
 
     def start(self, requests: Sequence[DraftRequest]) -> tuple[list[DraftReply], list[tuple[int, DraftJob]]]:
@@ -190,7 +198,9 @@ class DraftEngine:
                 keep = min(_common_prefix(seq.cached, seq.verified), len(seq.verified) - 1)
                 self.cache.truncate(seq.slot, keep)
                 del seq.cached[keep:]
-                jobs.append((i, DraftJob(req.seq_id, seq, gamma, seq.verified[keep:])))
+                width = fit_width(gamma, req.tree_width) if req.tree_width > 1 else 1
+                beam = BeamTree(gamma, width) if width > 1 else None
+                jobs.append((i, DraftJob(req.seq_id, seq, gamma, seq.verified[keep:], beam=beam)))
                 self.stats.catchup_tokens += len(seq.verified) - keep
         return replies, jobs
 
@@ -201,7 +211,8 @@ class DraftEngine:
         # bonus token) is short enough to ride with the one-token steps.
         cap = min(MAX_FEED, self.max_pass_tokens)
         for step in grouped_forward(self.model, self.cache, live, lambda j: j.feed[:cap], lambda j: j.seq.slot,
-                                    short=SHORT_FEED, max_pass_tokens=self.max_pass_tokens):
+                                    short=SHORT_FEED, max_pass_tokens=self.max_pass_tokens,
+                                    tree=_tree_row, last=_logit_rows):
             if all(j.passes == 0 for j in step.rows):
                 self.stats.catchup_s += step.seconds
             else:
@@ -209,14 +220,33 @@ class DraftEngine:
                 self.stats.steps += 1
             self.stats.passes += 1
             for j, f, lg in zip(step.rows, step.feeds, step.logits, strict=True):
+                if j.beam is not None and j.passes:
+                    self._grow_tree(j, lg)
+                    continue
                 j.seq.cached.extend(f)
                 if len(f) < len(j.feed):  # a chunk of a long catch-up: no draft until it is all in
                     j.feed = j.feed[len(f):]
+                    continue
+                if j.beam is not None:
+                    self._grow_tree(j, lg)
                     continue
                 j.drafts.append(int(lg[0].argmax()))
                 j.feed = [j.drafts[-1]]
                 j.passes += 1
                 self.stats.drafted_tokens += 1
+
+    def _grow_tree(self, j: DraftJob, logits) -> None:
+        """A tree job's pass is done: its scored nodes' children join the tree; when the tree is complete the
+        cache goes back to the verified prefix (only the beams were written past it)."""
+        j.beam.expand(logits)
+        j.passes += 1
+        j.feed = j.beam.feed()
+        if j.beam.done:
+            self.cache.truncate(j.seq.slot, len(j.seq.cached))
+            self.stats.tree_jobs += 1
+            self.stats.tree_nodes += len(j.beam.tokens)
+            self.stats.tree_expand_s += j.beam.expand_s
+            self.stats.drafted_tokens += len(j.beam.tokens)
 
     def release(self, seq_ids: Sequence[Hashable]) -> None:
         for sid in seq_ids:
@@ -266,10 +296,11 @@ class DraftEngine:
 
     def _fits(self, req: DraftRequest, seq: _DraftSeq | None, new_len: int) -> bool:
         """Whether the cache stays within the budgets once this sequence holds new_len tokens + its drafts."""
-        need = new_len + req.gamma + 1
+        extra = req.gamma + 1 if req.tree_width <= 1 else 1 + (req.gamma - 1) * req.tree_width
+        need = new_len + extra
         if self.max_kv_tokens is not None:
             rows = len(self._seqs) + (seq is None)
-            if rows * (max(self._longest, new_len) + req.gamma + 1) > self.max_kv_tokens:
+            if rows * (max(self._longest, new_len) + extra) > self.max_kv_tokens:
                 return False
         if self.max_kv_tokens_per_owner is not None:
             old = len(seq.verified) if seq is not None else 0
@@ -284,6 +315,16 @@ class DraftEngine:
             self._owner_tokens[owner] = left
         else:
             self._owner_tokens.pop(owner, None)
+
+
+def _tree_row(job: DraftJob):
+    """The cache layout of a tree job's beam pass (None for chains and catch-ups)."""
+    return job.beam.layout() if job.beam is not None and job.passes else None
+
+
+def _logit_rows(job: DraftJob) -> int:
+    """How many trailing fed tokens need logits: a beam pass every beam's, everything else its last token's."""
+    return len(job.feed) if job.beam is not None and job.passes else 1
 
 
 def _owner(seq_id: Hashable) -> Hashable:

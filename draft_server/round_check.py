@@ -45,6 +45,8 @@ def sequence_problem(s: pb.SequenceRound, cfg: DraftServerConfig, vocab_size: in
     """Why one sequence is past the server's limits on its own, or None."""
     if s.gamma > cfg.max_gamma:
         return f"gamma {s.gamma} > {cfg.max_gamma}"
+    if s.tree_width > cfg.max_tree_width:
+        return f"tree_width {s.tree_width} > {cfg.max_tree_width}"
     if s.start + len(s.tokens) > cfg.max_tokens_per_sequence:
         return f"start + len(tokens) {s.start + len(s.tokens)} > {cfg.max_tokens_per_sequence}"
     bad = first_out_of_range(s.tokens, vocab_size)

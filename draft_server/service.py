@@ -21,6 +21,7 @@ from draft_server.round_check import check_round
 from draft_server.sessions import AdmissionRefused, Session, SessionTable, UnknownTag
 from draft_server.speculate_stream import SpeculateStream
 from draft_server.stats import ServerStats
+from draft_server.tree_draft import fit_width
 from draft_server.work_queue import ReleaseWork, RoundWork, WorkQueue
 from starjar.errors import FailedPrecondition, InvalidArgument, NotServing, StarjarError
 from starjar.proposer import DraftRequest
@@ -75,7 +76,8 @@ class DraftService(pb_grpc.DraftServiceServicer):
         c = self.cfg
         return pb.AttachResponse(tag=s.tag, draft_model=self.draft_name, limits=pb.Limits(
             max_sequences=c.max_sequences_per_target, max_tokens_per_sequence=c.max_tokens_per_sequence,
-            max_gamma=c.max_gamma, max_message_bytes=c.max_message_bytes, lease_seconds=c.lease_s))
+            max_gamma=c.max_gamma, max_message_bytes=c.max_message_bytes, lease_seconds=c.lease_s,
+            max_tree_width=c.max_tree_width, max_tree_nodes=c.max_tree_nodes))
 
     def _refused(self, counted_as: str, exc: StarjarError) -> StarjarError:
         """Count a refused Attach by reason (a metric), and hand back the error to raise."""
@@ -113,7 +115,8 @@ class DraftService(pb_grpc.DraftServiceServicer):
                 reqs.append(DraftRequest((session.tag, s.seq_id), RESYNC_START, [], 0))
                 continue
             session.seq_last_used[s.seq_id] = now
-            reqs.append(DraftRequest((session.tag, s.seq_id), s.start, list(s.tokens), s.gamma))
+            width = fit_width(s.gamma, s.tree_width, self.cfg.max_tree_nodes) if s.tree_width > 1 else 0
+            reqs.append(DraftRequest((session.tag, s.seq_id), s.start, list(s.tokens), s.gamma, width))
         session.rounds += 1
         session.last_round_s = now
         return RoundWork(session.tag, session.worker_id, request.round_id, reqs, deliver,
@@ -196,7 +199,8 @@ class DraftService(pb_grpc.DraftServiceServicer):
             mean_wait_s=snap["mean_wait_s"], mean_idle_s=snap["mean_idle_s"], load=snap["load"],
             rounds_per_s=snap["rounds_per_s"], uptime_s=snap["uptime_s"],
             refused_admission=self.sessions.refused_admission, reclaimed_sequences=snap["reclaimed_sequences"],
-            max_targets=self.sessions.max_targets, busy_s=snap["busy_s"], idle_s=snap["idle_s"])
+            max_targets=self.sessions.max_targets, busy_s=snap["busy_s"], idle_s=snap["idle_s"],
+            tree_rounds=snap["tree_rounds"], tree_nodes=snap["tree_nodes"], tree_expand_s=snap["tree_expand_s"])
         for worker, (n, rate) in sorted(snap["per_worker"].items()):
             msg.targets.add(worker_id=worker, rounds=n, rounds_per_s=rate)
         if self.tide is not None:

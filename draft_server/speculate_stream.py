@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from draft_server.sessions import Session
 from draft_server.work_queue import RoundWork
 from starjar.errors import NotFound, NotServing, ServerBusy
+from starjar.token_tree import TokenTree
 from starjar.v1 import draft_pb2 as pb
 
 if TYPE_CHECKING:
@@ -66,6 +67,10 @@ class SpeculateStream:
             d = resp.sequences.add(seq_id=req.seq_id[1])
             if r is None:
                 d.resync = True
+            elif isinstance(r, TokenTree):
+                d.tokens.extend(r.tokens)
+                d.parents.extend(r.parents)
+                d.path_probs.extend(r.path_probs)
             else:
                 d.tokens.extend(r)
         self.loop.call_soon_threadsafe(self.out.put_nowait, resp)

@@ -37,6 +37,7 @@ class ServerStats:
         self.reclaimed_sequences = 0
         self.queue_full = 0  # streams ended because the global queue was full
         self.bad_sequences = 0  # sequences answered resync for breaking a limit (the stream went on)
+        self.trees = [0, 0, 0.0]  # candidate trees built: sequence-rounds, nodes, bookkeeping seconds
         self.observer = observer
 
     def record_idle(self, gap_s: float) -> None:
@@ -47,6 +48,10 @@ class ServerStats:
             self.idle_gaps += 1
         if self.observer is not None:
             self.observer.observe_idle(gap_s)
+
+    def record_trees(self, rounds: int, nodes: int, expand_s: float) -> None:
+        with self._lock:
+            self.trees = [self.trees[0] + rounds, self.trees[1] + nodes, self.trees[2] + expand_s]
 
     def record_busy(self, busy_s: float) -> None:
         with self._lock:
@@ -98,4 +103,5 @@ class ServerStats:
                 "busy_s": self.busy_s, "idle_s": self.idle_s,
                 "uptime_s": now - self.start_s, "reclaimed_sequences": self.reclaimed_sequences,
                 "bad_sequences": self.bad_sequences, "queue_full": self.queue_full,
+                "tree_rounds": self.trees[0], "tree_nodes": self.trees[1], "tree_expand_s": self.trees[2],
             }

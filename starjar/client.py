@@ -85,6 +85,8 @@ class GenerationChunk:
     usage: Usage | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None
+    tpot_s: float | None = None  # achieved time per output token
+    tpot_slo_met: bool | None = None  # None when the request gave no tpot_slo_s
 
 
 @dataclass
@@ -96,6 +98,8 @@ class GenerationResult:
     usage: Usage | None = None
     ttft_s: float | None = None
     e2e_s: float | None = None
+    tpot_s: float | None = None
+    tpot_slo_met: bool | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
         self.token_ids.extend(chunk.token_ids)
@@ -103,13 +107,17 @@ class GenerationResult:
         if chunk.finish_reason is not None:
             self.finish_reason, self.usage = chunk.finish_reason, chunk.usage
             self.ttft_s, self.e2e_s = chunk.ttft_s, chunk.e2e_s
+            self.tpot_s, self.tpot_slo_met = chunk.tpot_s, chunk.tpot_slo_met
 
 
-def _request(prompt, prompt_token_ids, chat, request_id, model, **sampling) -> pb.GenerateRequest:
+def _request(prompt, prompt_token_ids, chat, request_id, model, tpot_slo_s=None, **sampling) -> pb.GenerateRequest:
     params = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})  # validates locally first
-    return pb.GenerateRequest(request_id=request_id or "", prompt=prompt or "",
-                              prompt_token_ids=list(prompt_token_ids or ()), chat=chat, model=model or "",
-                              sampling=sampling_to_proto(params))
+    req = pb.GenerateRequest(request_id=request_id or "", prompt=prompt or "",
+                             prompt_token_ids=list(prompt_token_ids or ()), chat=chat, model=model or "",
+                             sampling=sampling_to_proto(params))
+    if tpot_slo_s is not None:
+        req.tpot_slo_s = float(tpot_slo_s)
+    return req
 
 
 def _chunk(resp: pb.GenerateResponse) -> GenerationChunk:
@@ -118,7 +126,8 @@ def _chunk(resp: pb.GenerateResponse) -> GenerationChunk:
     return GenerationChunk(list(resp.token_ids), resp.text, resp.finish_reason,
                            Usage(resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.draft_tokens,
                                  resp.usage.accepted_draft_tokens),
-                           resp.timing.ttft_s, resp.timing.e2e_s)
+                           resp.timing.ttft_s, resp.timing.e2e_s, resp.timing.tpot_s,
+                           resp.timing.tpot_slo_met if resp.timing.HasField("tpot_slo_met") else None)
 
 
 def _credentials(tls, root_certificates, private_key=None, certificate_chain=None):
@@ -159,8 +168,12 @@ class Client(_Base):
                         max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                         top_k: int | None = None, seed: int | None = None, stop_token_ids: Sequence[int] = (),
                         ignore_eos: bool = False, chat: bool = False, request_id: str | None = None,
-                        model: str | None = None, timeout: float | None = None) -> Iterator[GenerationChunk]:
-        req = _request(prompt, prompt_token_ids, chat, request_id, model or self.model, max_tokens=max_tokens,
+                        model: str | None = None, timeout: float | None = None,
+                        tpot_slo_s: float | None = None) -> Iterator[GenerationChunk]:
+        """tpot_slo_s: seconds per output token this request needs (AdaServe); the last chunk says whether it
+        held (tpot_s, tpot_slo_met)."""
+        req = _request(prompt, prompt_token_ids, chat, request_id, model or self.model, tpot_slo_s,
+                       max_tokens=max_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                        stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
         call = self._stub.Generate(req, **self._call_args(timeout))
@@ -202,8 +215,10 @@ class AsyncClient(_Base):
                               top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, chat: bool = False,
                               request_id: str | None = None, model: str | None = None,
-                              timeout: float | None = None) -> AsyncIterator[GenerationChunk]:
-        req = _request(prompt, prompt_token_ids, chat, request_id, model or self.model, max_tokens=max_tokens,
+                              timeout: float | None = None,
+                              tpot_slo_s: float | None = None) -> AsyncIterator[GenerationChunk]:
+        req = _request(prompt, prompt_token_ids, chat, request_id, model or self.model, tpot_slo_s,
+                       max_tokens=max_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                        stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
         call = self._stub.Generate(req, **self._call_args(timeout))

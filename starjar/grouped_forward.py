@@ -35,31 +35,39 @@ class Pass(Generic[T]):
 
 
 def forward_pass(model: LoadedModel, cache: RaggedKVCache, rows: Sequence[T], feed: Callable[[T], list[int]],
-                 slot: Callable[[T], int], all_logits: bool = False) -> Pass[T]:
+                 slot: Callable[[T], int], all_logits: bool = False, tree: Callable[[T], tuple | None] | None = None,
+                 last: Callable[[T], int] | None = None) -> Pass[T]:
     """One pass over `rows`, each appending feed(row) to its slot. Slots are read now: a caller that frees
-    slots between passes (compaction moves others) must call this after it has done so."""
+    slots between passes (compaction moves others) must call this after it has done so.
+    tree: a row's token-tree layout (RaggedKVCache.begin), called once per row and pass; last: how many of a
+    row's trailing fed tokens need logits (1 unless all_logits)."""
     ordered = sorted(rows, key=slot)
     feeds = [feed(r) for r in ordered]
-    wanted = [list(range(len(f))) if all_logits else [len(f) - 1] for f in feeds]
+    counts = [len(f) if all_logits else min(len(f), last(r)) if last else 1 for r, f in zip(ordered, feeds,
+                                                                                          strict=True)]
+    wanted = [list(range(len(f) - n, len(f))) for f, n in zip(feeds, counts, strict=True)]
+    trees = [tree(r) for r in ordered] if tree else []
+    extra = {"trees": trees} if any(t is not None for t in trees) else {}  # chain-only passes: as before
     t0 = time.perf_counter()
-    logits = model.forward(cache, [slot(r) for r in ordered], feeds, wanted)
+    logits = model.forward(cache, [slot(r) for r in ordered], feeds, wanted, **extra)
     return Pass(ordered, feeds, logits, time.perf_counter() - t0)
 
 
 def grouped_forward(model: LoadedModel, cache: RaggedKVCache, rows: Sequence[T], feed: Callable[[T], list[int]],
-                    slot: Callable[[T], int], short: int = 0, max_pass_tokens: int | None = None
+                    slot: Callable[[T], int], short: int = 0, max_pass_tokens: int | None = None,
+                    tree: Callable[[T], tuple | None] | None = None, last: Callable[[T], int] | None = None
                     ) -> Iterator[Pass[T]]:
     """Passes over rows grouped by feed length (longest first), logits at each row's last fed token.
 
     short: rows of at most this many tokens always share a pass (see length_groups). max_pass_tokens: a
     pass feeds at most this many tokens in all. Each pass runs when the iterator reaches it, so the caller
-    may act on one pass's results before the next reads its slots."""
+    may act on one pass's results before the next reads its slots. tree, last: as forward_pass's."""
     lengths = {id(r): len(feed(r)) for r in rows}
     groups = length_groups(list(rows), lambda r: lengths[id(r)], short=short)
     if max_pass_tokens is not None:
         groups = _split_by_tokens(groups, lambda r: lengths[id(r)], max_pass_tokens)
     for group in groups:
-        yield forward_pass(model, cache, group, feed, slot)
+        yield forward_pass(model, cache, group, feed, slot, tree=tree, last=last)
 
 
 def length_groups(items: list[T], length: Callable[[T], int], max_padding: float = 0.25,

@@ -21,8 +21,12 @@ cache needs no knowledge of the architecture (Llama, Qwen2, GPT-2, ...).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers.cache_utils import Cache
+
+from starjar.tree_attention import tree_layout
 
 
 class RaggedKVCache(Cache):
@@ -88,17 +92,28 @@ class RaggedKVCache(Cache):
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
         self.lengths[slot] = length
 
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Copy the KV at positions src to positions dst of a slot (an accepted tree path made contiguous)."""
+        if src == dst:
+            return
+        s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        for buf in self._keys + self._values:
+            buf[slot, :, d] = buf[slot, :, s]
+
     def tokens_used(self) -> int:
         return sum(self.lengths)
 
     # ---- one forward pass ---------------------------------------------------------------
 
-    def begin(self, slots: list[int], new_counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def begin(self, slots: list[int], new_counts: list[int],
+              trees: list[tuple[int, Sequence[int]] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Prepare a pass where slots[b] adds new_counts[b] tokens (padded to Q = max).
 
         Returns (position_ids [B, Q], attention_mask [B, 1, Q, K]) for the model call.
         Padding queries attend like real ones (so no row is empty) and their writes land
         past the slot's valid length, where nothing real ever looks.
+        trees: per row, None (a chain) or (cached, parents) of a token tree (see _tree_rows and
+        starjar.tree_attention): its tokens are positioned by depth and see only their ancestors.
         """
         B, Q = len(slots), max(new_counts)
         starts = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long)
@@ -111,11 +126,12 @@ class RaggedKVCache(Cache):
         self._write_pos = pos.to(self.device)
         key_pos = torch.arange(self._kv_len)
         allowed = key_pos[None, None, :] <= pos[:, :, None]  # [B, Q, K]
+        pos_ids = _tree_rows(pos, allowed, starts, trees) if trees else pos
         mask = torch.zeros(B, 1, Q, self._kv_len, dtype=self.dtype)
         mask.masked_fill_(~allowed[:, None], torch.finfo(self.dtype).min)
         for s, n in zip(slots, new_counts, strict=True):
             self.lengths[s] += n
-        return pos.to(self.device), mask.to(self.device)
+        return pos_ids.to(self.device), mask.to(self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states: [B, H, Q, D] for the slots given to begin().
@@ -163,3 +179,21 @@ class RaggedKVCache(Cache):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._keys + self._values)
+
+
+def _tree_rows(pos: torch.Tensor, allowed: torch.Tensor, starts: torch.Tensor,
+               trees: list[tuple[int, Sequence[int]] | None]) -> torch.Tensor:
+    """Position ids and mask rows for the tree rows of a pass (edits `allowed` in place). A tree row is
+    (cached, parents): the row's tree region began `cached` tokens before this pass's first new token, and
+    parents covers the whole region (cached + new tokens), its first token being the root."""
+    pos_ids = pos.clone()
+    for b, tree in enumerate(trees):
+        if tree is None:
+            continue
+        cached, parents = tree
+        region = int(starts[b]) - cached  # the root's position
+        new = len(parents) - cached
+        depth, sees = tree_layout(parents)
+        pos_ids[b, :new] = region + depth[cached:]
+        allowed[b, :new, region: region + len(parents)] = sees[cached:]
+    return pos_ids

@@ -74,9 +74,10 @@ class LoadedModel:
 
     @torch.no_grad()
     def forward(self, cache: RaggedKVCache, slots: list[int], tokens: list[list[int]],
-                logit_rows: list[list[int]]) -> list[torch.Tensor]:
+                logit_rows: list[list[int]], trees: list | None = None) -> list[torch.Tensor]:
         """One ragged pass: slots[b] appends tokens[b]; returns, per b, logits [len(rows), V]
-        at the requested offsets (0-based within tokens[b]).
+        at the requested offsets (0-based within tokens[b]). trees: per row, None or a token tree's
+        (cached, parents) (a tree pass, see RaggedKVCache.begin).
 
         Only the requested rows go through the output layer, which on a 49k vocabulary
         is most of the cost of a short pass.
@@ -97,7 +98,7 @@ class LoadedModel:
         ids = torch.zeros(len(tokens), max(counts), dtype=torch.long)
         for b, t in enumerate(tokens):
             ids[b, : len(t)] = torch.tensor(t, dtype=torch.long)
-        position_ids, mask = cache.begin(slots, counts)
+        position_ids, mask = cache.begin(slots, counts, trees)
         if self.lean is not None:
             return self.lean.hidden(ids.to(self.device), position_ids, mask, cache)
         return self.model.base_model(input_ids=ids.to(self.device), position_ids=position_ids,

@@ -14,17 +14,21 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from starjar.token_tree import TokenTree
+
 
 @dataclass(frozen=True)
 class DraftRequest:
     seq_id: Hashable
     start: int  # position of tokens[0] within the sequence
     tokens: Sequence[int]  # verified tokens from `start` on (the whole prompt on first sight)
-    gamma: int  # draft tokens wanted; 0 = only record the tokens
+    gamma: int  # draft tokens wanted (a tree's depth); 0 = only record the tokens
+    tree_width: int = 0  # > 1: a beam-search candidate tree of this width and depth gamma (0 or 1: a chain)
 
 
-# Per request: the drafts (len <= gamma), or None to ask for a resync from position 0.
-DraftReply = list[int] | None
+# Per request: the drafts (len <= gamma), a TokenTree when a tree was asked for, or None to ask for a resync
+# from position 0.
+DraftReply = list[int] | TokenTree | None
 
 
 class Proposer(Protocol):

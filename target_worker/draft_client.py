@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from starjar.errors import StarjarError
 from starjar.proposer import DraftReply, DraftRequest
 from starjar.security import Security
+from starjar.token_tree import TokenTree
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 
@@ -174,7 +176,7 @@ class RemoteProposer:
             if wid is None:
                 wid = self._wire_ids[r.seq_id] = next(self._next_wire_id)
             wire.append(wid)
-            msg.sequences.add(seq_id=wid, start=r.start, tokens=r.tokens, gamma=r.gamma)
+            msg.sequences.add(seq_id=wid, start=r.start, tokens=r.tokens, gamma=r.gamma, tree_width=r.tree_width)
         t0 = time.perf_counter()
         self._outstanding.add(round_id)
         reqs_q.put(msg)
@@ -197,7 +199,7 @@ class RemoteProposer:
                 self.stats.fallbacks["resync"] += 1
                 out[i] = None
             else:
-                out[i] = list(s.tokens)[: r.gamma]
+                out[i] = reply_of(s, r.gamma)
         return out
 
     def _within_limits(self, requests: Sequence[DraftRequest], limits) -> tuple[list[DraftRequest], list[int]]:
@@ -213,7 +215,9 @@ class RemoteProposer:
                     self.stats.fallbacks["over_limit"] += 1
                     continue
                 if limits.max_gamma and r.gamma > limits.max_gamma:
-                    r = DraftRequest(r.seq_id, r.start, r.tokens, limits.max_gamma)
+                    r = DraftRequest(r.seq_id, r.start, r.tokens, limits.max_gamma, r.tree_width)
+                if r.tree_width > max(1, limits.max_tree_width):  # an older server: chains only
+                    r = DraftRequest(r.seq_id, r.start, r.tokens, r.gamma, limits.max_tree_width)
             sent.append(r)
             index.append(i)
         return sent, index
@@ -396,3 +400,14 @@ def _reason(exc: grpc.RpcError) -> str:
         if key == "starjar-reason":
             return value
     return exc.code().name.lower() if hasattr(exc, "code") else "error"
+
+
+def reply_of(seq_draft: pb.SequenceDraft, gamma: int) -> DraftReply:
+    """One sequence's drafts from the wire: a chain (at most gamma tokens) or, with parents, a token tree
+    (one the target cannot read, malformed, is no drafts this step)."""
+    if not seq_draft.parents:
+        return list(seq_draft.tokens)[:gamma]
+    try:
+        return TokenTree(tuple(seq_draft.tokens), tuple(seq_draft.parents), tuple(seq_draft.path_probs))
+    except StarjarError:
+        return []

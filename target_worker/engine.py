@@ -36,12 +36,14 @@ from starjar.models import LoadedModel
 from starjar.policy import FixedGamma, SpeculationPolicy
 from starjar.proposer import DraftRequest, Proposer
 from starjar.sampling import SamplingParams
-from starjar.token_ids import check_token_ids, first_out_of_range
+from starjar.token_ids import check_token_ids
+from starjar.token_tree import TokenTree
 from starjar.verify import Verdict, sample_next, verify
 from target_worker.elastic_kv import ElasticKV
 from target_worker.request import Request, Status
 from target_worker.scheduler import Scheduler
 from target_worker.stats import MAX_GAMMA, EngineStats
+from target_worker.tree_score import TreeConfig, TreeSelector, as_tree, score_rounds
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class EngineConfig:
     max_batch_size: int = 16
     kv_budget_tokens: int | None = None  # None: max_batch_size full contexts
     max_gamma: int = 8
+    tree: TreeConfig | None = None  # token trees (AdaServe) instead of chains; None: chains
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_batch_size <= 4096:
@@ -79,6 +82,7 @@ class SeqRound:
     req: Request
     gamma: int  # drafts it may ask for: the batch's gamma, capped by its max_tokens and context
     draft: list[int] = field(default_factory=list)  # what the proposer gave (may be shorter, or nothing)
+    tree: TokenTree | None = None  # a tree proposal instead (draft then holds its tokens, for the counts)
     verdict: Verdict | None = None  # set by the score phase
 
 
@@ -114,6 +118,7 @@ class TargetEngine:
         self.stats = EngineStats()
         self.step_listener: Callable[[int, int], None] | None = None  # (batch size, gamma) per decode step
         self.elastic = elastic
+        self.trees = TreeSelector(self.config.tree) if self.config.tree is not None else None
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -257,8 +262,9 @@ class TargetEngine:
         want = [r for r in plan.rounds if r.gamma > 0]
         if not want:
             return
-        reqs = [DraftRequest(r.req.draft_key, r.req.draft_synced, r.req.all_ids()[r.req.draft_synced:], r.gamma)
-                for r in want]
+        shape = self.trees.shape if self.trees is not None else lambda n, g: (g, 0)  # (depth, width) for n
+        reqs = [DraftRequest(r.req.draft_key, r.req.draft_synced, r.req.all_ids()[r.req.draft_synced:],
+                             *shape(len(want), r.gamma)) for r in want]
         replies = self._ask_proposer(reqs)
         if replies is None:
             for r in want:
@@ -271,11 +277,14 @@ class TargetEngine:
                 r.req.draft_synced = 0
                 continue
             r.req.draft_synced = dreq.start + len(dreq.tokens)
-            reply = [int(t) for t in reply[: r.gamma]]
-            if first_out_of_range(reply, vocab) is not None:
+            usable = as_tree(reply, vocab, self._tree_cap(r), r.gamma)
+            if usable is None:
                 self.stats.proposer_failures += 1
                 continue
-            r.draft = reply
+            r.tree = usable if isinstance(usable, TokenTree) else None
+            r.draft = list(usable.tokens) if r.tree is not None else usable
+        if self.trees is not None:
+            self.trees.select(want)
 
     def _ask_proposer(self, reqs: list[DraftRequest]) -> list | None:
         """The proposer's replies, one per request; None when it failed."""
@@ -292,9 +301,20 @@ class TargetEngine:
         finally:
             self.stats.propose_s += time.perf_counter() - t0
 
+    def _tree_cap(self, r: SeqRound) -> int:
+        """Nodes a sequence's tree may keep before selection: gamma without a tree policy (the KV planned
+        for), the policy's cap with one, as long as the KV budget has room for it."""
+        if self.trees is None:
+            return r.gamma
+        room = self.scheduler.kv_budget_tokens - self.cache.tokens_used() - self.num_running * (r.gamma + 1)
+        return max(r.gamma, min(self.trees.cfg.cap, r.gamma + max(0, room // max(1, self.num_running))))
+
     def _score(self, plan: DecodePlan) -> None:
         """One pass over each round's pending token and drafts; a verdict per round, rejected KV rolled back."""
         plan.scored_s = time.perf_counter()
+        if any(r.tree is not None for r in plan.rounds):
+            score_rounds(self.model, self.cache, plan.rounds)
+            return
         scored = forward_pass(self.model, self.cache, plan.rounds, lambda r: [r.req.output_ids[-1]] + r.draft,
                               lambda r: r.req.slot, all_logits=True)
         for r, lg in zip(scored.rows, scored.logits, strict=True):
@@ -322,6 +342,8 @@ class TargetEngine:
         if kind != "fallback":
             self.policy.observe(len(plan.rounds), plan.gamma if drafted else 0, now - plan.started_s, tokens,
                                 accepted, drafted)
+        if self.trees is not None:
+            self.trees.observe_step(now - plan.started_s)
         if self.elastic is not None:
             self.elastic.after_decode(plan.gamma, self.scheduler, self.cache.tokens_used())
 

@@ -43,6 +43,7 @@ class Request:
     draft_key: int = field(default_factory=lambda: next(_draft_keys))
     slot: int = -1
     draft_synced: int = 0  # how many of all_ids() the proposer has been told about
+    tpot_slo_s: float | None = None  # the time per output token the client asked for (AdaServe), if any
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (stop ids, EOS unless ignored), set at enqueue
 
     def __post_init__(self) -> None:

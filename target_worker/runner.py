@@ -39,10 +39,11 @@ class EngineRunner(threading.Thread):
         self.dead = threading.Event()  # set when the engine cannot go on (the server turns NOT_SERVING, exits)
         self.on_dead = on_dead
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, on_output: OnOutput) -> Request:
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, on_output: OnOutput,
+               tpot_slo_s: float | None = None) -> Request:
         """prompt_ids and params must already be validated (engine.validate_prompt, params.validate).
         On a dead engine the request ends at once with an error output."""
-        req = Request(prompt_ids=list(prompt_ids), params=params, request_id=request_id)
+        req = Request(prompt_ids=list(prompt_ids), params=params, request_id=request_id, tpot_slo_s=tpot_slo_s)
         with self._cv:  # under the lock: _die either sees this request in the inbox or we see it dead
             if not self.dead.is_set():
                 self._inbox.append(("add", req, on_output))

@@ -17,7 +17,7 @@ from contextlib import aclosing
 
 import grpc
 
-from starjar.errors import InternalFailure, NotServing, ServerBusy
+from starjar.errors import InternalFailure, InvalidArgument, NotServing, ServerBusy
 from starjar.text import encode_prompt
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
@@ -26,6 +26,7 @@ from target_worker.admission import QUEUE_FULL, AdmissionQueue
 from target_worker.detok import IncrementalDetokenizer
 from target_worker.engine import StepOutput
 from target_worker.runner import ENGINE_STOPPED, EngineRunner
+from target_worker.tree_score import MAX_TPOT_SLO_S, tpot_timing
 
 log = logging.getLogger(__name__)
 _ids = itertools.count(1)
@@ -48,6 +49,8 @@ class GenerateService(pb_grpc.GenerateServiceServicer):
         else:
             ids = list(request.prompt_token_ids)
         ids = self.engine.validate_prompt(ids)
+        if request.HasField("tpot_slo_s") and not 0 < request.tpot_slo_s <= MAX_TPOT_SLO_S:
+            raise InvalidArgument("tpot_slo_s", f"must be in (0, {MAX_TPOT_SLO_S:g}] seconds", request.tpot_slo_s)
         return ids, params
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -68,7 +71,9 @@ class GenerateService(pb_grpc.GenerateServiceServicer):
         rid = request.request_id or f"gen-{next(_ids)}"
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
-        req = self.runner.submit(ids, params, rid, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        slo = request.tpot_slo_s if request.HasField("tpot_slo_s") else None
+        req = self.runner.submit(ids, params, rid, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
+                                 slo)
         detok = IncrementalDetokenizer(self.tokenizer)
         log.debug("request %s: %d prompt tokens", rid, len(ids))  # never the prompt text
         try:
@@ -90,6 +95,7 @@ class GenerateService(pb_grpc.GenerateServiceServicer):
                     resp.usage.accepted_draft_tokens = r.accepted_tokens
                     resp.timing.ttft_s = (r.first_token_s or arrival) - arrival
                     resp.timing.e2e_s = (r.finish_s or time.perf_counter()) - arrival
+                    tpot_timing(resp.timing, r)
                 yield resp
                 if final:
                     return

@@ -25,18 +25,22 @@ class AttachRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., no_training: _Optional[bool] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sequences", "max_tokens_per_sequence", "max_gamma", "max_message_bytes", "lease_seconds")
+    __slots__ = ("max_sequences", "max_tokens_per_sequence", "max_gamma", "max_message_bytes", "lease_seconds", "max_tree_width", "max_tree_nodes")
     MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     max_sequences: int
     max_tokens_per_sequence: int
     max_gamma: int
     max_message_bytes: int
     lease_seconds: float
-    def __init__(self, max_sequences: _Optional[int] = ..., max_tokens_per_sequence: _Optional[int] = ..., max_gamma: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    max_tree_width: int
+    max_tree_nodes: int
+    def __init__(self, max_sequences: _Optional[int] = ..., max_tokens_per_sequence: _Optional[int] = ..., max_gamma: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., max_tree_width: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("tag", "limits", "draft_model")
@@ -49,18 +53,20 @@ class AttachResponse(_message.Message):
     def __init__(self, tag: _Optional[bytes] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., draft_model: _Optional[str] = ...) -> None: ...
 
 class SequenceRound(_message.Message):
-    __slots__ = ("seq_id", "start", "tokens", "gamma", "hidden_states")
+    __slots__ = ("seq_id", "start", "tokens", "gamma", "hidden_states", "tree_width")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     gamma: int
     hidden_states: bytes
-    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., hidden_states: _Optional[bytes] = ...) -> None: ...
+    tree_width: int
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., tree_width: _Optional[int] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("round_id", "sequences")
@@ -71,14 +77,18 @@ class SpeculateRequest(_message.Message):
     def __init__(self, round_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceRound, _Mapping]]] = ...) -> None: ...
 
 class SequenceDraft(_message.Message):
-    __slots__ = ("seq_id", "tokens", "resync")
+    __slots__ = ("seq_id", "tokens", "resync", "parents", "path_probs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    PATH_PROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     resync: bool
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., resync: _Optional[bool] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    path_probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., resync: _Optional[bool] = ..., parents: _Optional[_Iterable[int]] = ..., path_probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RoundTimings(_message.Message):
     __slots__ = ("queue_wait_s", "compute_s", "batched_rounds")
@@ -131,7 +141,7 @@ class TargetRate(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rounds_per_s: _Optional[float] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("attached_targets", "live_sequences", "queue_depth", "mode", "rounds", "batches", "drafted_tokens", "draft_steps", "mean_step_s", "mean_service_s", "mean_wait_s", "mean_idle_s", "load", "rounds_per_s", "targets", "uptime_s", "refused_admission", "reclaimed_sequences", "max_targets", "busy_s", "idle_s", "tide_acceptance_short", "tide_acceptance_long", "tide_collecting", "tide_train_steps", "tide_swaps", "tide_train_s", "tide_buffered_sequences", "tide_buffered_tokens", "tide_heldout_acceptance", "tide_cycles")
+    __slots__ = ("attached_targets", "live_sequences", "queue_depth", "mode", "rounds", "batches", "drafted_tokens", "draft_steps", "mean_step_s", "mean_service_s", "mean_wait_s", "mean_idle_s", "load", "rounds_per_s", "targets", "uptime_s", "refused_admission", "reclaimed_sequences", "max_targets", "busy_s", "idle_s", "tide_acceptance_short", "tide_acceptance_long", "tide_collecting", "tide_train_steps", "tide_swaps", "tide_train_s", "tide_buffered_sequences", "tide_buffered_tokens", "tide_heldout_acceptance", "tide_cycles", "tree_rounds", "tree_nodes", "tree_expand_s")
     ATTACHED_TARGETS_FIELD_NUMBER: _ClassVar[int]
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +173,9 @@ class DraftStats(_message.Message):
     TIDE_BUFFERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIDE_HELDOUT_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     TIDE_CYCLES_FIELD_NUMBER: _ClassVar[int]
+    TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    TREE_EXPAND_S_FIELD_NUMBER: _ClassVar[int]
     attached_targets: int
     live_sequences: int
     queue_depth: int
@@ -194,4 +207,7 @@ class DraftStats(_message.Message):
     tide_buffered_tokens: int
     tide_heldout_acceptance: float
     tide_cycles: int
-    def __init__(self, attached_targets: _Optional[int] = ..., live_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., mode: _Optional[str] = ..., rounds: _Optional[int] = ..., batches: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_service_s: _Optional[float] = ..., mean_wait_s: _Optional[float] = ..., mean_idle_s: _Optional[float] = ..., load: _Optional[float] = ..., rounds_per_s: _Optional[float] = ..., targets: _Optional[_Iterable[_Union[TargetRate, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused_admission: _Optional[int] = ..., reclaimed_sequences: _Optional[int] = ..., max_targets: _Optional[int] = ..., busy_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., tide_acceptance_short: _Optional[float] = ..., tide_acceptance_long: _Optional[float] = ..., tide_collecting: _Optional[bool] = ..., tide_train_steps: _Optional[int] = ..., tide_swaps: _Optional[int] = ..., tide_train_s: _Optional[float] = ..., tide_buffered_sequences: _Optional[int] = ..., tide_buffered_tokens: _Optional[int] = ..., tide_heldout_acceptance: _Optional[float] = ..., tide_cycles: _Optional[int] = ...) -> None: ...
+    tree_rounds: int
+    tree_nodes: int
+    tree_expand_s: float
+    def __init__(self, attached_targets: _Optional[int] = ..., live_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., mode: _Optional[str] = ..., rounds: _Optional[int] = ..., batches: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_service_s: _Optional[float] = ..., mean_wait_s: _Optional[float] = ..., mean_idle_s: _Optional[float] = ..., load: _Optional[float] = ..., rounds_per_s: _Optional[float] = ..., targets: _Optional[_Iterable[_Union[TargetRate, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused_admission: _Optional[int] = ..., reclaimed_sequences: _Optional[int] = ..., max_targets: _Optional[int] = ..., busy_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., tide_acceptance_short: _Optional[float] = ..., tide_acceptance_long: _Optional[float] = ..., tide_collecting: _Optional[bool] = ..., tide_train_steps: _Optional[int] = ..., tide_swaps: _Optional[int] = ..., tide_train_s: _Optional[float] = ..., tide_buffered_sequences: _Optional[int] = ..., tide_buffered_tokens: _Optional[int] = ..., tide_heldout_acceptance: _Optional[float] = ..., tide_cycles: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_expand_s: _Optional[float] = ...) -> None: ...
