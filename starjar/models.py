@@ -82,8 +82,9 @@ class LoadedModel:
         Only the requested rows go through the output layer, which on a 49k vocabulary
         is most of the cost of a short pass.
         """
-        hidden = self.hidden_states(cache, slots, tokens)  # [B, Q, hidden]
-        if self.hidden_tap is not None:
+        hidden = self.hidden_states(cache, slots, tokens, trees)  # [B, Q, hidden]
+        # The tap keeps states per sequence position for TIDE; a tree pass's rows are beams, not positions.
+        if self.hidden_tap is not None and not any(t is not None for t in trees or ()):
             self.hidden_tap(cache, slots, [len(t) for t in tokens], hidden)
         b_idx = [b for b, rows in enumerate(logit_rows) for _ in rows]
         r_idx = [r for rows in logit_rows for r in rows]
@@ -91,7 +92,8 @@ class LoadedModel:
         return list(torch.split(logits, [len(r) for r in logit_rows]))
 
     @torch.no_grad()
-    def hidden_states(self, cache: RaggedKVCache, slots: list[int], tokens: list[list[int]]) -> torch.Tensor:
+    def hidden_states(self, cache: RaggedKVCache, slots: list[int], tokens: list[list[int]],
+                      trees: list | None = None) -> torch.Tensor:
         """The pass of forward() without the output layer: last hidden states [B, max len, hidden]."""
         counts = [len(t) for t in tokens]
         assert min(counts) > 0

@@ -16,7 +16,8 @@ from starjar.policy import FixedGamma
 from starjar.sampling import SamplingParams
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
-from target_worker.draft_client import Breaker, RemoteProposer
+from target_worker.breaker import Breaker
+from target_worker.draft_client import RemoteProposer
 from target_worker.engine import EngineConfig, TargetEngine
 
 
