@@ -114,8 +114,11 @@ def m_needed(model: StarModel, n: int = 1024) -> list[dict]:
     s = model.cost(1)
     out = []
     for ratio in Z_OVER_S:
-        m = admitted(StarModel(z_s=ratio * s, tokens_per_round=model.tokens_per_round,
-                               plain_step_s=model.plain_step_s, cost=model.cost, mode=model.mode, wake_s=model.wake_s))
+        # Z is mostly the target's verification pass, and so is a step without drafts: they grow together.
+        z = ratio * s
+        m = admitted(StarModel(z_s=z, tokens_per_round=model.tokens_per_round,
+                               plain_step_s=model.plain_step_s * z / model.z_s, cost=model.cost, mode=model.mode,
+                               wake_s=model.wake_s))
         out.append({"z_over_s": ratio, "n_targets": n, "n_full": n_full(m), "n_max": m.n_max,
                     "m_drafts": drafts_needed(m, n, cycles=40)})
     return out
