@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.fabric_sim import PassCost, StarModel, drafts_needed, n_full, simulate
@@ -43,24 +44,47 @@ def _err(measured: float, simulated: float) -> float:
     return round((simulated - measured) / measured, 4) if measured else 0.0
 
 
+def shared_host_slowdown(rows: list[dict], mode: str, m: int) -> float:
+    """How much slower each pass is when M draft servers share this machine's cores: busy time per round at
+    the largest N with M servers over the same with one (1.0 where each has its own device)."""
+    top = max(r["n"] for r in rows if r["mode"] == mode and r["m"] == m)
+    one = next(r for r in rows if r["mode"] == mode and r["m"] == 1 and r["n"] == top)
+    many = next(r for r in rows if r["mode"] == mode and r["m"] == m and r["n"] == top)
+    return many["busy_per_round_s"] / one["busy_per_round_s"]
+
+
+def _sim_row(model: StarModel, n: int, m: int) -> dict:
+    sim = simulate(model, n, m, cycles=300)
+    return {"system_tokens_per_s": round(sim["system_tokens_per_s"], 3), "draft_load": round(sim["draft_load"], 4)}
+
+
 def validate(rows: list[dict], models: dict[str, StarModel]) -> list[dict]:
+    """Every measured row against the simulator calibrated on M = 1 (`simulated`: each draft server on its own
+    device). For M > 1 also `simulated_shared_host`: every pass slowed by the factor measured at the largest N
+    (on a 2-core machine two draft servers share the cores; the other N are then out of sample)."""
     out = []
     for r in rows:
-        sim = simulate(models[r["mode"]], r["n"], r["m"], cycles=300)
-        out.append({"n": r["n"], "m": r["m"], "mode": r["mode"],
-                    "measured": {"system_tokens_per_s": r["system_tokens_per_s"], "draft_load": r["draft_load"]},
-                    "simulated": {"system_tokens_per_s": round(sim["system_tokens_per_s"], 3),
-                                  "draft_load": round(sim["draft_load"], 4)},
-                    "error": {"system_tokens_per_s": _err(r["system_tokens_per_s"], sim["system_tokens_per_s"]),
-                              "draft_load": _err(r["draft_load"], sim["draft_load"])}})
+        model = models[r["mode"]]
+        sim = _sim_row(model, r["n"], r["m"])
+        row = {"n": r["n"], "m": r["m"], "mode": r["mode"],
+               "measured": {"system_tokens_per_s": r["system_tokens_per_s"], "draft_load": r["draft_load"]},
+               "simulated": sim, "error": {k: _err(row_v, sim[k]) for k, row_v in
+                                           (("system_tokens_per_s", r["system_tokens_per_s"]),
+                                            ("draft_load", r["draft_load"]))}}
+        if r["m"] > 1:
+            f = shared_host_slowdown(rows, r["mode"], r["m"])
+            shared = _sim_row(replace(model, cost=PassCost([(b, c * f) for b, c in model.cost.points]),
+                                      wake_s=model.wake_s * f), r["n"], r["m"])
+            row["shared_host_slowdown"] = round(f, 3)
+            row["simulated_shared_host"] = shared
+            row["error_shared_host"] = {k: _err(row["measured"][k], shared[k]) for k in shared}
+        out.append(row)
     return out
 
 
 def admitted(model: StarModel) -> StarModel:
     """The model with N_max as the controller's admission sets it (StarSD 4.2: the largest N at which a
     speculating target still beats decoding alone; see controller/admission.py)."""
-    from dataclasses import replace
-
     from controller.admission import n_max
 
     s = model.cost(1)
@@ -90,21 +114,30 @@ def m_needed(model: StarModel, n: int = 1024) -> list[dict]:
     s = model.cost(1)
     out = []
     for ratio in Z_OVER_S:
-        m = admitted(StarModel(z_s=ratio * s, tokens_per_round=model.tokens_per_round,
-                               plain_step_s=model.plain_step_s, cost=model.cost, mode=model.mode, wake_s=model.wake_s))
+        # Z is mostly the target's verification pass, and so is a step without drafts: they grow together.
+        z = ratio * s
+        m = admitted(StarModel(z_s=z, tokens_per_round=model.tokens_per_round,
+                               plain_step_s=model.plain_step_s * z / model.z_s, cost=model.cost, mode=model.mode,
+                               wake_s=model.wake_s))
         out.append({"z_over_s": ratio, "n_targets": n, "n_full": n_full(m), "n_max": m.n_max,
                     "m_drafts": drafts_needed(m, n, cycles=40)})
     return out
 
 
 def _table(result: dict) -> str:
-    lines = ["validation (replay measured vs simulated):", "mode     N  M  tok/s meas  tok/s sim   err   "
-             "load meas  load sim   err"]
+    lines = ["validation (replay measured vs simulated; M > 1 also with the shared-host slowdown):",
+             "mode     N  M  tok/s meas  tok/s sim   err   load meas  load sim   err"
+             " | shared: tok/s   err    load   err"]
     for v in result["validation"]:
         me, si, er = v["measured"], v["simulated"], v["error"]
-        lines.append(f"{v['mode']:<7} {v['n']:>2} {v['m']:>2} {me['system_tokens_per_s']:>11.1f} "
-                     f"{si['system_tokens_per_s']:>10.1f} {er['system_tokens_per_s']:>+6.1%} {me['draft_load']:>10.3f} "
-                     f"{si['draft_load']:>9.3f} {er['draft_load']:>+6.1%}")
+        line = (f"{v['mode']:<7} {v['n']:>2} {v['m']:>2} {me['system_tokens_per_s']:>11.1f} "
+                f"{si['system_tokens_per_s']:>10.1f} {er['system_tokens_per_s']:>+6.1%} {me['draft_load']:>10.3f} "
+                f"{si['draft_load']:>9.3f} {er['draft_load']:>+6.1%}")
+        if "simulated_shared_host" in v:
+            sh, es = v["simulated_shared_host"], v["error_shared_host"]
+            line += (f" | {sh['system_tokens_per_s']:>12.1f} {es['system_tokens_per_s']:>+6.1%} "
+                     f"{sh['draft_load']:>6.3f} {es['draft_load']:>+6.1%}")
+        lines.append(line)
     lines += ["", "scale (projection):", "mode        N     M  tokens/s    draft load"]
     for r in result["scale"]:
         lines.append(f"{r['mode']:<7} {r['n_targets']:>5} {r['m_drafts']:>5} {r['system_tokens_per_s']:>9.1f} "
@@ -114,8 +147,8 @@ def _table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> dict:
-    from benchmarks.common import save_plot
+def _measure(args) -> tuple[list[dict], float, dict]:
+    """Replay rows (fifo and batched, M = 1 and 2), the replayed verification time, and the pair."""
     from benchmarks.star import prepare
     from benchmarks.star_fleet import sweep
 
@@ -127,12 +160,28 @@ def run(args) -> dict:
         for m in (1, 2):
             rows += sweep(prep["draft_dir"], mode, m, ns, prep["scripts"], prep["verify_s"], duration,
                           prep["fingerprint"], on_row=lambda r: print(f"measured {r}", file=sys.stderr))
+    return rows, prep["verify_s"], {"target": prep["target_dir"], "draft": prep["draft_dir"], "note": prep["note"]}
+
+
+def _earlier(path: str) -> tuple[list[dict], float, dict]:
+    """The same from an earlier `bench star --replay --draft-servers M` JSON (its fifo rows)."""
+    import json
+
+    star = json.loads(Path(path).read_text())
+    return star["rows"], star["verify_s"], {**star["pair"], "measured_in": path, "measured_meta": star["meta"]}
+
+
+def run(args) -> dict:
+    from benchmarks.common import save_plot
+
+    from_json = getattr(args, "from_json", None)
+    rows, verify_s, pair = _earlier(from_json) if from_json else _measure(args)
     fifo = [r for r in rows if r["mode"] == "fifo"]
-    models = {mode: calibrate([r for r in rows if r["mode"] == mode], mode, fifo, prep["verify_s"])
-              for mode in ("fifo", "batched")}
+    modes = sorted({r["mode"] for r in rows})
+    models = {mode: calibrate([r for r in rows if r["mode"] == mode], mode, fifo, verify_s) for mode in modes}
     result = {"label": "validation: replay targets on real draft servers vs the simulator calibrated on M = 1; "
                        "scale and m_needed: a projection by the simulator",
-              "pair": {"target": prep["target_dir"], "draft": prep["draft_dir"], "note": prep["note"]},
+              "pair": pair,
               "models": {k: {**vars(m), "cost": m.cost.points} for k, m in models.items()},
               "measured": rows, "validation": validate(rows, models), "scale": scale(models),
               "m_needed": m_needed(models["fifo"])}

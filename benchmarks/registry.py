@@ -26,13 +26,15 @@ def run_bench(args) -> int:
     if args.name not in BENCHMARKS:
         raise InvalidArgument("NAME", f"one of {sorted(BENCHMARKS)}", args.name)
     module = importlib.import_module(BENCHMARKS[args.name])
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()
     result = module.run(args)
     result["meta"] = {"benchmark": args.name, "quick": bool(args.quick), "wall_s": round(time.time() - t0, 1),
                       "torch_threads": torch.get_num_threads(),
                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"), "machine": platform.machine(),
                       "python": platform.python_version(), "torch": torch.__version__,
                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      # Runnable processes on the machine (1 min) before and after: others' load shows here.
+                      "load_average_1m": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
                       **machine_info()}  # the CPU model and capability every figure belongs to
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -276,7 +276,9 @@ class Controller:
         return {"actors": {n: {"live": self.live.get(n, False), **self.info.get(n, {})} for n in self._names()},
                 "restarts": dict(self.restarts), "uptime_s": time.time() - self.started_s,
                 "n_max": self.n_max, "n_full_estimate": self.n_full_estimate, "policy": self.policy_name(),
-                "drafts": self.fleet.view(),
+                "drafts": self.fleet.view(), "autoscale": None if self.autoscaler is None else {
+                    "min": self.autoscaler.lo, "max": self.autoscaler.hi, "added": self.autoscaler.added,
+                    "retired": self.autoscaler.retired},
                 "saturation_guard": None if g is None else {
                     "forcing": g.forcing, "holds": g.times_forced, "probes": g.probes,
                     "last_window": None if self._last_window is None else vars(self._last_window)}}

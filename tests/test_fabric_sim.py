@@ -48,3 +48,21 @@ def test_drafts_needed_follows_n_full():
     m = _model()
     need = drafts_needed(m, 64, share=0.9)
     assert 64 / n_full(m) <= need <= 64 / (n_full(m) - 2)
+
+
+def test_calibration_reads_s_the_idle_penalty_and_z_from_replay_rows():
+    from benchmarks.fabric import admitted, calibrate
+
+    wake = 0.002
+    rows = [{"mode": "fifo", "n": 1, "m": 1, "cycle_s": Z + S + wake, "busy_per_round_s": S + wake,
+             "tokens_per_round": TAU, "passes_per_round": 4.0, "draft_load": 0.35},
+            {"mode": "fifo", "n": 8, "m": 1, "cycle_s": 8 * S, "busy_per_round_s": S, "tokens_per_round": TAU,
+             "passes_per_round": 4.0, "draft_load": 1.0}]
+    m = calibrate(rows, "fifo", rows, plain_step_s=0.02)
+    assert (m.z_s, m.cost(1), m.wake_s, m.tokens_per_round) == pytest.approx((Z, S, wake, TAU))
+    batched = [dict(rows[0], mode="batched"), dict(rows[1], mode="batched", passes_per_round=1.0,
+                                                     busy_per_round_s=S / 2)]
+    b = calibrate(batched, "batched", rows, plain_step_s=0.02)
+    assert b.cost(4) == pytest.approx(2 * S)  # 4 rounds per pass at S/2 each
+    # Admission: speculating beats 50 tokens/s alone only while tau / (N S) > 50, i.e. N < 6.
+    assert admitted(m).n_max == 5
