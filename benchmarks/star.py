@@ -56,25 +56,29 @@ def _settled_stats(address: str, limit_s: float = 3.0) -> pb.DraftStats:
     return stats
 
 
+def run_replay_targets(proposers, scripts, verify_s, duration_s) -> tuple[list[ReplayTarget], float]:
+    """One replay target per attached proposer, run together for duration_s; the targets and the wall time.
+    Each target serves one request at a time, as in StarSD, going through every script in turn from its own
+    starting point: every N sees the same prompt mix, so throughput ratios compare the server(s)."""
+    if not all(p.wait_attached(30) for p in proposers):
+        raise RuntimeError("replay target could not attach")
+    targets = [ReplayTarget(p, GAMMA, verify_s) for p in proposers]
+    threads = [threading.Thread(target=t.run_in_turn, args=(scripts[k:] + scripts[:k], duration_s))
+               for k, t in enumerate(targets)]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return targets, time.perf_counter() - t0
+
+
 def _run_n(draft_dir, mode, n, scripts, verify_s, duration_s, fingerprint) -> dict:
     server = ServerProcess("draft", "--model", draft_dir, "--port", "0", "--mode", mode, "--max-targets", "64",
                            "--metrics-port", "0", threads=2)
     try:
         proposers = [RemoteProposer(server.address, fingerprint, f"target-{k}", deadline_s=30.0) for k in range(n)]
-        for p in proposers:
-            if not p.wait_attached(30):
-                raise RuntimeError("replay target could not attach")
-        targets = [ReplayTarget(p, GAMMA, verify_s) for p in proposers]
-        # Each target serves one request at a time, as in StarSD, going through every script in turn from
-        # its own starting point: every N sees the same prompt mix, so throughput ratios compare the server.
-        threads = [threading.Thread(target=t.run_in_turn, args=(scripts[k:] + scripts[:k], duration_s))
-                   for k, t in enumerate(targets)]
-        t0 = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        wall = time.perf_counter() - t0
+        targets, wall = run_replay_targets(proposers, scripts, verify_s, duration_s)
         stats = _settled_stats(server.address)
         exported = exported_draft_metrics(server.ready["metrics"])
         wire = [w for p in proposers for w in p.stats.wire_overhead_s()]

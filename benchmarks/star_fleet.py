@@ -10,18 +10,16 @@ of two GetStats snapshots around it. Labeled replay.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
 
-from benchmarks.star import GAMMA
+from benchmarks.star import GAMMA, run_replay_targets
 from controller.draft_assignment import Assignment, DraftSlot, place
 from controller.launch import ServerProcess
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 from target_worker.draft_client import RemoteProposer
-from target_worker.replay import ReplayTarget
 
 
 def _stats(address: str) -> pb.DraftStats:
@@ -62,17 +60,7 @@ def run_row(servers: list[str], n: int, scripts, verify_s: float, duration_s: fl
     before = {a: _quiet(a) for a in servers}
     proposers = [RemoteProposer(where[k], fingerprint, f"target-{k}", deadline_s=30.0) for k in range(n)]
     try:
-        if not all(p.wait_attached(30) for p in proposers):
-            raise RuntimeError("replay target could not attach")
-        targets = [ReplayTarget(p, GAMMA, verify_s) for p in proposers]
-        threads = [threading.Thread(target=t.run_in_turn, args=(scripts[k:] + scripts[:k], duration_s))
-                   for k, t in enumerate(targets)]
-        t0 = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        wall = time.perf_counter() - t0
+        targets, wall = run_replay_targets(proposers, scripts, verify_s, duration_s)
     finally:
         for p in proposers:
             p.close()

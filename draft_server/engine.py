@@ -27,7 +27,7 @@ from draft_server.tree_draft import BeamTree, fit_width
 from starjar.grouped_forward import grouped_forward
 from starjar.models import LoadedModel, kv_bytes_per_token
 from starjar.proposer import DraftReply, DraftRequest
-from starjar.token_ids import first_out_of_range
+from starjar.token_ids import common_prefix, first_out_of_range
 
 SHORT_FEED = 8  # feeds up to this many tokens share one pass whatever their padding
 # A long catch-up (a new sequence's prompt) is fed in chunks, and a pass holds at most this many fed tokens:
@@ -195,7 +195,7 @@ class DraftEngine:
             gamma = min(req.gamma, self.model.max_context - len(seq.verified))
             if gamma > 0 and seq.verified:
                 # Catch-up: roll back to the common prefix (at least one token must be fed to get logits).
-                keep = min(_common_prefix(seq.cached, seq.verified), len(seq.verified) - 1)
+                keep = min(common_prefix(seq.cached, seq.verified), len(seq.verified) - 1)
                 self.cache.truncate(seq.slot, keep)
                 del seq.cached[keep:]
                 width = fit_width(gamma, req.tree_width) if req.tree_width > 1 else 1
@@ -340,10 +340,3 @@ def _pass_tokens(model: LoadedModel, max_kv_tokens: int | None) -> int:
     per_query = 3 * model.max_context * heads * 4
     return max(SHORT_FEED, min(MAX_PASS_TOKENS, max_kv_tokens * kv_bytes_per_token(model) // 10 // per_query))
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -24,6 +24,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from starjar.errors import InvalidArgument
+from starjar.token_ids import common_prefix
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class TrainingBuffer:
         self._live.move_to_end(seq_id)
         outcome = None
         if seq.drafts and start == seq.length:
-            outcome = (_common_prefix(seq.drafts, tokens), len(seq.drafts))
+            outcome = (common_prefix(seq.drafts, tokens), len(seq.drafts))
         if start > seq.length:  # a gap: what is kept no longer matches the sequence
             seq.complete = False
         del seq.tokens[start:]
@@ -160,10 +161,3 @@ class TrainingBuffer:
     def live(self) -> int:
         return len(self._live)
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
