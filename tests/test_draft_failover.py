@@ -6,19 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from fleet_load import DRAFTS, TARGETS, kill_one_draft_under_load, status
 from test_ray_cluster import _cli
 
-from starjar import Client
-
 pytestmark = pytest.mark.chaos
-MAX_TOKENS = 24
-TARGETS, PER_TARGET = 4, 50
-DRAFTS = ("starjar-draft", "starjar-draft-1")
 
 
 @pytest.fixture(scope="module")
@@ -42,83 +36,30 @@ def fleet(model_dirs, tmp_path_factory):
     _cli("down", env=env, timeout=180)
 
 
-def _status(controller) -> dict:
-    import ray
-
-    return ray.get(controller.status.remote())
-
-
-def _drafted(name: str) -> int:
-    import ray
-
-    return ray.get(ray.get_actor(name, namespace="starjar").stats.remote(), timeout=30)["drafted_tokens"]
-
-
-def _wait_moved(controller, moved: list[str], survivor: str, t_kill: float) -> dict[str, float]:
-    """Seconds from the kill to each moved target's attach on the survivor (its draft client's clock)."""
-    deadline, took = time.time() + 60, {}
-    while time.time() < deadline and len(took) < len(moved):
-        st = _status(controller)
-        there = st["actors"][survivor]["address"]
-        for t in moved:
-            a = st["actors"][t]
-            if a.get("draft_address") == there and (a.get("draft_attached_at") or 0) > t_kill:
-                took[t] = a["draft_attached_at"] - t_kill
-        time.sleep(0.05)
-    assert len(took) == len(moved), f"not moved: {_status(controller)['drafts']}"
-    return took
-
-
 def _wait_rebalanced(controller, old_pid: int) -> dict:
     deadline = time.time() + 120
     while time.time() < deadline:
-        st = _status(controller)
+        st = status(controller)
         back = st["actors"][DRAFTS[1]]
         counts = [len(st["drafts"]["servers"][d]["attached"]) for d in DRAFTS]
         if back["live"] and back["pid"] != old_pid and counts == [2, 2]:
             return st
         time.sleep(0.2)
-    raise AssertionError(f"not rebalanced: {_status(controller)['drafts']}")
+    raise AssertionError(f"not rebalanced: {status(controller)['drafts']}")
 
 
 def test_one_of_two_draft_servers_killed_loses_nothing_and_moves_its_targets(fleet, spec_prompts, reference):
     addrs, controller = fleet
-    st = _status(controller)
+    st = status(controller)
     assert [len(st["drafts"]["servers"][d]["attached"]) for d in DRAFTS] == [2, 2]  # least attached: 2 and 2
-    n = TARGETS * PER_TARGET
-    prompts = (spec_prompts * (n // len(spec_prompts) + 1))[:n]
-    ref = [r[:MAX_TOKENS] for r in reference("llama", 64)]
-    ref = (ref * (n // len(ref) + 1))[:n]
-    results, errors = [None] * n, []
-
-    def lane(idx):
-        try:
-            with Client(addrs["grpc"], timeout=600) as c:
-                for i in idx:
-                    results[i] = c.generate(prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS).token_ids
-        except Exception as exc:  # noqa: BLE001 - any failure is the test's failure
-            errors.append(exc)
-
-    with ThreadPoolExecutor(8) as pool:
-        futs = [pool.submit(lane, list(range(k, n, 8))) for k in range(8)]
-        time.sleep(3.0)  # requests in flight on both draft servers
-        moved = st["drafts"]["servers"][DRAFTS[1]]["attached"]
-        old_pid = st["actors"][DRAFTS[1]]["pid"]
-        t_kill = time.time()
-        os.kill(old_pid, signal.SIGKILL)
-        took = _wait_moved(controller, moved, DRAFTS[0], t_kill)
-        before = {t: _drafted(t) for t in moved}
-        time.sleep(1.0)
-        after = {t: _drafted(t) for t in moved}
-        rebalanced = _wait_rebalanced(controller, old_pid)
-        [f.result() for f in futs]
-    lost = sum(r is None for r in results)
-    altered = sum(r is not None and r != e for r, e in zip(results, ref, strict=True))
-    print(f"{n} requests, 1 of 2 draft servers killed: lost {lost}, altered {altered}, "
-          f"moved {sorted(moved)} in s { {t: round(s, 3) for t, s in took.items()} }, "
+    run = kill_one_draft_under_load(addrs, controller, spec_prompts, reference,
+                                    while_running=lambda old_pid: _wait_rebalanced(controller, old_pid))
+    rebalanced = run.while_running
+    print(f"{run.requests} requests, 1 of 2 draft servers killed: lost {run.lost}, altered {run.altered}, "
+          f"moved {sorted(run.moved)} in s { {t: round(s, 3) for t, s in run.took.items()} }, "
           f"moves {rebalanced['drafts']['moves']}")
-    assert not errors and lost == 0 and altered == 0
-    assert max(took.values()) <= 2.0
-    assert all(after[t] > before[t] for t in moved), (before, after)  # speculating on the survivor
+    assert not run.errors and run.lost == 0 and run.altered == 0
+    assert max(run.took.values()) <= 2.0
+    assert run.speculating_after  # on the survivor
     assert rebalanced["drafts"]["moves"].get("failover", 0) >= 2
     assert rebalanced["drafts"]["moves"].get("rebalance", 0) >= 2

@@ -15,14 +15,10 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_draft_failover import DRAFTS, MAX_TOKENS, PER_TARGET, TARGETS, _drafted, _status, _wait_moved
+from fleet_load import DRAFTS, TARGETS, kill_one_draft_under_load, status
 from test_ray_cluster import _cli
-
-from starjar import Client
 
 pytestmark = pytest.mark.chaos
 HEAD_IP, DRAFT_IP = "127.0.0.1", "127.0.0.2"
@@ -88,7 +84,7 @@ def two_nodes(model_dirs):
 
 def test_drafts_on_one_node_targets_on_the_other_and_failover_across_them(two_nodes, spec_prompts, reference):
     addrs, controller = two_nodes
-    st = _status(controller)
+    st = status(controller)
     places = {n: a["address"].rsplit(":", 1)[0] for n, a in st["actors"].items() if a.get("address")}
     print(f"placement: {places}")
     import ray
@@ -101,34 +97,8 @@ def test_drafts_on_one_node_targets_on_the_other_and_failover_across_them(two_no
     assert len(target_ips) == 1 and DRAFT_IP not in target_ips
     assert "starjar_target" in nodes[target_ips.pop()]
     assert [len(st["drafts"]["servers"][d]["attached"]) for d in DRAFTS] == [2, 2]
-    n = TARGETS * PER_TARGET
-    prompts = (spec_prompts * (n // len(spec_prompts) + 1))[:n]
-    ref = [r[:MAX_TOKENS] for r in reference("llama", 64)]
-    ref = (ref * (n // len(ref) + 1))[:n]
-    results, errors = [None] * n, []
-
-    def lane(idx):
-        try:
-            with Client(addrs["grpc"], timeout=600) as c:
-                for i in idx:
-                    results[i] = c.generate(prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS).token_ids
-        except Exception as exc:  # noqa: BLE001 - any failure is the test's failure
-            errors.append(exc)
-
-    with ThreadPoolExecutor(8) as pool:
-        futs = [pool.submit(lane, list(range(k, n, 8))) for k in range(8)]
-        time.sleep(3.0)
-        moved = st["drafts"]["servers"][DRAFTS[1]]["attached"]
-        t_kill = time.time()
-        os.kill(st["actors"][DRAFTS[1]]["pid"], signal.SIGKILL)  # same machine: the pid is ours to signal
-        took = _wait_moved(controller, moved, DRAFTS[0], t_kill)
-        before = {t: _drafted(t) for t in moved}
-        time.sleep(1.0)
-        after = {t: _drafted(t) for t in moved}
-        [f.result() for f in futs]
-    lost = sum(r is None for r in results)
-    altered = sum(r is not None and r != e for r, e in zip(results, ref, strict=True))
-    print(f"two nodes: {n} requests, 1 of 2 draft servers killed: lost {lost}, altered {altered}, "
-          f"moved in s { {t: round(s, 3) for t, s in took.items()} }")
-    assert not errors and lost == 0 and altered == 0
-    assert max(took.values()) <= 2.0 and all(after[t] > before[t] for t in moved)
+    run = kill_one_draft_under_load(addrs, controller, spec_prompts, reference)
+    print(f"two nodes: {run.requests} requests, 1 of 2 draft servers killed: lost {run.lost}, "
+          f"altered {run.altered}, moved in s { {t: round(s, 3) for t, s in run.took.items()} }")
+    assert not run.errors and run.lost == 0 and run.altered == 0
+    assert max(run.took.values()) <= 2.0 and run.speculating_after
