@@ -65,6 +65,7 @@ class Controller:
         self._pushed: tuple | None = None
         self._monitor: asyncio.Task | None = None
         self.started_s = time.time()
+        self._polls = 0
         self.override: int | None = None  # a user's forced gamma (set_gamma)
         from controller.fleet_watch import FleetWatch
         from controller.saturation import SaturationGuard

@@ -146,8 +146,10 @@ class DraftFleet:
                 continue
             pairs[name] = (prev, snap)
             d_busy, d_idle = busy - float(prev.get("busy_s", 0)), idle - float(prev.get("idle_s", 0))
-            if d_busy >= 0 and d_idle >= 0 and d_busy + d_idle > 0:
-                self.slots[name].load = d_busy / (d_busy + d_idle)
+            if d_busy >= 0 and d_idle >= 0:  # (less than before: it restarted; the next window tells)
+                # Neither grew: no round came in the whole window (the loop books its idle gap only when the
+                # next round arrives), so it was idle, not "as loaded as last time".
+                self.slots[name].load = d_busy / (d_busy + d_idle) if d_busy + d_idle > 0 else 0.0
         return pairs
 
     def set_n_max(self, n: int) -> None:

@@ -157,3 +157,20 @@ def test_the_controller_samples_every_draft_server_and_acts_per_server():
     assert samples[("starjar_controller_saturation_forced", D1)] == 1
     assert samples[("starjar_controller_saturation_forced", D0)] == 0
     assert samples[("starjar_controller_n_full", D0)] == 10 and samples[("starjar_controller_n_max", D1)] == 1
+
+
+def test_a_draft_server_with_no_round_in_the_window_is_measured_idle():
+    """Its loop books an idle gap only when the next round comes: no round at all must read load 0, not the last
+    busy window's load (which kept a drained fleet from ever retiring a server)."""
+    busy = _draft_snaps()[D1][:2]
+    quiet = dict(busy[1], uptime_s=busy[1]["uptime_s"] + 5.0)
+    draft = _Draft([*busy, quiet])
+    fleet = DraftFleet(lambda name: draft, CAP, TARGETS)
+    fleet.add(0)
+    fleet.observe({D0: {"fingerprint": "fp"}}, {D0: True})
+    loads = []
+    for k in range(3):
+        draft.k = k
+        asyncio.run(fleet.sample_loads())
+        loads.append(round(fleet.slots[D0].load, 2))
+    assert loads == [0.0, 0.99, 0.0]
