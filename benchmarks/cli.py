@@ -19,7 +19,8 @@ def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
                     help="bench star: also run M draft servers against one at the same N (fifo)")
     ap.add_argument("--from-json", default=None,
                     help="bench fabric: validate against the rows of an earlier `bench star --replay --draft-servers "
-                         "M` JSON instead of measuring again (fifo only)")
+                         "M` JSON instead of measuring again (fifo rows only; without it fifo and batched are "
+                         "measured)")
     ap.add_argument("--real", action="store_true", help="bench nightjar: also run a subset on the real models")
     ap.add_argument("--out", required=True, help="results JSON path")
     ap.add_argument("--target", help="target model directory (default: the default pair)")

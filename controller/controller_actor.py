@@ -53,12 +53,11 @@ class Controller:
             self.spec.max_targets, list(self.targets))
         for i in range(self.spec.draft_servers if self.spec.draft else 0):
             self.fleet.add(i)
-        self.draft = self.fleet.handles.get(DRAFT)  # the first: N_full, admission and the guard sample it
         self.autoscaler = None
         if self.spec.autoscale_drafts and self.spec.draft:
             from controller.draft_autoscale import Autoscaler, parse_range
 
-            self.autoscaler = Autoscaler(*parse_range(self.spec.autoscale_drafts), stop=_stop_actor, keep=(DRAFT,))
+            self.autoscaler = Autoscaler(*parse_range(self.spec.autoscale_drafts), stop=self._retire)
         self.frontend = ray.remote(FrontEndActor).options(**actor_options(FRONTEND, HEAD)).remote(self.spec.to_dict())
         self.info: dict[str, dict] = {}  # actor name -> its last answer to info()
         self.live: dict[str, bool] = {}
@@ -66,17 +65,14 @@ class Controller:
         self._pushed: tuple | None = None
         self._monitor: asyncio.Task | None = None
         self.started_s = time.time()
-        self.n_max = self.spec.max_targets
-        self.n_full_estimate: tuple[float, float, int] | None = None
-        self._draft_snap: dict | None = None
         self._polls = 0
         self.override: int | None = None  # a user's forced gamma (set_gamma)
+        from controller.fleet_watch import FleetWatch
         from controller.saturation import SaturationGuard
 
-        self.guard = SaturationGuard() if self.spec.saturation_guard and self.spec.draft else None
-        self._target_snap: dict | None = None
-        self._plain_rate: float | None = None
-        self._last_window = None  # the guard's last evidence (status)
+        guarded = self.spec.saturation_guard and self.spec.draft
+        self.watch = FleetWatch(self.spec.max_targets, self.spec.admission == "auto",
+                                SaturationGuard if guarded else None)
         self.metrics_address = None
         self._sd_written: dict | None = None
         if self.spec.metrics:
@@ -90,7 +86,8 @@ class Controller:
             self.metrics_address = f"{host}:{serve(self._metrics.registry, host)}"
 
     def policy_name(self) -> str:
-        guard_off = self.override is None and self.guard is not None and self.guard.forcing
+        forced = self.watch.forced
+        guard_off = self.override is None and bool(forced) and forced >= set(self.targets)  # every target held
         if not self.spec.draft or self.override == 0 or guard_off:
             return "none"
         if self.override is not None:
@@ -134,11 +131,10 @@ class Controller:
         self.fleet.observe(self.info, self.live)
         await self.fleet.follow(self.fleet.settle(), self.targets)
         if self._polls % STATS_EVERY == 0:
-            await self.fleet.sample_loads()
+            snaps = await self.fleet.sample_loads()
+            await self._watch_fleet(snaps)
             if self.autoscaler is not None:
                 await self.autoscaler.step(self.fleet)
-        if self.draft is not None and self.live.get(DRAFT) and self._polls % STATS_EVERY == 0:
-            await self._sample_draft()
         self._write_sd()
         routable = {n: self.info[n]["address"] for n in self.targets if self.live.get(n)}
         key = (tuple(sorted(routable.items())), self.info.get(FRONTEND, {}).get("pid"))
@@ -149,84 +145,33 @@ class Controller:
             except Exception as exc:
                 log.warning("could not update the front end: %s", exc)
 
-    async def _sample_draft(self) -> None:
-        from controller.metrics import estimate_n_full
-
-        try:
-            snap = await asyncio.wait_for(self.draft.stats.remote(), STATS_TIMEOUT_S)
+    async def _watch_fleet(self, snaps: dict[str, tuple[dict, dict]]) -> None:
+        """Per draft server N_full, N_max and saturation verdicts (controller/fleet_watch.py), carried out."""
+        w = self.watch
+        if not snaps or not w.active:
+            return
+        try:  # one sample of the targets serves every draft server's admission and guard
+            stats = await asyncio.wait_for(self.target_stats(), STATS_TIMEOUT_S)
         except Exception as exc:
-            log.info("draft stats sample skipped: %r", exc)
-            return
-        prev, self._draft_snap = self._draft_snap, snap
-        if prev is not None and float(snap["uptime_s"]) > float(prev["uptime_s"]):
-            # While the guard holds speculation off, the few rounds in the window say nothing about Z or S.
-            holding = self.guard is not None and self.guard.forcing
-            est = None if holding else estimate_n_full(prev, snap)
-            if est is not None:
-                self.n_full_estimate = est
-            readmit = est is not None and self.spec.admission == "auto"
-            if not readmit and self.guard is None:
-                return
-            try:  # one sample of the targets serves both admission and the guard
-                stats = await asyncio.wait_for(self.target_stats(), STATS_TIMEOUT_S)
-            except Exception as exc:
-                log.info("target stats sample skipped: %r", exc)
-                return
-            if readmit:
-                await self._readmit(est[0], est[1], stats)
-            if self.guard is not None:
-                await self._guard_saturation(prev, snap, stats)
-        elif prev is not None and self.guard is not None:  # a restarted draft server: start a new window
-            self._target_snap = None
-
-    async def _guard_saturation(self, prev: dict, snap: dict, stats: dict) -> None:
-        from controller.saturation import Window, draft_window_load, window_rates
-
-        before, self._target_snap = self._target_snap, stats
-        if before is None or self.override is not None:  # a user's gamma wins; the guard stays out
-            return
-        spec_rate, plain_rate = window_rates(before, stats)
-        if plain_rate is not None:
-            self._plain_rate = plain_rate
-        load = draft_window_load(prev, snap)
-        log.debug("saturation window: draft load %s, speculative %s tokens/s, plain %s", load, spec_rate,
-                  self._plain_rate)
-        self._last_window = Window(load, spec_rate, self._plain_rate)
-        action = self.guard.decide(time.time(), self._last_window)
-        if action is None:
-            return
-        if action == "force" and self._plain_rate is None:
-            log.info("draft server saturated (load %.2f) and no plain steps seen: %.0f s of plain steps to compare",
-                     load, self.guard.probe_s)
-        elif action == "force":
-            log.warning("draft server saturated (load %.2f): speculative steps make %.1f tokens/s, plain %.1f; "
-                        "speculation off for %.0f s", load, spec_rate, self._plain_rate, self.guard.hold_s)
-        else:
-            log.info("saturation hold over: gamma back to the policies")
-        gamma = 0 if action == "force" else None
-        await asyncio.gather(*(h.set_gamma.remote(gamma) for h in self.targets.values()), return_exceptions=True)
-
-    async def _readmit(self, z: float, s: float, stats: dict) -> None:
-        """N_max from the star model with measured Z, S, tokens per speculative round and alone speed."""
-        from controller.admission import n_max
-
-        spec_steps = sum(t["spec_steps"] for t in stats.values())
-        plain_s = sum(t["plain_step_s"] for t in stats.values())
-        if not spec_steps or plain_s <= 0:
-            return  # no evidence yet for one side of the comparison
-        tau = sum(t["spec_tokens"] for t in stats.values()) / spec_steps
-        alone = sum(t["plain_tokens"] for t in stats.values()) / plain_s
-        n = max(1, n_max(z, s, tau, alone, cap=self.spec.max_targets))
-        if n != self.n_max:
-            log.info("N_max %d -> %d (Z %.1f ms, S %.1f ms, %.2f tokens/round, alone %.1f tokens/s)",
-                     self.n_max, n, 1000 * z, 1000 * s, tau, alone)
+            log.info("target stats sample skipped: %r", exc)
+            stats = None
+        n_maxes = {n: s.n_max for n, s in self.fleet.slots.items()}
+        plan = w.step(time.time(), snaps, stats, dict(self.fleet.assignment.of), n_maxes, self.override)
+        for name, n in plan.n_max.items():
             try:
-                await asyncio.gather(*(asyncio.wait_for(h.set_max_targets.remote(n), INFO_TIMEOUT_S)
-                                       for h in self.fleet.handles.values()))
-                self.n_max = n
-                self.fleet.set_n_max(n)
+                await asyncio.wait_for(self.fleet.handles[name].set_max_targets.remote(n), INFO_TIMEOUT_S)
             except Exception as exc:
-                log.warning("could not set N_max: %s", exc)
+                log.warning("could not set N_max on %s: %s", name, exc)
+                continue
+            if n != n_maxes[name]:
+                log.info("%s: N_max %d -> %d", name, n_maxes[name], n)
+            self.fleet.slots[name].n_max = n
+        await asyncio.gather(*(self.targets[t].set_gamma.remote(g) for t, g in plan.gamma.items()),
+                             return_exceptions=True)
+
+    async def _retire(self, name: str, handle) -> None:
+        self.watch.forgets(name)
+        await _stop_actor(name, handle)
 
     def _write_sd(self) -> None:
         if not self.spec.prometheus_sd:
@@ -272,16 +217,14 @@ class Controller:
 
     async def status(self) -> dict:
         self._ensure_monitor()
-        g = self.guard
         return {"actors": {n: {"live": self.live.get(n, False), **self.info.get(n, {})} for n in self._names()},
                 "restarts": dict(self.restarts), "uptime_s": time.time() - self.started_s,
-                "n_max": self.n_max, "n_full_estimate": self.n_full_estimate, "policy": self.policy_name(),
+                "n_max": {n: s.n_max for n, s in self.fleet.slots.items()}, "policy": self.policy_name(),
                 "drafts": self.fleet.view(), "autoscale": None if self.autoscaler is None else {
                     "min": self.autoscaler.lo, "max": self.autoscaler.hi, "added": self.autoscaler.added,
                     "retired": self.autoscaler.retired},
-                "saturation_guard": None if g is None else {
-                    "forcing": g.forcing, "holds": g.times_forced, "probes": g.probes,
-                    "last_window": None if self._last_window is None else vars(self._last_window)}}
+                "capacity": sum(s.n_max for s in self.fleet.slots.values() if s.live and not s.draining),
+                "per_draft": self.watch.view(), "guard_forced": sorted(self.watch.forced)}
 
     def _names(self) -> list[str]:
         return list(self.fleet.handles) + list(self.targets) + [FRONTEND]
@@ -307,8 +250,7 @@ class Controller:
     async def set_gamma(self, gamma: int | None) -> None:
         """Force every target's gamma (0 = speculation off); None = back to the configured policy."""
         self.override = gamma
-        if self.guard is not None:
-            self.guard.cancel()
+        self.watch.cancel()
         await asyncio.gather(*(h.set_gamma.remote(gamma) for h in self.targets.values()))
 
     async def describe(self) -> dict:

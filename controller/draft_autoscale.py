@@ -83,7 +83,7 @@ class Autoscaler:
                  cooldown_s: float = COOLDOWN_S, clock: Callable[[], float] = time.monotonic,
                  keep: tuple[str, ...] = ()):
         self.lo, self.hi, self._stop, self.cooldown_s, self.clock = lo, hi, stop, cooldown_s, clock
-        self.keep = keep  # never retired (the controller's first draft server: N_full is sampled there)
+        self.keep = keep  # never retired (none in the controller: N_full and the guard watch every server)
         self._last = -float("inf")
         self.added = 0
         self.retired = 0

@@ -53,7 +53,7 @@ class DraftFleet:
         self.fingerprints: dict[str, str | None] = {t: None for t in targets}
         self.assigned = Counter()  # draft -> targets given to it (any reason)
         self.moves = Counter()  # reason (place, failover, rebalance, retire) -> targets moved
-        self.loads: dict[str, tuple[float, float]] = {}  # draft -> (busy_s, idle_s) at the last sample
+        self.snaps: dict[str, dict] = {}  # draft -> its GetStats snapshot at the last sample
 
     def add(self, index: int) -> str:
         name = draft_name(index)
@@ -65,7 +65,7 @@ class DraftFleet:
         """Forget a retired draft server (its targets have moved already)."""
         self.handles.pop(name, None)
         self.slots.pop(name, None)
-        self.loads.pop(name, None)
+        self.snaps.pop(name, None)
         for t, d in self.assignment.of.items():
             if d == name:
                 self.assignment.of[t] = None
@@ -129,18 +129,28 @@ class DraftFleet:
         self.slots[draft].live = False
         return self.settle()
 
-    async def sample_loads(self) -> None:
-        """Each live draft server's busy fraction since the last sample (from GetStats busy and idle time)."""
+    async def sample_loads(self) -> dict[str, tuple[dict, dict]]:
+        """Each live draft server's busy fraction since the last sample (from GetStats busy and idle time).
+        Returns draft server -> (previous, current) GetStats snapshot for those sampled twice (the controller
+        estimates N_full and watches saturation per draft server from them)."""
         names = [n for n, s in self.slots.items() if s.live]
         asks = [asyncio.wait_for(self.handles[n].stats.remote(), 4.0) for n in names]
+        pairs = {}
         for name, snap in zip(names, await asyncio.gather(*asks, return_exceptions=True), strict=True):
             if isinstance(snap, Exception):
                 continue
             busy, idle = float(snap.get("busy_s", 0)), float(snap.get("idle_s", 0))
-            prev = self.loads.get(name)
-            self.loads[name] = (busy, idle)
-            if prev is not None and busy >= prev[0] and (busy - prev[0]) + (idle - prev[1]) > 0:
-                self.slots[name].load = (busy - prev[0]) / ((busy - prev[0]) + (idle - prev[1]))
+            prev = self.snaps.get(name)
+            self.snaps[name] = snap
+            if prev is None:
+                continue
+            pairs[name] = (prev, snap)
+            d_busy, d_idle = busy - float(prev.get("busy_s", 0)), idle - float(prev.get("idle_s", 0))
+            if d_busy >= 0 and d_idle >= 0:  # (less than before: it restarted; the next window tells)
+                # Neither grew: no round came in the whole window (the loop books its idle gap only when the
+                # next round arrives), so it was idle, not "as loaded as last time".
+                self.slots[name].load = d_busy / (d_busy + d_idle) if d_busy + d_idle > 0 else 0.0
+        return pairs
 
     def set_n_max(self, n: int) -> None:
         self.n_max = n

@@ -62,26 +62,11 @@ class _Collector:
 
     def collect(self):
         c = self.c
-        yield GaugeMetricFamily(P + "n_max", "N_max: targets the draft server admits", value=c.n_max)
-        n_full = GaugeMetricFamily(P + "n_full", "N_full = ceil(Z/S)+1 from recent draft-server traffic")
-        z = GaugeMetricFamily(P + "return_time_seconds", "Z: a target's time from drafts received to next round")
-        s = GaugeMetricFamily(P + "draft_service_seconds", "S: draft service time per round, recent traffic")
-        if c.n_full_estimate is not None:
-            z.add_metric([], c.n_full_estimate[0])
-            s.add_metric([], c.n_full_estimate[1])
-            n_full.add_metric([], c.n_full_estimate[2])
-        yield n_full
-        yield z
-        yield s
+        yield from per_draft_metrics(c.fleet, c.watch)
         policy = GaugeMetricFamily(P + "policy_info", "speculation policy the target workers run (value 1)",
                                    labels=["policy"])
         policy.add_metric([c.policy_name()], 1)
         yield policy
-        g = c.guard
-        yield GaugeMetricFamily(P + "saturation_forced", "1 while the controller forces gamma = 0 because the "
-                                "draft server is saturated", value=1 if g is not None and g.forcing else 0)
-        yield CounterMetricFamily(P + "saturation_holds", "times the controller turned speculation off for a "
-                                  "saturated draft server", value=g.times_forced if g is not None else 0)
         restarts = CounterMetricFamily(P + "actor_restarts", "actor restarts seen, by actor", labels=["actor"])
         for name in c.actor_names():
             restarts.add_metric([name], c.restarts.get(name, 0))
@@ -91,6 +76,31 @@ class _Collector:
             live.add_metric([name], 1 if c.live.get(name) else 0)
         yield live
         yield from fleet_metrics(c.fleet)
+
+
+def per_draft_metrics(fleet, watch):
+    """Per draft server: N_max, N_full, Z, S and its saturation guard (each decided for that server's targets)."""
+    def gauge(name: str, doc: str) -> GaugeMetricFamily:
+        return GaugeMetricFamily(P + name, doc, labels=["draft"])
+
+    n_max = gauge("n_max", "N_max: targets a draft server admits")
+    n_full = gauge("n_full", "N_full = ceil(Z/S)+1 from a draft server's recent traffic")
+    z = gauge("return_time_seconds", "Z: a target's time from drafts received to next round, per draft server")
+    s = gauge("draft_service_seconds", "S: a draft server's service time per round, recent traffic")
+    forced = gauge("saturation_forced", "1 while the controller forces gamma = 0 on a draft server's targets "
+                   "because that server is saturated")
+    holds = CounterMetricFamily(P + "saturation_holds", "times the controller turned speculation off for the "
+                                "targets of a saturated draft server", labels=["draft"])
+    for name, slot in sorted(fleet.slots.items()):
+        w = watch.servers.get(name)
+        n_max.add_metric([name], slot.n_max)
+        if w is not None and w.estimate is not None:
+            z.add_metric([name], w.estimate[0])
+            s.add_metric([name], w.estimate[1])
+            n_full.add_metric([name], w.estimate[2])
+        forced.add_metric([name], 1 if watch.forcing(name) else 0)
+        holds.add_metric([name], w.guard.times_forced if w is not None and w.guard is not None else 0)
+    yield from (n_max, n_full, z, s, forced, holds)
 
 
 def fleet_metrics(fleet):
