@@ -156,21 +156,3 @@ def test_the_client_clamps_to_the_servers_advertised_limits(models, spec_prompts
         assert eng.stats.drafted_tokens <= 2 * eng.stats.spec_rounds and eng.stats.accepted_tokens > 0
         assert srv.server.stats.snapshot()["bad_sequences"] == 0
         rp.close()
-
-
-def test_the_stream_runs_on_one_loop_thread_that_close_ends(models, spec_prompts, reference):
-    """The draft client's stream lives on one asyncio loop thread of its own (no request-iterator or reader
-    threads), it speculates exactly, and close() ends that thread: clients come and go without leaking."""
-    with BackgroundDraftServer(models["draft"]) as srv:
-        before = {t.ident for t in threading.enumerate()}  # ours, and the draft server's own
-        for k in range(3):
-            eng, rp = engine_for(models, srv.address, f"loop{k}")
-            assert rp.wait_attached(10)
-            outs = eng.generate(spec_prompts[:2], GREEDY)
-            assert [r.output_ids for r in outs] == reference("llama", 48)[:2] and rp.stats.rounds > 0
-            names = {t.name for t in threading.enumerate() if t.ident not in before}
-            assert "draft-stream" in names and not names & {"draft-reader"}, names
-            rp.close()
-        time.sleep(0.5)
-        left = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("draft-")]
-        assert left == [], left
