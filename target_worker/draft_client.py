@@ -29,11 +29,12 @@ from starjar.token_tree import TokenTree
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 from target_worker.breaker import Breaker
-from target_worker.draft_stream import CLOSED, DraftStream, StreamLoop
 
 log = logging.getLogger(__name__)
 TAG_METADATA = "starjar-tag"
 HISTORY = 100_000
+_CLOSE = object()
+
 
 MAX_OUTSTANDING = 2  # rounds a stream may have unanswered (the server reads no more than this either)
 
@@ -85,9 +86,7 @@ class RemoteProposer:
         self._fingerprint = pb.ModelFingerprint(vocab_size=int(vocab), tokenizer_hash=tok_hash)
         self._backoff = backoff_s
         self._max_message_bytes = max_message_bytes
-        # One channel on an asyncio loop of its own: the Speculate stream, and Attach/Release awaited from here.
-        self._streams = StreamLoop()
-        self._channel: grpc.aio.Channel | None = None
+        self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.DraftServiceStub | None = None
         if self.address:
             self._connect(self.address)
@@ -97,7 +96,7 @@ class RemoteProposer:
         self._closed = False
         self._tag: bytes | None = None
         self.limits: pb.Limits | None = None
-        self._stream: DraftStream | None = None
+        self._requests: queue.Queue | None = None
         self._replies: queue.Queue = queue.Queue()
         self._round_ids = itertools.count(1)
         self._wire_ids: dict[Hashable, int] = {}
@@ -121,8 +120,8 @@ class RemoteProposer:
         if not self._attached.is_set():
             raise self._no_drafts("detached")
         with self._lock:
-            stream, limits = self._stream, self.limits
-        if stream is None:
+            reqs_q, limits = self._requests, self.limits
+        if reqs_q is None:
             raise self._no_drafts("detached")
         sent, index = self._within_limits(requests, limits)  # index[k]: which request sent[k] stands for
         if not sent:
@@ -143,7 +142,7 @@ class RemoteProposer:
             msg.sequences.add(seq_id=wid, start=r.start, tokens=r.tokens, gamma=r.gamma, tree_width=r.tree_width)
         t0 = time.perf_counter()
         self._outstanding.add(round_id)
-        stream.send(msg)
+        reqs_q.put(msg)
         resp = self._await_reply(round_id, t0 + self.deadline_s)
         self.breaker.answered()
         elapsed = time.perf_counter() - t0
@@ -191,8 +190,9 @@ class RemoteProposer:
         tag = self._tag
         if not wire or tag is None or not self._attached.is_set() or self._stub is None:
             return  # the server frees them with the stream or the lease
-        stub, req = self._stub, pb.ReleaseRequest(tag=tag, seq_ids=wire)
-        self._streams.submit(lambda: stub.Release(req, timeout=2.0, metadata=self._auth), "release")
+        fut = self._stub.Release.future(pb.ReleaseRequest(tag=tag, seq_ids=wire), timeout=2.0,
+                                        metadata=self._auth)
+        fut.add_done_callback(lambda f: f.exception() and log.debug("release failed: %s", f.exception()))
 
     def follow(self) -> None:
         """Leave the current draft server and ask the resolver where to attach (the controller moved this
@@ -203,8 +203,8 @@ class RemoteProposer:
         tag, stub = self._tag, self._stub
         self._drop_stream()
         if tag is not None and stub is not None:
-            req = pb.ReleaseRequest(tag=tag, detach=True)
-            self._streams.submit(lambda: stub.Release(req, timeout=2.0, metadata=self._auth), "detach")
+            fut = stub.Release.future(pb.ReleaseRequest(tag=tag, detach=True), timeout=2.0, metadata=self._auth)
+            fut.add_done_callback(lambda f: f.exception() and log.debug("detach failed: %s", f.exception()))
         self._wake.set()
 
     def close(self) -> None:
@@ -216,18 +216,16 @@ class RemoteProposer:
             return
         if tag is not None:
             try:
-                req = pb.ReleaseRequest(tag=tag, detach=True)
-                self._streams.call(lambda: self._stub.Release(req, timeout=1.0, metadata=self._auth), timeout=2.0)
-            except (grpc.RpcError, TimeoutError):
+                self._stub.Release(pb.ReleaseRequest(tag=tag, detach=True), timeout=1.0, metadata=self._auth)
+            except grpc.RpcError:
                 pass
-        self._streams.close_channel(self._channel)
-        self._streams.stop()
+        self._channel.close()
 
     # ---- internals ------------------------------------------------------------------------
 
     def _connect(self, address: str) -> None:
         old = self._channel
-        options = [
+        self._channel = self.security.channel(address, options=[
             ("grpc.max_send_message_length", self._max_message_bytes),
             ("grpc.max_receive_message_length", self._max_message_bytes),
             # Reconnect soon after a draft server restarts (gRPC's default backoff grows to 120 s).
@@ -237,12 +235,11 @@ class RemoteProposer:
             ("grpc.keepalive_time_ms", int(self._keepalive_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(self._keepalive_s * 1000)),
             ("grpc.http2.ping_timeout_ms", int(self._keepalive_s * 1000)),  # what newer cores time pings by
-            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
-        self._channel = self._streams.channel(self.security, address, options)
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)])
         self._stub = pb_grpc.DraftServiceStub(self._channel)
         self.address = address
         if old is not None:
-            self._streams.close_channel(old)
+            old.close()
 
     def _follow_address(self) -> bool:
         """Before an attach try: move to the draft server's current address. False if none is known."""
@@ -274,7 +271,7 @@ class RemoteProposer:
                 resp = self._replies.get(timeout=left)
             except queue.Empty:
                 continue
-            if resp is CLOSED:
+            if resp is _CLOSE:
                 raise self._no_drafts("stream_broken")
             self._outstanding.discard(resp.round_id)
             if resp.round_id == round_id:
@@ -293,23 +290,22 @@ class RemoteProposer:
                 delay = min(self._backoff[1], delay * 2)
                 continue
             try:
-                self._open_stream(self._streams.call(self._attach_call, timeout=6.0))
+                resp = self._stub.Attach(pb.AttachRequest(worker_id=self.worker_id, fingerprint=self._fingerprint,
+                                                            no_training=self.no_training),
+                                         metadata=self._auth,
+                                         timeout=5.0)
+                self._open_stream(resp)
                 self.stats.attaches += 1
                 delay = self._backoff[0]
                 log.info("attached to draft server %s", self.address)
                 continue
-            except (grpc.RpcError, TimeoutError) as exc:  # TimeoutError: the stream loop did not answer
+            except grpc.RpcError as exc:
                 reason = _reason(exc)
                 self.stats.refusals[reason] += 1
-                log.info("draft server %s: %s (%s); retrying in %.2fs", self.address, type(exc).__name__, reason,
+                log.info("draft server %s: %s (%s); retrying in %.2fs", self.address, exc.code().name, reason,
                          delay)
             self._pause(delay)
             delay = min(self._backoff[1], delay * 2)
-
-    def _attach_call(self):
-        """The Attach RPC, started on the stream loop."""
-        attach = pb.AttachRequest(worker_id=self.worker_id, fingerprint=self._fingerprint, no_training=self.no_training)
-        return self._stub.Attach(attach, metadata=self._auth, timeout=5.0)
 
     def _pause(self, delay: float) -> None:
         """The backoff between attach tries, cut short by follow() (a new assignment is known now)."""
@@ -317,23 +313,38 @@ class RemoteProposer:
             self._wake.clear()
 
     def _open_stream(self, resp: pb.AttachResponse) -> None:
+        requests: queue.Queue = queue.Queue()
+
+        def gen():
+            while True:
+                item = requests.get()
+                if item is _CLOSE:
+                    return
+                yield item
+
+        stream = self._stub.Speculate(gen(), metadata=((TAG_METADATA, resp.tag.hex()), *self._auth))
         with self._lock:
-            while not self._replies.empty():  # a stale close marker from the previous stream
-                self._replies.get_nowait()
-        stream = DraftStream(self._streams, self._stub, ((TAG_METADATA, resp.tag.hex()), *self._auth),
-                             self._replies, self._stream_ended)
-        with self._lock:
-            self._tag, self.limits, self._stream = resp.tag, resp.limits, stream
+            self._tag, self.limits, self._requests = resp.tag, resp.limits, requests
+        while not self._replies.empty():  # a stale close marker from the previous stream
+            self._replies.get_nowait()
         self._outstanding.clear()
         self._wire_ids.clear()  # a new tag knows no sequence: ids restart, the server asks for resyncs
+        threading.Thread(target=self._read, args=(stream, requests), name="draft-reader", daemon=True).start()
         self.attached_at = time.time()
         self._attached.set()
 
-    def _stream_ended(self, stream: DraftStream) -> None:
-        """On the stream loop, when a stream ends: detach if it is still ours, and let the attach loop retry."""
+    def _read(self, stream, requests: queue.Queue) -> None:
+        try:
+            for resp in stream:
+                self._replies.put(resp)
+            log.info("draft stream ended by the server")
+        except grpc.RpcError as exc:
+            if not self._closed:
+                log.info("draft stream broken: %s", exc.code().name)
         with self._lock:
-            if self._stream is stream:
+            if self._requests is requests:
                 self._drop_stream_locked()
+        self._replies.put(_CLOSE)
         self._wake.set()
 
     def _drop_stream(self) -> None:
@@ -342,14 +353,12 @@ class RemoteProposer:
 
     def _drop_stream_locked(self) -> None:
         self._attached.clear()
-        if self._stream is not None:
-            self._stream.close()
-        self._stream, self._tag = None, None
+        if self._requests is not None:
+            self._requests.put(_CLOSE)
+        self._requests, self._tag = None, None
 
 
-def _reason(exc: Exception) -> str:
-    if not isinstance(exc, grpc.RpcError):
-        return "timeout"
+def _reason(exc: grpc.RpcError) -> str:
     for key, value in (exc.trailing_metadata() or ()) if hasattr(exc, "trailing_metadata") else ():
         if key == "starjar-reason":
             return value
