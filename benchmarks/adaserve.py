@@ -20,12 +20,12 @@ from pathlib import Path
 
 from benchmarks.common import p50, pair_dirs, prompt_ids, save_plot
 from controller.colocated import load_pair
-from controller.profiler import profile_verify_budget
 from draft_server.engine import DraftEngine
 from starjar.policy import FixedGamma
 from starjar.reference import hf_greedy
 from starjar.sampling import SamplingParams
 from target_worker.engine import EngineConfig, TargetEngine
+from target_worker.tree_budget import measure_verify_budget
 from target_worker.tree_score import TreeConfig
 
 POLICIES = ("adaserve", "global_greedy", "equal_greedy", "fixed", "chain", "none")
@@ -38,7 +38,7 @@ def run(args) -> dict:
     target, draft = load_pair(target_dir, draft_dir)
     prompts = prompt_ids(target.tokenizer, 24)
     engine_for(target, draft, "none", 1, 1, 8).generate(prompts[:2], SamplingParams(max_tokens=8))  # warm-up
-    budget = profile_verify_budget(target, prompts[0])
+    budget = measure_verify_budget(target, prompts[0])
     # On a CPU the pass time grows from the second token on (compute-bound), so the profiled budget can be 1:
     # no room for any tree. The tree policies then get at least MIN_BUDGET, and the JSON says so.
     used = max(budget["budget"], MIN_BUDGET)
