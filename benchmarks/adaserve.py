@@ -54,7 +54,7 @@ def run(args) -> dict:
         budget = earlier.get("budget_profile") or measure_verify_budget(target, prompts[0])
         # On a CPU the pass time grows from the second token on (compute-bound), so the profiled budget can be
         # 1: no room for any tree. The tree policies then get at least MIN_BUDGET, and the JSON says so.
-        used = max(budget["budget"], MIN_BUDGET)
+        used = args.budget or max(budget["budget"], MIN_BUDGET)
         out = {"note": note, **source.describe(), "target_threads": torch.get_num_threads(), "budget_profile": budget,
                "budget_used": used}
         b1 = batch1(target, source, prompts[: 2 if quick else 6], 24 if quick else 48, quick) \

@@ -26,6 +26,9 @@ def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
                     help="bench adaserve: arrival rates as multiples of batch-1 plain decoding's capacity, e.g. 1,2,4")
     ap.add_argument("--requests", type=int, default=None, help="bench adaserve: requests per rate (default 24)")
     ap.add_argument("--max-new", type=int, default=None, help="bench adaserve: tokens per request (default 32)")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="bench adaserve: tokens per verification pass for the tree policies in the SLO sweep "
+                         "(default: the profiled verify_budget, at least 8)")
     ap.add_argument("--in-process-draft", action="store_true",
                     help="bench adaserve: draft in the bench's process instead of a `starjar serve draft` process")
     ap.add_argument("--real", action="store_true", help="bench nightjar: also run a subset on the real models")

@@ -37,7 +37,7 @@ def add_deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, de
 
 def add_tree_flags(parser: argparse.ArgumentParser) -> None:
     """--tree and its knobs, the same on `serve target` and `up`."""
-    g = parser.add_argument_group("token trees (AdaServe; see README: Token trees)")
+    g = parser.add_argument_group("token trees (AdaServe; README: How the engine works)")
     g.add_argument("--tree", default=None, choices=TREE_CHOICES, metavar="{" + ",".join(TREE_CHOICES) + "}",
                    help="verify token trees instead of chains, nodes chosen under the verification budget by: "
                         "adaserve (requests behind their TPOT SLO first, then throughput), global_greedy (best "
