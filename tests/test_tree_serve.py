@@ -110,3 +110,13 @@ def test_tree_switch_sets_gamma_and_policy():
     assert tree_speculation("adaserve", 5, None) == (5, None)
     assert tree_speculation("chain", None, "nightjar") == (None, "nightjar")
     assert tree_speculation(None, 3, None) == (3, None)
+
+
+def test_up_parses_the_tree_flags():
+    from controller.cli import _parser
+    from controller.up_cmd import _tree_fields
+
+    args = _parser().parse_args(["up", "--tree", "fixed", "--tree-width", "2", "--tree-budget", "12"])
+    assert _tree_fields(args) == {"tree": "fixed", "tree_width": 2, "tree_cap": 16, "tree_budget": 12}
+    args = _parser().parse_args(["up"])
+    assert _tree_fields(args)["tree"] is None and _tree_fields(args)["tree_budget"] is None
