@@ -20,7 +20,18 @@ def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
     ap.add_argument("--from-json", default=None,
                     help="bench fabric: validate against the rows of an earlier `bench star --replay --draft-servers "
                          "M` JSON instead of measuring again (fifo rows only; without it fifo and batched are "
-                         "measured)")
+                         "measured); bench adaserve: an earlier run's JSON "
+                         "whose budget, batch-1 results and SLO rows this run keeps (a sweep in parts)")
+    ap.add_argument("--parts", default=None, help="bench adaserve: batch1,slo (default both)")
+    ap.add_argument("--rates", default=None,
+                    help="bench adaserve: arrival rates as multiples of batch-1 plain decoding's capacity, e.g. 1,2,4")
+    ap.add_argument("--requests", type=int, default=None, help="bench adaserve: requests per rate (default 24)")
+    ap.add_argument("--max-new", type=int, default=None, help="bench adaserve: tokens per request (default 32)")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="bench adaserve: tokens per verification pass for the tree policies in the SLO sweep "
+                         "(default: the profiled verify_budget, at least 8)")
+    ap.add_argument("--in-process-draft", action="store_true",
+                    help="bench adaserve: draft in the bench's process instead of a `starjar serve draft` process")
     ap.add_argument("--real", action="store_true", help="bench nightjar: also run a subset on the real models")
     ap.add_argument("--out", required=True, help="results JSON path")
     ap.add_argument("--target", help="target model directory (default: the default pair)")

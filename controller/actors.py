@@ -110,6 +110,7 @@ class TargetWorkerActor:
         from starjar.serving import BackgroundLoop
         from target_worker.config import TargetWorkerConfig, engine_config
         from target_worker.server import TargetServer
+        from target_worker.tree_budget import tree_config
 
         self.host = ray.util.get_node_ip_address()
         model = load_model(self.spec.target, _device(self.spec), self.spec.dtype, what="target")
@@ -117,11 +118,14 @@ class TargetWorkerActor:
         draft = self._draft_address if self.spec.draft else None
         self.policy = serving_policy(self.spec.policy, self.spec.gamma, self.spec.profile, bool(self.spec.draft),
                                      parse_buckets(self.spec.buckets))
+        tree, tree_note = tree_config(self.spec.tree, self.spec.tree_width, self.spec.tree_cap, self.spec.tree_budget,
+                                      self.spec.profile, model)
+        log.info("%s: %s", name, tree_note)
         cfg = TargetWorkerConfig(worker_id=name, draft_server=draft, host=self.host, port=0,
                                  draft_deadline_s=self.spec.draft_deadline_s,
                                  drain_timeout_s=self.spec.drain_timeout_s, max_waiting=self.spec.max_waiting,
                                  exit_on_engine_death=True,  # Ray restarts the actor
-                                 engine=engine_config(self.spec.batch_size, self.spec.gamma))
+                                 engine=engine_config(self.spec.batch_size, self.spec.gamma, tree=tree))
         self.server = TargetServer(model, cfg, self.policy, _security(self.spec))
         self.loop = BackgroundLoop("target-server-loop")
         self.loop.run(self.server.start())
@@ -151,7 +155,8 @@ class TargetWorkerActor:
         out = {"running": engine.num_running, "waiting": engine.num_waiting, "policy": self.policy.name,
                "override": self.policy.override,
                "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
-               "decode_steps": s.decode_steps, **s.step_kinds()}
+               "decode_steps": s.decode_steps, "tree_rounds": s.tree_rounds, "tree_nodes": s.tree_nodes,
+               **s.step_kinds()}
         if self.server.proposer:
             out["fallbacks"] = dict(self.server.proposer.stats.fallbacks)
             out["draft_address"] = self.server.proposer.address

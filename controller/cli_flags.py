@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from starjar.errors import InvalidArgument
+from starjar.tree_select import TREE_CHOICES, TREE_MAX_DEPTH
 
 
 def flag_of(field: str) -> str:
@@ -32,3 +33,33 @@ def add_deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str, de
             setattr(namespace, self.dest, values)
 
     parser.add_argument(old, dest=dest, action=_Warn, help=argparse.SUPPRESS, **kw)
+
+
+def add_tree_flags(parser: argparse.ArgumentParser) -> None:
+    """--tree and its knobs, the same on `serve target` and `up`."""
+    g = parser.add_argument_group("token trees (AdaServe; README: How the engine works)")
+    g.add_argument("--tree", default=None, choices=TREE_CHOICES, metavar="{" + ",".join(TREE_CHOICES) + "}",
+                   help="verify token trees instead of chains, nodes chosen under the verification budget by: "
+                        "adaserve (requests behind their TPOT SLO first, then throughput), global_greedy (best "
+                        "nodes of all trees), equal_greedy (the budget split equally), fixed (SpecInfer's fixed "
+                        "shape); chain = today's chains, no trees (the default); none = no speculation")
+    g.add_argument("--tree-width", type=int, default=3,
+                   help="W_max: the draft's beam width, candidates per node (default 3; the batch narrows it)")
+    g.add_argument("--tree-cap", type=int, default=16, help="most tree nodes one sequence verifies per step "
+                   "(default 16); the depth is at most --gamma (default with trees: "
+                   f"{TREE_MAX_DEPTH}) and the budget over the batch")
+    g.add_argument("--tree-budget", type=int, default=None,
+                   help="tokens one target pass verifies, every sequence's pending token included (default: "
+                        "verify_budget of --profile, written by `starjar profile`, else measured at start)")
+
+
+def tree_speculation(tree: str | None, gamma: int | None, policy: str | None) -> tuple[int | None, str | None]:
+    """(gamma, policy) as --tree changes them: none = gamma 0; a tree policy without --gamma = fixed depth
+    TREE_MAX_DEPTH (trees choose their depth from the budget, below it; chains' measured gamma is no guide)."""
+    if tree == "none":
+        if gamma:
+            raise InvalidArgument("--tree", "none (no speculation) cannot go with --gamma > 0", tree)
+        return 0, "fixed"
+    if tree not in (None, "chain") and gamma is None and policy in (None, "fixed"):
+        return TREE_MAX_DEPTH, "fixed"
+    return gamma, policy

@@ -82,6 +82,12 @@ class ClusterSpec:
     metrics: bool = True  # a Prometheus endpoint in every actor
     prometheus_sd: str | None = None  # file-SD JSON the controller keeps current (on the head node)
     drain_timeout_s: float = 30.0  # on `starjar down`: how long generations in flight may take to finish
+    tree: str | None = None  # token trees: a starjar.tree_select.TREE_CHOICES name; None = chains
+    tree_width: int = 3  # W_max: the draft's beam width
+    tree_cap: int = 16  # most nodes one sequence verifies per step
+    # Tokens per verification pass: `up` fills it from the profile's verify_budget; None = each target
+    # worker measures it at start.
+    tree_budget: int | None = None
 
     def validate(self) -> ClusterSpec:
         if not os.path.isdir(self.target):
@@ -133,7 +139,18 @@ class ClusterSpec:
                 raise InvalidArgument(f"--{name.replace('_', '-')}", "must be in [0, 65535]", getattr(self, name))
         if not 0 <= self.drain_timeout_s <= 3600:
             raise InvalidArgument("--drain-timeout", "must be in [0, 3600] seconds", self.drain_timeout_s)
+        self._validate_tree()
         return self
+
+    def _validate_tree(self) -> None:
+        from starjar.tree_select import TREE_CHOICES
+
+        if self.tree is not None and self.tree not in TREE_CHOICES:
+            raise InvalidArgument("--tree", f"one of {', '.join(TREE_CHOICES)}", self.tree)
+        for name, lo, hi in (("tree_width", 1, 16), ("tree_cap", 1, 64), ("tree_budget", 1, 4096)):
+            value = getattr(self, name)
+            if value is not None and not lo <= value <= hi:
+                raise InvalidArgument("--" + name.replace("_", "-"), f"must be in [{lo}, {hi}]", value)
 
     def to_dict(self) -> dict:
         return asdict(self)

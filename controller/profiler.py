@@ -155,7 +155,9 @@ def run_profile(target, draft, quick: bool = False) -> dict:
         engine.propose([DraftRequest("d0", CONTEXT + k, [5], 1)])
 
     d0 = _median_time(one_step, 8)
-    budget = profile_verify_budget(target, prompt)
+    from target_worker.tree_budget import measure_verify_budget
+
+    budget = measure_verify_budget(target, prompt)
     from target_worker.elastic_kv import kv_bytes_per_token
 
     return {"cswitch": cswitch, "t_of_n": {str(k): v for k, v in t_of_n.items()}, "d0_s": d0, "step_s": steps,
@@ -163,26 +165,6 @@ def run_profile(target, draft, quick: bool = False) -> dict:
             "context_tokens": CONTEXT, "step_contexts": {b: workload_contexts(target, b) for b in batch_sizes},
             "verify_budget": budget["budget"], "verify_pass_s": budget["pass_s"],
             "target": target.path, "draft": draft.path}
-
-
-def profile_verify_budget(target, prompt: list[int], slack: float = 1.25,
-                          ns: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64)) -> dict:
-    """Median time of one target pass feeding n tokens after `prompt`: the budget is the largest n whose pass
-    stays within `slack` x the one-token pass (where verifying more tokens is nearly free)."""
-    times = {}
-    for n in ns:
-        cache = target.new_cache()
-        slot = cache.allocate()
-        target.forward(cache, [slot], [prompt], [[len(prompt) - 1]])
-        feed = (prompt * (1 + n // max(1, len(prompt))))[:n]
-
-        def one_pass(slot=slot, cache=cache, feed=feed) -> None:
-            cache.truncate(slot, len(prompt))
-            target.forward(cache, [slot], [feed], [list(range(len(feed)))])
-
-        times[n] = _median_time(one_pass, 5)
-    return {"pass_s": {str(n): round(t, 6) for n, t in times.items()}, "slack": slack,
-            "budget": max(n for n, t in times.items() if t <= slack * times[ns[0]])}
 
 
 def profile_to_file(target_dir: str | None, draft_dir: str | None, out: str, quick: bool = False) -> dict:

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 
-from controller.cli_flags import add_deprecated_alias, as_flag_error
+from controller.cli_flags import add_deprecated_alias, add_tree_flags, as_flag_error, tree_speculation
 from starjar.errors import InvalidArgument
 from starjar.policies import policy_help
 from target_worker.admission import DEFAULT_MAX_WAITING
@@ -87,6 +87,7 @@ def _add_target_parser(ssub) -> None:
     t.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds generations in flight may take to finish while new ones are refused "
                         "(default 30)")
+    add_tree_flags(t)
     add_security_flags(t, client=True)
 
 
@@ -169,10 +170,20 @@ def _run_draft(args) -> int:
     return 0
 
 
-def _target_config(args, gamma: int):
+def check_tree_flags(args) -> None:
+    """--tree-width/--tree-cap/--tree-budget checked before any model loads."""
+    from target_worker.tree_score import TreeConfig
+
+    try:
+        TreeConfig("adaserve", args.tree_width, 1 if args.tree_budget is None else args.tree_budget, args.tree_cap)
+    except InvalidArgument as exc:
+        raise as_flag_error(exc) from None
+
+
+def _target_config(args, gamma: int, tree=None):
     from target_worker.config import TargetWorkerConfig, engine_config
 
-    engine = engine_config(args.batch_size, gamma)
+    engine = engine_config(args.batch_size, gamma, tree=tree)
     try:
         return TargetWorkerConfig(worker_id=args.worker_id or f"{os.uname().nodename}:{os.getpid()}",
                                   draft_server=args.draft_server, host=args.host, port=args.port,
@@ -188,16 +199,21 @@ def _run_target(args) -> int:
     from starjar.models import load_model
     from starjar.policies import parse_buckets, serving_policy
     from target_worker.server import TargetServer, serve_forever
+    from target_worker.tree_budget import tree_config
 
     if args.gamma is not None and args.gamma < 0:
         raise InvalidArgument("--gamma", "must be >= 0", args.gamma)
+    check_tree_flags(args)
+    gamma, policy = tree_speculation(args.tree, args.gamma, args.policy)
     # The draft's files are on the draft server's host: with the default target, the default pair's measurement
     # on this machine stands for it; a target of the user's own has none (the planner explores).
     measured_draft = (build_default_pair()["draft"] if args.model is None else "") if args.draft_server else None
-    chosen = speculation_defaults(measured_draft, args.gamma, args.policy)
-    cfg = _target_config(args, chosen.gamma)
+    chosen = speculation_defaults(measured_draft, gamma, policy)
+    _target_config(args, chosen.gamma)  # every other flag checked before the model loads
     model = load_model(args.model or build_default_pair()["target"], args.device, args.dtype, what="model")
-    log.info("speculation: %s", chosen.note)
+    tree, tree_note = tree_config(args.tree, args.tree_width, args.tree_cap, args.tree_budget, args.profile, model)
+    cfg = _target_config(args, chosen.gamma, tree)
+    log.info("speculation: %s; %s", chosen.note, tree_note)
     policy = serving_policy(chosen.policy, chosen.gamma, args.profile, bool(args.draft_server),
                             parse_buckets(args.buckets))
     server = TargetServer(model, cfg, policy, security_from(args))

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 
+from controller.cli_flags import add_tree_flags, tree_speculation
 from controller.cluster_spec import ClusterSpec
 from controller.local_cluster import adaptive_defaults, local_spec, read_state, start_local, stop_local
 from starjar.policies import policy_help
@@ -85,12 +86,14 @@ def _add_up_parser(sub) -> None:
     u.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on `starjar down`: seconds generations in flight may take to finish while new ones are "
                         "refused (default 30)")
+    add_tree_flags(u)
 
 
 def _spec(args) -> ClusterSpec:
     """`starjar up`'s flags as a ClusterSpec."""
     sd = os.path.abspath(args.prometheus_sd) if args.prometheus_sd else None
-    spec_on = adaptive_defaults(args.target, args.draft, args.no_draft, args.gamma, args.policy)
+    gamma, policy = tree_speculation(args.tree, args.gamma, args.policy)
+    spec_on = adaptive_defaults(args.target, args.draft, args.no_draft, gamma, policy)
     return local_spec(args.target, args.draft, args.no_draft, targets=args.targets, gamma=spec_on.gamma,
                       policy=spec_on.policy, profile=os.path.abspath(args.profile) if args.profile else None,
                       buckets=args.buckets, batch_size=args.batch_size, draft_mode=args.draft_mode,
@@ -101,10 +104,22 @@ def _spec(args) -> ClusterSpec:
                       grpc_port=args.grpc_port, http_port=args.http_port, auth_token=args.auth_token,
                       metrics=not args.no_metrics, drain_timeout_s=args.drain_timeout,
                       cluster_token=read_token(args.auth_token_file) if args.auth_token_file else None,
+                      **_tree_fields(args),
                       **{k: v for k, v in (("max_waiting", args.max_waiting), ("max_requests", args.max_requests),
                                            ("request_timeout_s", args.request_timeout)) if v is not None},
                       # On a cluster of someone else's (--address) there is no local file to keep current.
                       prometheus_sd=sd if sd or not args.address else None)
+
+
+def _tree_fields(args) -> dict:
+    """--tree and its knobs for the spec; the verification budget from --profile's verify_budget when
+    --tree-budget is not given (the target workers measure it at start when neither is)."""
+    from target_worker.tree_budget import profiled_budget
+
+    budget = args.tree_budget
+    if budget is None and args.tree not in (None, "chain", "none"):
+        budget = profiled_budget(os.path.abspath(args.profile) if args.profile else None)
+    return {"tree": args.tree, "tree_width": args.tree_width, "tree_cap": args.tree_cap, "tree_budget": budget}
 
 
 def _draft_servers(args) -> int:

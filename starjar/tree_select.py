@@ -26,6 +26,10 @@ from dataclasses import dataclass
 from starjar.token_tree import TokenTree
 
 POLICIES = ("adaserve", "global_greedy", "equal_greedy", "fixed", "chain")
+# The user's switch (`--tree`): the policies above, where "chain" means today's chains (no trees at all), and
+# "none", no speculation.
+TREE_CHOICES = (*POLICIES, "none")
+TREE_MAX_DEPTH = 8  # D_max when trees are on and no gamma is given: the budget sets the depth below it
 SPECINFER_WIDTHS = (1, 1, 3, 1, 1, 1, 1, 1)  # AdaServe 6.1's SpecInfer baseline expansion
 
 

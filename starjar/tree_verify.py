@@ -30,42 +30,49 @@ class TreeVerdict(Verdict):
 def verify_tree(logits: torch.Tensor, tree: TokenTree, params: SamplingParams,
                 gen: torch.Generator | None) -> TreeVerdict:
     """logits: [len(tree) + 1, V]; row 0 scores the token after the root (the last verified token), row i + 1
-    the token after node i."""
+    the token after node i. Only the rows on the walked path are turned into probabilities (a tree of n nodes
+    is walked through at most depth + 1 of its n + 1 rows), and a rejection only adds the candidate's mass to
+    what is removed: the residual is renormalised once, where the recovered token is sampled."""
     n = len(tree)
     assert logits.dim() == 2 and logits.shape[0] == n + 1, (logits.shape, n)
     children = tree.children()
     if params.greedy:
-        best = finite_logits(logits).argmax(-1).tolist()  # [n + 1]
-        return _greedy_walk(tree, children, best)
-    probs = logits_to_probs(logits, params)  # [n + 1, V] float32
+        return _greedy_walk(tree, children, logits)
     path: list[int] = []
     row = 0  # the current node's logits row: 0 = root, i + 1 = node i
     while True:
-        p = probs[row].double()  # a copy: rejections edit it
-        taken = None
+        p = logits_to_probs(logits[row: row + 1], params)[0].double()
+        left = float(p.sum())  # the residual's mass: 1 less the candidates rejected so far
+        taken, rejected = None, []
         for c in children[row]:
             tok = tree.tokens[c]
-            pc = float(p[tok])
-            if pc > 0.0 and float(torch.rand(1, generator=gen)) < pc:
+            pc = 0.0 if tok in rejected else float(p[tok])
+            if pc <= 0.0:
+                continue
+            # p(c) in the residual renormalised: the same draw as zeroing each rejected one and dividing.
+            if float(torch.rand(1, generator=gen)) * left < pc:
                 taken = c
                 break
-            if pc > 0.0:  # reject c: the residual is p without c (pc < 1 here, so mass remains)
-                p[tok] = 0.0
-                p = p / p.sum()
+            rejected.append(tok)  # pc < left here (a draw below 1 takes a sure token), so mass remains
+            left -= pc
         if taken is None:
-            nxt = int(torch.multinomial(p, 1, generator=gen))
+            if rejected:
+                p[rejected] = 0.0
+            nxt = int(torch.multinomial(p, 1, generator=gen))  # multinomial normalises the residual itself
             return _verdict(tree, path, nxt)
         path.append(taken)
         row = taken + 1
 
 
-def _greedy_walk(tree: TokenTree, children: list[list[int]], best: list[int]) -> TreeVerdict:
+def _greedy_walk(tree: TokenTree, children: list[list[int]], logits: torch.Tensor) -> TreeVerdict:
+    """The argmax of the rows on the path only (torch's argmax would pick a NaN, hence finite_logits)."""
     path: list[int] = []
     row = 0
     while True:
-        match = next((c for c in children[row] if tree.tokens[c] == best[row]), None)
+        best = int(finite_logits(logits[row]).argmax())
+        match = next((c for c in children[row] if tree.tokens[c] == best), None)
         if match is None:
-            return _verdict(tree, path, best[row])
+            return _verdict(tree, path, best)
         path.append(match)
         row = match + 1
 

@@ -9,16 +9,19 @@ from dataclasses import dataclass, field
 from starjar.errors import InvalidArgument
 from target_worker.admission import DEFAULT_MAX_WAITING
 from target_worker.engine import EngineConfig
+from target_worker.tree_score import TreeConfig
 
 # The engine's buffers hold at least this many draft tokens per step, whatever gamma is configured: a gamma
 # forced later (the controller's set_gamma, `starjar demo`) then fits without restarting the engine.
 MIN_GAMMA_ROOM = 8
 
 
-def engine_config(max_batch_size: int, gamma: int, kv_budget_tokens: int | None = None) -> EngineConfig:
-    """The engine of a worker that speculates up to `gamma` draft tokens per step."""
+def engine_config(max_batch_size: int, gamma: int, kv_budget_tokens: int | None = None,
+                  tree: TreeConfig | None = None) -> EngineConfig:
+    """The engine of a worker that speculates up to `gamma` draft tokens per step (a tree's depth), with token
+    trees when `tree` is given."""
     return EngineConfig(max_batch_size=max_batch_size, kv_budget_tokens=kv_budget_tokens,
-                        max_gamma=max(MIN_GAMMA_ROOM, gamma))
+                        max_gamma=max(MIN_GAMMA_ROOM, gamma), tree=tree)
 
 
 @dataclass(frozen=True)

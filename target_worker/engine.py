@@ -328,7 +328,7 @@ class TargetEngine:
         """Emit the verdicts' tokens, count the step, show it to the policy."""
         tokens = accepted = 0
         for r in plan.rounds:
-            self.stats.observe_round(len(r.draft), r.verdict.num_accepted)
+            self.stats.observe_round(len(r.draft), r.verdict.num_accepted, r.tree is not None)
             r.req.count_round(len(r.draft), r.verdict.num_accepted)
             accepted += r.verdict.num_accepted
             tokens += self._emit(r.req, r.verdict.tokens, outputs)

@@ -116,6 +116,12 @@ class _EngineCollector:
                                   value=s.drafted_tokens)
         yield CounterMetricFamily(P + "spec_decode_num_accepted_tokens", "draft tokens accepted",
                                   value=s.accepted_tokens)
+        yield CounterMetricFamily(P + "tree_rounds", "sequence-rounds that verified a token tree (--tree)",
+                                  value=s.tree_rounds)
+        yield CounterMetricFamily(P + "tree_nodes", "token-tree nodes verified", value=s.tree_nodes)
+        if e.trees is not None:
+            yield GaugeMetricFamily(P + "tree_verify_budget", "tokens per verification pass the tree selection "
+                                    "may use (profiled)", value=e.trees.cfg.budget)
         per_pos = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
                                       "draft tokens accepted at each draft position (0 = first)",
                                       labels=["position"])

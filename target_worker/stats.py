@@ -35,6 +35,8 @@ class EngineStats:
     proposer_failures: int = 0
     resyncs: int = 0
     preemptions: int = 0
+    tree_rounds: int = 0  # sequence-rounds that verified a token tree (branching, not a chain)
+    tree_nodes: int = 0  # their nodes, after selection
     accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_GAMMA)
     # Decode steps split three ways: drafts verified (spec), none asked for (plain), asked for and none came
     # (fallback: refusal, deadline, resync). The controller's admission model and saturation guard compare
@@ -44,8 +46,12 @@ class EngineStats:
     plain: StepTally = field(default_factory=StepTally)
     fallback: StepTally = field(default_factory=StepTally)
 
-    def observe_round(self, drafted: int, accepted: int) -> None:
-        """One sequence's part of a decode step: `drafted` drafts verified, the first `accepted` kept."""
+    def observe_round(self, drafted: int, accepted: int, tree: bool = False) -> None:
+        """One sequence's part of a decode step: `drafted` drafts verified (the nodes of a tree when `tree`),
+        `accepted` of them kept."""
+        if tree:
+            self.tree_rounds += 1
+            self.tree_nodes += drafted
         if drafted:
             self.spec_rounds += 1
             for pos in range(accepted):

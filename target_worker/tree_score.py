@@ -71,10 +71,10 @@ class TreeConfig:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise InvalidArgument("tree.policy", f"one of {POLICIES}", self.policy)
+            raise InvalidArgument("tree", f"one of {', '.join(POLICIES)}", self.policy)
         for name, lo, hi in (("width", 1, 16), ("budget", 1, 4096), ("cap", 1, MAX_TREE_NODES)):
             if not lo <= getattr(self, name) <= hi:
-                raise InvalidArgument(f"tree.{name}", f"must be in [{lo}, {hi}]", getattr(self, name))
+                raise InvalidArgument(f"tree_{name}", f"must be in [{lo}, {hi}]", getattr(self, name))
 
 
 class TreeSelector:
