@@ -115,15 +115,13 @@ def test_buffer_forgets_an_owner():
 # ---- the trainer ---------------------------------------------------------------------------------
 
 
-def test_low_rank_logits_start_at_zero_and_candidates_match_the_full_product():
+def test_low_rank_logits_start_at_zero():
     ad = LowRankLogits(16, 50, 4, torch.Generator().manual_seed(0))
     h = torch.randn(3, 16)
     assert torch.count_nonzero(ad(h)) == 0
     with torch.no_grad():
         ad.b.normal_()
-        ad.bias.normal_()
-    cand = torch.tensor([[0, 5, 7], [1, 1, 49], [2, 3, 4]])
-    assert torch.allclose(ad.at(h, cand), ad(h).gather(1, cand), atol=1e-5)
+    assert torch.count_nonzero(ad(h)) > 0
 
 
 def test_trainer_learns_a_biased_target_and_each_micro_step_is_short(models):
