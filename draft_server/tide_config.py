@@ -15,7 +15,9 @@ class TrainConfig:
     chunk_tokens: int = 16  # tokens of a buffered sequence run through the draft per micro-step
     batch_positions: int = 32  # positions per gradient micro-step
     steps_per_cycle: int = 48  # gradient micro-steps per training cycle
-    lr: float = 0.01  # Adam
+    # Adam. 0.01 overfits: trained on the target's own outputs, a tiny draft's held-out agreement fell 0.96 -> 0.76
+    # (0.95 at 0.003); on the target's first 12 layers 0.003 gains as much as 0.01 (0.04 -> 0.13).
+    lr: float = 0.003
     weight_decay: float = 1e-4
     min_new_positions: int = 256  # new training positions (from newly finished sequences) that start a cycle
     max_positions: int = 8192  # training positions held (a ring: the newest traffic wins)
