@@ -15,9 +15,10 @@ class TrainConfig:
     chunk_tokens: int = 16  # tokens of a buffered sequence run through the draft per micro-step
     batch_positions: int = 32  # positions per gradient micro-step
     steps_per_cycle: int = 48  # gradient micro-steps per training cycle
-    lr: float = 0.01  # Adam
+    # Adam. 0.01 overfits: trained on the target's own outputs, a tiny draft's held-out agreement fell 0.96 -> 0.76
+    # (0.95 at 0.003); on the target's first 12 layers 0.003 gains as much as 0.01 (0.04 -> 0.13).
+    lr: float = 0.003
     weight_decay: float = 1e-4
-    candidates: int = 16  # the base draft's top-k kept per position: the loss is a softmax over them + the truth
     min_new_positions: int = 256  # new training positions (from newly finished sequences) that start a cycle
     max_positions: int = 8192  # training positions held (a ring: the newest traffic wins)
     max_eval_positions: int = 1024  # held-out positions held (a ring)
@@ -27,7 +28,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name, lo, hi in (("rank", 1, 256), ("chunk_tokens", 1, 512), ("batch_positions", 1, 4096),
-                             ("steps_per_cycle", 1, 100_000), ("candidates", 1, 1024),
+                             ("steps_per_cycle", 1, 100_000),
                              ("min_new_positions", 1, 1 << 20), ("max_positions", 16, 1 << 22),
                              ("max_eval_positions", 16, 1 << 22), ("eval_every", 2, 1000), ("eval_chunk", 1, 4096)):
             v = getattr(self, name)

@@ -11,8 +11,9 @@ rank, b: a per-token bias). The draft's layers stay frozen, so
 - swapping an adapter in never invalidates any KV cache: a sequence in
   flight keeps its KV, and its next pass proposes with the new adapter.
 
-All work is cut into micro-steps (the base draft's top-k for chunk_tokens
-positions, one gradient step, or eval_chunk held-out positions scored), so the
+All work is cut into micro-steps (chunk_tokens positions taken into the pools,
+one gradient step over batch_positions positions, or eval_chunk held-out
+positions scored: each at most one pass of the draft's head), so the
 compute loop can run one whenever it would otherwise wait and a round that
 arrives waits at most one micro-step. A cycle runs when enough new training
 positions arrived: train a copy of the serving adapter, score it and the
@@ -50,30 +51,23 @@ class LowRankLogits(torch.nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return (h @ self.a.T) @ self.b.T + self.bias
 
-    def at(self, h: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-        """delta logits of candidate ids only: h [N, H], cand [N, K] -> [N, K] (no [N, V] product)."""
-        z = h @ self.a.T  # [N, rank]
-        return torch.einsum("nr,nkr->nk", z, self.b[cand]) + self.bias[cand]
-
 
 class _Pool:
-    """A ring of positions: hidden state [H], the verified next token, the base draft's candidates and
-    logits (the truth first)."""
+    """A ring of positions: the draft's last hidden state [H] and the token the target verified next."""
 
     def __init__(self, capacity: int):
-        self.rows: deque[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]] = deque(maxlen=capacity)
+        self.rows: deque[tuple[torch.Tensor, int]] = deque(maxlen=capacity)
 
-    def add(self, h: torch.Tensor, labels: list[int], cand: torch.Tensor, base: torch.Tensor) -> None:
+    def add(self, h: torch.Tensor, labels: list[int]) -> None:
         for i, label in enumerate(labels):
-            self.rows.append((h[i], label, cand[i], base[i]))
+            self.rows.append((h[i], label))
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def batch(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def batch(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         rows = [self.rows[i] for i in idx]
-        return (torch.stack([r[0] for r in rows]), torch.tensor([r[1] for r in rows]),
-                torch.stack([r[2] for r in rows]), torch.stack([r[3] for r in rows]))
+        return torch.stack([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
 
 
 class AdapterTrainer:
@@ -175,24 +169,14 @@ class AdapterTrainer:
         done += len(positions)
         self._extracting = (seq, None, -1, done, held_out) if done < len(seq.hidden) else None
 
-    @torch.no_grad()
     def _keep(self, h: torch.Tensor, labels: list[int], held_out: bool) -> None:
         keep = [i for i, t in enumerate(labels) if t < self.vocab]  # the head cannot propose past its vocab
         if not keep:
             return
-        h = h[keep]
-        labels = [labels[i] for i in keep]
-        base = self.model.head_logits(h.to(self.model.dtype), adapted=False)  # [n, V]
-        k = min(self.cfg.candidates, self.vocab)
-        top = base.topk(k, dim=-1).indices  # [n, k]
-        truth = torch.tensor(labels).unsqueeze(1)
-        cand = torch.cat([truth, top], dim=1)  # [n, k + 1], the truth first
-        vals = base.gather(1, cand)
-        vals[:, 1:][top == truth] = float("-inf")  # the truth counted once in the softmax
         pool = self.eval_pool if held_out else self.train_pool
-        pool.add(h.clone(), labels, cand, vals)
+        pool.add(h[keep].clone(), [labels[i] for i in keep])
         if not held_out:
-            self.new_positions += len(labels)
+            self.new_positions += len(keep)
 
     # ---- a cycle: train a copy, then score both on held-out positions -------------------------
 
@@ -216,12 +200,17 @@ class AdapterTrainer:
         self.cycles += 1
 
     def _train_step(self) -> None:
+        """One gradient step of next-token cross-entropy over the head's whole vocabulary: the logits the
+        serving draft takes its argmax of (base + adapter on every id). A softmax over only the base's
+        top-k and the truth (the first version) never saw the ids it raised at positions where they were
+        not candidates, so it raised them everywhere: offline, one cycle on translation took held-out
+        agreement 0.18 -> 0.0 for the target's first 12 layers and 0.97 -> 0.49 for the int8 draft."""
         n = len(self.train_pool)
         idx = torch.randint(n, (min(self.cfg.batch_positions, n),), generator=self.gen).tolist()
-        h, _, cand, base = self.train_pool.batch(idx)
+        h, labels = self.train_pool.batch(idx)
+        base = self.model.head_logits(h.to(self.model.dtype), adapted=False)  # frozen: no graph
         with torch.enable_grad():
-            logits = base + self.candidate.at(h, cand)  # [B, k + 1]
-            loss = F.cross_entropy(logits, torch.zeros(len(idx), dtype=torch.long))
+            loss = F.cross_entropy(base + self.candidate(h), labels)
             self._opt.zero_grad(set_to_none=True)
             loss.backward()
             self._opt.step()
@@ -231,7 +220,7 @@ class AdapterTrainer:
     def _eval_step(self) -> tuple[float, float] | None:
         rows = list(range(self._eval_at, min(len(self.eval_pool), self._eval_at + self.cfg.eval_chunk)))
         if rows:
-            h, labels, _, _ = self.eval_pool.batch(rows)
+            h, labels = self.eval_pool.batch(rows)
             base = self.model.head_logits(h.to(self.model.dtype), adapted=False)
             serving = self.model.adapter
             pred_serving = (base + serving(h) if serving is not None else base).argmax(-1)

@@ -115,15 +115,13 @@ def test_buffer_forgets_an_owner():
 # ---- the trainer ---------------------------------------------------------------------------------
 
 
-def test_low_rank_logits_start_at_zero_and_candidates_match_the_full_product():
+def test_low_rank_logits_start_at_zero():
     ad = LowRankLogits(16, 50, 4, torch.Generator().manual_seed(0))
     h = torch.randn(3, 16)
     assert torch.count_nonzero(ad(h)) == 0
     with torch.no_grad():
         ad.b.normal_()
-        ad.bias.normal_()
-    cand = torch.tensor([[0, 5, 7], [1, 1, 49], [2, 3, 4]])
-    assert torch.allclose(ad.at(h, cand), ad(h).gather(1, cand), atol=1e-5)
+    assert torch.count_nonzero(ad(h)) > 0
 
 
 def test_trainer_learns_a_biased_target_and_each_micro_step_is_short(models):
@@ -191,3 +189,41 @@ def test_serve_draft_adapt_flags_build_the_config():
     assert on.tide is not None and not on.tide.collect.start_collecting  # TIDE's default: wait for a drift
     cold = _draft_config(_parser().parse_args(["serve", "draft", "--adapt", "--adapt-collect-from-start"]))
     assert cold.tide.collect.start_collecting
+
+
+def _agreement(draft, seqs, adapter=None) -> float:
+    """Next-token agreement with the target over the generated part of (prompt, output) sequences."""
+    right = total = 0
+    for prompt, out in seqs:
+        tokens = list(prompt) + list(out)
+        cache = draft.new_cache()
+        h = draft.hidden_states(cache, [cache.allocate()], [tokens[:-1]])[0, len(prompt) - 1:]
+        logits = draft.head_logits(h, adapted=False)
+        if adapter is not None:
+            logits = logits + adapter(h.float())
+        right += int((logits.argmax(-1) == torch.tensor(tokens[len(prompt):])).sum())
+        total += len(out)
+    return right / total
+
+
+def test_training_on_the_targets_outputs_does_not_lower_held_out_agreement(models, spec_prompts, reference):
+    """The adapter is trained on the logits serving uses (the whole vocabulary): trained on the target's own
+    greedy outputs, it must not make a good draft worse on sequences it never saw. (The first trainer's
+    softmax over the base's top-k + the truth raised tokens wherever they were not candidates: one cycle
+    took a real int8 draft 0.97 -> 0.49, and this tiny one down as well.)"""
+    from draft_server.tide_buffer import Finished
+
+    draft = models["draft"]
+    seqs = [(p, o) for p, o in zip(spec_prompts, reference("llama", 48), strict=True) if len(o) > 1]
+    train, unseen = [s for i, s in enumerate(seqs) if i % 3], seqs[::3]
+    tr = AdapterTrainer(draft, TrainConfig(min_new_positions=256, steps_per_cycle=96))
+    tr.add([Finished(tuple(p) + tuple(o), len(p)) for p, o in train])
+    result = None
+    for _ in range(5000):
+        if (result := tr.step()) is not None:
+            break
+    assert result is not None, "no training cycle ended"
+    adapter = tr.finish(deploy=True)  # deployed whatever held-out says: the training itself must not harm
+    before, after = _agreement(draft, unseen), _agreement(draft, unseen, adapter)
+    assert before > 0.3  # a draft with something to lose
+    assert after >= before - 0.02, (before, after)
