@@ -94,15 +94,18 @@ def length_groups(items: list[T], length: Callable[[T], int], max_padding: float
 
 
 def _split_by_tokens(groups: list[list[T]], length: Callable[[T], int], max_tokens: int) -> list[list[T]]:
-    """Split groups, keeping their order, so that none feeds more than max_tokens (a lone row may)."""
+    """Split groups, keeping their order, so that none feeds more than max_tokens (a lone row may), padding
+    included: a pass's scratch (mask, attention scores) is rows x its longest feed x its context, whatever
+    the rows' real lengths."""
     out = []
     for group in groups:
-        part, n = [], 0
+        part, longest = [], 0
         for row in group:
-            if part and n + length(row) > max_tokens:
+            wider = max(longest, length(row))
+            if part and (len(part) + 1) * wider > max_tokens:
                 out.append(part)
-                part, n = [], 0
+                part, wider = [], length(row)
             part.append(row)
-            n += length(row)
+            longest = wider
         out.append(part)
     return out

@@ -30,3 +30,11 @@ def test_each_pass_runs_in_slot_order_within_the_token_cap():
     assert [slots for slots, _, _ in model.passes] == [[0], [2], [1, 3, 4]]
     assert [[r[0] for r in p.rows] for p in passes] == [[0], [2], [1, 3, 4]]
     assert all(rows == [[len(f) - 1] for f in feeds] for _, feeds, rows in model.passes)
+
+
+def test_the_token_cap_counts_padding():
+    rows = [(0, [1] * 100), (1, [1] * 90)]
+    model = _Recorder()
+    list(grouped_forward(model, None, rows, feed=lambda r: r[1], slot=lambda r: r[0], max_pass_tokens=190))
+    # 190 real tokens fit, but padded the pass is 2 x 100: its mask and scores would be sized for 200.
+    assert [slots for slots, _, _ in model.passes] == [[0], [1]]

@@ -1,7 +1,9 @@
 """The int8 kernel is chosen by measurement on the running machine, cached, and forced by STARJAR_INT8_KERNEL;
 folded grouped-query attention computes what Hugging Face's sdpa path does."""
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -88,3 +90,16 @@ def test_folded_attention_without_a_mask_is_causal_on_a_prefill():
     causal = torch.ones(7, 7, dtype=torch.bool).tril()[None, None]
     out, _ = folded_attention(_Module(), query, key, value, None)
     torch.testing.assert_close(out, _reference(query, key, value, causal), atol=1e-5, rtol=1e-5)
+
+
+def test_a_folded_mask_lives_no_longer_than_its_pass_mask():
+    """The per-pass folded mask (g x [B, Q, K]) must not stay in memory after its pass (it did until the next)."""
+    from starjar import attention
+
+    mask = torch.zeros(2, 1, 8, 64)
+    folded = attention._fold_mask(mask, 2)
+    assert attention._fold_mask(mask, 2) is folded  # reused by every layer of the pass
+    ref = weakref.ref(folded)
+    del mask, folded
+    gc.collect()
+    assert ref() is None and 2 not in attention._folded

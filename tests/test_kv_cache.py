@@ -57,6 +57,27 @@ def test_scattered_slots_and_growth(models):
     assert cache.tokens_used() == sum(map(len, seqs)) + len(long) + 1
 
 
+@pytest.mark.parametrize("slots_order", [[0, 1], [1, 0]])  # the view path and the gather path
+def test_a_budgeted_cache_never_grows_for_padding(models, slots_order):
+    """A short row beside a long feed: its padding would write up to its start + Q; in a budgeted cache it
+    writes one position past its valid length, and every real row's logits stay exact."""
+    m = models["llama"]
+    cache = m.new_cache()
+    cache.max_cells = 2 * 256
+    seqs = [list(range(3, 203)), [5, 6]]
+    slots = [cache.allocate() for _ in seqs]
+    m.forward(cache, slots, seqs, [[len(s) - 1] for s in seqs])
+    feeds = {0: [7], 1: list(range(10, 90))}  # slot 0 at 200 tokens + 1, slot 1 at 2 tokens + 80
+    out = m.forward(cache, slots_order, [feeds[s] for s in slots_order], [[len(feeds[s]) - 1] for s in slots_order])
+    assert cache.get_seq_length() == 202  # 201 real + 1 padding position (unbudgeted: 200 + 80)
+    assert cache._len_cap == 256
+    for s, lg in zip(slots_order, out, strict=True):
+        assert torch.allclose(lg[0], full_logits(m, seqs[s] + feeds[s]), atol=TOL)
+    out = m.forward(cache, [0, 1], [[8], [90]], [[0], [0]])  # the padding garbage is never attended
+    assert torch.allclose(out[0][0], full_logits(m, seqs[0] + feeds[0] + [8]), atol=TOL)
+    assert torch.allclose(out[1][0], full_logits(m, seqs[1] + feeds[1] + [90]), atol=TOL)
+
+
 def test_skinny_linear_matches_f_linear(models):
     """The few-rows CPU path computes the same product (to float rounding) and is installed."""
     import torch.nn.functional as F
