@@ -143,11 +143,12 @@ class ClusterSpec:
         return self
 
     def _validate_tree(self) -> None:
+        from starjar.token_tree import MAX_TREE_NODES
         from starjar.tree_select import TREE_CHOICES
 
         if self.tree is not None and self.tree not in TREE_CHOICES:
             raise InvalidArgument("--tree", f"one of {', '.join(TREE_CHOICES)}", self.tree)
-        for name, lo, hi in (("tree_width", 1, 16), ("tree_cap", 1, 64), ("tree_budget", 1, 4096)):
+        for name, lo, hi in (("tree_width", 1, 16), ("tree_cap", 1, MAX_TREE_NODES), ("tree_budget", 1, 4096)):
             value = getattr(self, name)
             if value is not None and not lo <= value <= hi:
                 raise InvalidArgument("--" + name.replace("_", "-"), f"must be in [{lo}, {hi}]", value)

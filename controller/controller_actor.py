@@ -148,13 +148,13 @@ class Controller:
     async def _watch_fleet(self, snaps: dict[str, tuple[dict, dict]]) -> None:
         """Per draft server N_full, N_max and saturation verdicts (controller/fleet_watch.py), carried out."""
         w = self.watch
-        if not snaps or not w.active:
+        if not snaps:
             return
+        stats = None  # N_full is estimated from the draft servers alone; admission and the guard need the targets
         try:  # one sample of the targets serves every draft server's admission and guard
-            stats = await asyncio.wait_for(self.target_stats(), STATS_TIMEOUT_S)
+            stats = await asyncio.wait_for(self.target_stats(), STATS_TIMEOUT_S) if w.active else None
         except Exception as exc:
             log.info("target stats sample skipped: %r", exc)
-            stats = None
         n_maxes = {n: s.n_max for n, s in self.fleet.slots.items()}
         plan = w.step(time.time(), snaps, stats, dict(self.fleet.assignment.of), n_maxes, self.override)
         for name, n in plan.n_max.items():
@@ -244,8 +244,10 @@ class Controller:
         raise TimeoutError(f"cluster not ready after {timeout:.0f} s: {await self.status()}")
 
     async def target_stats(self) -> dict:
-        stats = await asyncio.gather(*(h.stats.remote() for h in self.targets.values()))
-        return dict(zip(self.targets, stats, strict=True))
+        """Every answering target's stats (one dead or restarting target must not blind the whole fleet's
+        admission and saturation guard)."""
+        stats = await asyncio.gather(*(h.stats.remote() for h in self.targets.values()), return_exceptions=True)
+        return {t: s for t, s in zip(self.targets, stats, strict=True) if not isinstance(s, BaseException)}
 
     async def set_gamma(self, gamma: int | None) -> None:
         """Force every target's gamma (0 = speculation off); None = back to the configured policy."""

@@ -146,9 +146,10 @@ class FleetWatch:
             log.info("%s: saturation hold over, its targets back to their policies", name)
 
     def _reconcile(self, assignment: dict[str, str | None]) -> dict[str, int | None]:
-        """Hold at gamma 0 exactly the targets assigned to a forcing draft server; the changes to make."""
+        """Hold at gamma 0 exactly the targets assigned to a forcing draft server. Every held target is told
+        again each step (idempotent): a lost call or a restarted target must not go on speculating."""
         want = {t for t, d in assignment.items() if d is not None and self.forcing(d)}
-        changes = {t: 0 for t in want - self.forced} | {t: None for t in self.forced - want}
+        changes = {t: 0 for t in want} | {t: None for t in self.forced - want}
         self.forced = want
         return changes
 

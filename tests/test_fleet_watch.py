@@ -81,7 +81,8 @@ def test_a_moved_target_follows_its_new_servers_verdict_and_the_hold_ends():
     _step(watch, 2, assignment)
     assignment[TARGETS[3]], assignment[TARGETS[0]] = D0, D1  # a rebalance swaps one each way
     plan = watch.step(11.0, {}, None, assignment, {D0: CAP, D1: 1}, override=None)
-    assert plan.gamma == {TARGETS[3]: None, TARGETS[0]: 0}
+    # The moved target follows; the one still held is told again (a lost call or a restart must not end a hold).
+    assert plan.gamma == {TARGETS[3]: None, TARGETS[0]: 0, TARGETS[2]: 0}
     assert watch.forced == {TARGETS[0], TARGETS[2]}
     release = _step(watch, 2, assignment, now=10.0 + 30.0, n_maxes={D0: CAP, D1: 1})
     assert release.gamma == {TARGETS[0]: None, TARGETS[2]: None} and not watch.forced
@@ -122,8 +123,9 @@ class _TargetActor:
         self.set_gamma = _Call(self.gammas.append)
 
 
-def test_the_controller_samples_every_draft_server_and_acts_per_server():
-    """The controller's own sampling (DraftFleet.sample_loads -> Controller._watch_fleet) over two servers."""
+def _controller(watch: FleetWatch):
+    """A Controller with only its watch and fleet (no Ray actors behind it) over two recorded draft servers;
+    returns it, the draft servers, the fleet and a function that runs one sampling k."""
     from controller.controller_actor import Controller
 
     snaps, clock = _draft_snaps(), [0]
@@ -134,8 +136,8 @@ def test_the_controller_samples_every_draft_server_and_acts_per_server():
     fleet.observe({d: {"fingerprint": "fp"} for d in drafts}, {d: True for d in drafts})
     fleet.assignment.of.update(_assignment())  # (placement alternates; this split keeps the snapshots' targets)
     assert fleet.settle() == []
-    ctl = Controller.__new__(Controller)  # its watch and fleet only: no Ray actors behind it
-    ctl.fleet, ctl.watch, ctl.override = fleet, _watch(), None
+    ctl = Controller.__new__(Controller)
+    ctl.fleet, ctl.watch, ctl.override = fleet, watch, None
     ctl.spec = ClusterSpec(target="target", draft="draft", policy="nightjar")
     ctl.targets = {t: _TargetActor(t, clock) for t in TARGETS}
 
@@ -145,6 +147,12 @@ def test_the_controller_samples_every_draft_server_and_acts_per_server():
             d.k = k
         await ctl._watch_fleet(await fleet.sample_loads())
 
+    return ctl, drafts, fleet, sample
+
+
+def test_the_controller_samples_every_draft_server_and_acts_per_server():
+    """The controller's own sampling (DraftFleet.sample_loads -> Controller._watch_fleet) over two servers."""
+    ctl, drafts, fleet, sample = _controller(_watch())
     for k in range(3):
         asyncio.run(sample(k))
     assert [ctl.targets[t].gammas for t in TARGETS] == [[], [], [0], [0]]
@@ -157,6 +165,17 @@ def test_the_controller_samples_every_draft_server_and_acts_per_server():
     assert samples[("starjar_controller_saturation_forced", D1)] == 1
     assert samples[("starjar_controller_saturation_forced", D0)] == 0
     assert samples[("starjar_controller_n_full", D0)] == 10 and samples[("starjar_controller_n_max", D1)] == 1
+
+
+def test_n_full_is_estimated_with_fixed_admission_and_no_guard():
+    """The defaults (fixed N_max, --no-saturation-guard): nothing is acted on, but every draft server's N_full is
+    still estimated for status and metrics."""
+    ctl, drafts, _, sample = _controller(FleetWatch(CAP, admission_auto=False, make_guard=None))
+    for k in range(3):
+        asyncio.run(sample(k))
+    assert ctl.watch.servers[D0].estimate[2] == 10 and ctl.watch.servers[D1].estimate[2] == 2
+    assert all(ctl.targets[t].gammas == [] for t in TARGETS)
+    assert drafts[D0].n_max_set == [] and drafts[D1].n_max_set == []
 
 
 def test_a_draft_server_with_no_round_in_the_window_is_measured_idle():
