@@ -46,6 +46,26 @@ def wait_moved(controller, moved: list[str], survivor: str, t_kill: float) -> di
     return took
 
 
+def workload(spec_prompts: list, reference, n: int) -> tuple[list, list]:
+    """n prompts (the Spec-Bench set repeated) and what the target alone makes of each, MAX_TOKENS long."""
+    prompts = (spec_prompts * (n // len(spec_prompts) + 1))[:n]
+    ref = [r[:MAX_TOKENS] for r in reference("llama", 64)]
+    return prompts, (ref * (n // len(ref) + 1))[:n]
+
+
+def lane_of(address: str, prompts: list, results: list, errors: list) -> Callable[[list[int]], None]:
+    """One client lane: generates the given prompt indices in turn into results; a failure goes to errors."""
+    def lane(idx: list[int]) -> None:
+        try:
+            with Client(address, timeout=600) as c:
+                for i in idx:
+                    results[i] = c.generate(prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS).token_ids
+        except Exception as exc:  # noqa: BLE001 - any failure is the test's failure
+            errors.append(exc)
+
+    return lane
+
+
 @dataclass
 class FailoverRun:
     requests: int
@@ -64,19 +84,9 @@ def kill_one_draft_under_load(addrs: dict, controller, spec_prompts: list, refer
     given the killed pid, runs after the move and before the lanes are joined."""
     st = status(controller)
     n = TARGETS * PER_TARGET
-    prompts = (spec_prompts * (n // len(spec_prompts) + 1))[:n]
-    ref = [r[:MAX_TOKENS] for r in reference("llama", 64)]
-    ref = (ref * (n // len(ref) + 1))[:n]
+    prompts, ref = workload(spec_prompts, reference, n)
     results, errors = [None] * n, []
-
-    def lane(idx):
-        try:
-            with Client(addrs["grpc"], timeout=600) as c:
-                for i in idx:
-                    results[i] = c.generate(prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS).token_ids
-        except Exception as exc:  # noqa: BLE001 - any failure is the test's failure
-            errors.append(exc)
-
+    lane = lane_of(addrs["grpc"], prompts, results, errors)
     with ThreadPoolExecutor(LANES) as pool:
         futs = [pool.submit(lane, list(range(k, n, LANES))) for k in range(LANES)]
         time.sleep(3.0)  # requests in flight on both draft servers

@@ -8,14 +8,12 @@ saturated server first depends on this machine's speeds; the autoscaler's own de
 
 from __future__ import annotations
 
-import json
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_ray_cluster import _cli
+from local_cluster import up_cluster
 
 from starjar import Client
 
@@ -27,28 +25,11 @@ SECOND = "starjar-draft-1"
 
 @pytest.fixture(scope="module")
 def scaled(model_dirs, tmp_path_factory):
-    home = tmp_path_factory.mktemp("starjar_home")
-    env = dict(os.environ, STARJAR_HOME=str(home))
-    try:
-        up = _cli("up", "--target", model_dirs["llama"], "--draft", model_dirs["draft"], "--targets", str(TARGETS),
-                  "--autoscale-drafts", "1..2", "--max-targets", str(TARGETS), "--gamma", "8", "--draft-mode",
-                  "fifo", "--batch-size", "4", "--no-saturation-guard", "--grpc-port", "0", "--http-port", "0",
-                  "--json", env=env)
-        assert up.returncode == 0, up.stderr[-3000:]
-    except BaseException:
-        _cli("down", env=env, timeout=180)  # a cluster that never got ready is stopped too
-        raise
-    addrs = json.loads(up.stdout.strip().splitlines()[-1])
-    state = json.loads((home / "run" / "cluster.json").read_text())
-    import ray
-
-    from controller.cluster_spec import CONTROLLER, NAMESPACE, local_ray_env
-
-    local_ray_env()
-    ray.init(address=state["ray_address"], namespace=NAMESPACE, log_to_driver=False)
-    yield addrs, ray.get_actor(CONTROLLER, namespace=NAMESPACE)
-    ray.shutdown()
-    _cli("down", env=env, timeout=180)
+    with up_cluster(tmp_path_factory, "--target", model_dirs["llama"], "--draft", model_dirs["draft"],
+                    "--targets", str(TARGETS), "--autoscale-drafts", "1..2",
+                    "--max-targets", str(TARGETS), "--gamma", "8", "--draft-mode", "fifo", "--batch-size", "4",
+                    "--no-saturation-guard") as running:
+        yield running
 
 
 def _status(controller) -> dict:

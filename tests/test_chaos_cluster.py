@@ -3,7 +3,6 @@ local `starjar up` cluster: nothing lost, nothing altered, every target reattach
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -11,33 +10,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from test_ray_cluster import _cli
-
-from starjar import Client
+from fleet_load import lane_of, workload
+from local_cluster import up_cluster
 
 pytestmark = pytest.mark.chaos
-MAX_TOKENS = 24
 TARGETS, PER_TARGET, KILLS = 4, 50, 5
 
 
 @pytest.fixture(scope="module")
 def cluster4(model_dirs, tmp_path_factory):
-    home = tmp_path_factory.mktemp("starjar_home")
-    env = dict(os.environ, STARJAR_HOME=str(home))
-    up = _cli("up", "--target", model_dirs["llama"], "--draft", model_dirs["draft"], "--targets", str(TARGETS),
-              "--gamma", "3", "--batch-size", "4", "--grpc-port", "0", "--http-port", "0", "--json", env=env)
-    assert up.returncode == 0, up.stderr[-3000:]
-    addrs = json.loads(up.stdout.strip().splitlines()[-1])
-    state = json.loads((home / "run" / "cluster.json").read_text())
-    import ray
-
-    from controller.cluster_spec import CONTROLLER, NAMESPACE, local_ray_env
-
-    local_ray_env()
-    ray.init(address=state["ray_address"], namespace=NAMESPACE, log_to_driver=False)
-    yield addrs, ray.get_actor(CONTROLLER, namespace=NAMESPACE)
-    ray.shutdown()
-    _cli("down", env=env, timeout=180)
+    with up_cluster(tmp_path_factory, "--target", model_dirs["llama"], "--draft", model_dirs["draft"],
+                    "--targets", str(TARGETS), "--gamma", "3", "--batch-size", "4") as running:
+        yield running
 
 
 def _status(controller) -> dict:
@@ -49,19 +33,10 @@ def _status(controller) -> dict:
 def test_draft_server_killed_five_times_loses_nothing(cluster4, spec_prompts, reference):
     addrs, controller = cluster4
     n = TARGETS * PER_TARGET
-    prompts = (spec_prompts * (n // len(spec_prompts) + 1))[:n]
-    ref = [r[:MAX_TOKENS] for r in reference("llama", 64)]
-    ref = (ref * (n // len(ref) + 1))[:n]
+    prompts, ref = workload(spec_prompts, reference, n)
     results, errors = [None] * n, []
     done = threading.Event()
-
-    def lane(idx):
-        try:
-            with Client(addrs["grpc"], timeout=600) as c:
-                for i in idx:
-                    results[i] = c.generate(prompt_token_ids=prompts[i], max_tokens=MAX_TOKENS).token_ids
-        except Exception as exc:  # noqa: BLE001 - any failure is the test's failure
-            errors.append(exc)
+    lane = lane_of(addrs["grpc"], prompts, results, errors)
 
     reattach_s = []
     with ThreadPoolExecutor(8) as pool:

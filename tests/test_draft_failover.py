@@ -4,36 +4,21 @@ speculating again on the other draft server within 2 s of the kill, and rebalanc
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import pytest
 from fleet_load import DRAFTS, TARGETS, kill_one_draft_under_load, status
-from test_ray_cluster import _cli
+from local_cluster import up_cluster
 
 pytestmark = pytest.mark.chaos
 
 
 @pytest.fixture(scope="module")
 def fleet(model_dirs, tmp_path_factory):
-    home = tmp_path_factory.mktemp("starjar_home")
-    env = dict(os.environ, STARJAR_HOME=str(home))
-    up = _cli("up", "--target", model_dirs["llama"], "--draft", model_dirs["draft"], "--targets", str(TARGETS),
-              "--draft-servers", "2", "--gamma", "3", "--batch-size", "4", "--grpc-port", "0", "--http-port", "0",
-              "--json", env=env)
-    assert up.returncode == 0, up.stderr[-3000:]
-    addrs = json.loads(up.stdout.strip().splitlines()[-1])
-    state = json.loads((home / "run" / "cluster.json").read_text())
-    import ray
-
-    from controller.cluster_spec import CONTROLLER, NAMESPACE, local_ray_env
-
-    local_ray_env()
-    ray.init(address=state["ray_address"], namespace=NAMESPACE, log_to_driver=False)
-    yield addrs, ray.get_actor(CONTROLLER, namespace=NAMESPACE)
-    ray.shutdown()
-    _cli("down", env=env, timeout=180)
+    with up_cluster(tmp_path_factory, "--target", model_dirs["llama"], "--draft", model_dirs["draft"],
+                    "--targets", str(TARGETS), "--draft-servers", "2", "--gamma", "3",
+                    "--batch-size", "4") as running:
+        yield running
 
 
 def _wait_rebalanced(controller, old_pid: int) -> dict:
