@@ -92,6 +92,9 @@ class DraftEngine:
         self.max_kv_tokens = max_kv_tokens
         self.max_kv_tokens_per_owner = max_kv_tokens_per_owner
         self.max_pass_tokens = _pass_tokens(model, max_kv_tokens)
+        # K and V copied per layer by a pass over scattered slots: a fortieth of the budget's (all layers') bytes.
+        self.max_gather_cells = None if max_kv_tokens is None else max(
+            1, max_kv_tokens * model.model.config.num_hidden_layers // 40)
         self.cache = self._new_cache()
         self.max_sequences = max_sequences
         self._seqs: dict[Hashable, _DraftSeq] = {}
@@ -210,9 +213,11 @@ class DraftEngine:
         # A new sequence's whole prompt goes in its own pass; a usual round's catch-up (accepted drafts + the
         # bonus token) is short enough to ride with the one-token steps.
         cap = min(MAX_FEED, self.max_pass_tokens)
+        lengths = self.cache.lengths
         for step in grouped_forward(self.model, self.cache, live, lambda j: j.feed[:cap], lambda j: j.seq.slot,
                                     short=SHORT_FEED, max_pass_tokens=self.max_pass_tokens,
-                                    tree=_tree_row, last=_logit_rows):
+                                    tree=_tree_row, last=_logit_rows, max_gather_cells=self.max_gather_cells,
+                                    context=lambda j: lengths[j.seq.slot] + len(j.feed[:cap])):
             if all(j.passes == 0 for j in step.rows):
                 self.stats.catchup_s += step.seconds
             else:

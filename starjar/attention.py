@@ -36,6 +36,10 @@ def folded_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     b, h, q, d = query.shape
     hkv = key.shape[1]
     g = h // hkv
+    if query.stride(-1) != 1:
+        # A query whose last dim is strided (the rotary output of a one-token step is) sends SDPA to its math
+        # path, which scales a copy of K per layer: at 64 rows x 4k keys 4.4x slower and +31 MiB per call.
+        query = query.contiguous()
     if attention_mask is None:
         causal = q > 1 and q == key.shape[2] and (is_causal if is_causal is not None else True)
         if g > 1:

@@ -38,3 +38,17 @@ def test_the_token_cap_counts_padding():
     list(grouped_forward(model, None, rows, feed=lambda r: r[1], slot=lambda r: r[0], max_pass_tokens=190))
     # 190 real tokens fit, but padded the pass is 2 x 100: its mask and scores would be sized for 200.
     assert [slots for slots, _, _ in model.passes] == [[0], [1]]
+
+
+def test_scattered_slots_are_split_so_a_pass_never_copies_more_kv_than_the_cap():
+    # One-token steps of rows whose contexts are 1000 keys: slots 0-3 are consecutive (the cache reads them
+    # as a view: no copy, no limit); slots 10, 12, 14, 16 are not (their K and V are gathered per layer).
+    rows = [(s, [1]) for s in (0, 1, 2, 3, 10, 12, 14, 16)]
+    model = _Recorder()
+    list(grouped_forward(model, None, rows, feed=lambda r: r[1], slot=lambda r: r[0], short=8,
+                         context=lambda r: 1000, max_gather_cells=2500))
+    assert [slots for slots, _, _ in model.passes] == [[0, 1, 2, 3], [10, 12], [14, 16]]
+    # Without the cap (or without contexts) every short row shares one pass, as before.
+    model = _Recorder()
+    list(grouped_forward(model, None, rows, feed=lambda r: r[1], slot=lambda r: r[0], short=8))
+    assert [slots for slots, _, _ in model.passes] == [[0, 1, 2, 3, 10, 12, 14, 16]]
