@@ -134,7 +134,8 @@ def prepare(args) -> dict:
     calib = _run_n(draft_dir, "fifo", 1, scripts, 0.0, 4.0, fingerprint)
     s_round = calib["s_ms"] / 1000
     return {"target_dir": target_dir, "draft_dir": draft_dir, "note": note, "scripts": scripts,
-            "fingerprint": fingerprint, "s_round": s_round, "verify_s": VERIFY_OVER_S * s_round}
+            "fingerprint": fingerprint, "s_round": s_round, "verify_s": VERIFY_OVER_S * s_round,
+            "wire_s": calib["wire_ms_mean"] / 1000}  # the wire's share of a round trip (part of Z)
 
 
 def run(args) -> dict:

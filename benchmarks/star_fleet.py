@@ -67,7 +67,7 @@ def run_row(servers: list[str], n: int, scripts, verify_s: float, duration_s: fl
     per = {a: _delta(before[a], _quiet(a)) for a in servers}
     tokens = sum(t.stats.tokens for t in targets)
     rounds = sum(t.stats.rounds for t in targets)
-    return {"n": n, "m": len(servers), "system_tokens_per_s": round(tokens / wall, 3),
+    return {"n": n, "m": len(servers), "duration_s": duration_s, "system_tokens_per_s": round(tokens / wall, 3),
             # Over all M servers (as the simulator reports it): with N < M some stay idle.
             "draft_load": round(sum(min(1.0, per[a]["busy_s"] / wall) for a in servers) / len(servers), 4),
             "loads": [round(min(1.0, per[a]["busy_s"] / wall), 4) for a in servers],
