@@ -41,6 +41,8 @@ def _err(measured: float, simulated: float) -> float:
 def _sim_row(model: StarModel, n: int, m: int, duration_s: float) -> dict:
     sim = simulate(model, n, m, duration_s=duration_s, together=True)
     return {"system_tokens_per_s": round(sim["system_tokens_per_s"], 3), "draft_load": round(sim["draft_load"], 4),
+            "rounds_per_s": round(sim["rounds"] / sim["wall_s"], 3),
+            "tokens_per_round": round(sim["system_tokens_per_s"] * sim["wall_s"] / max(1, sim["rounds"]), 4),
             "busy_per_round_s": round(sim["busy_per_round_s"], 5),
             "passes_per_round": round(sim["passes_per_round"], 4), "rows_per_pass": round(sim["rows_per_pass"], 3)}
 
@@ -51,10 +53,14 @@ def validate(rows: list[dict], models: dict[str, StarModel], duration_s: float) 
     out = []
     for r in rows:
         sim = _sim_row(models[r["mode"]], r["n"], r["m"], r.get("duration_s", duration_s))
-        measured = {k: r[k] for k in ("system_tokens_per_s", "draft_load", "busy_per_round_s", "passes_per_round")}
+        measured = {k: r[k] for k in ("system_tokens_per_s", "draft_load", "busy_per_round_s", "passes_per_round",
+                                      "tokens_per_round")}
+        measured["rounds_per_s"] = round(r["n"] / r["cycle_s"], 3)
+        # tokens/s = rounds/s (the schedule: what the model is about) x tokens per round (the drafts' acceptance)
         out.append({"n": r["n"], "m": r["m"], "mode": r["mode"], "measured": measured, "simulated": sim,
                     "error": {k: _err(r[k], sim[k]) for k in ("system_tokens_per_s", "draft_load")},
-                    "error_busy_per_round": _err(r["busy_per_round_s"], sim["busy_per_round_s"])})
+                    "error_parts": {k: _err(measured[k], sim[k]) for k in ("rounds_per_s", "tokens_per_round",
+                                                                          "busy_per_round_s")}})
     return out
 
 
@@ -98,14 +104,16 @@ def m_needed(model: StarModel, n: int = 1024) -> list[dict]:
 
 
 def _table(result: dict) -> str:
-    lines = ["validation (replay measured vs simulated; busy s and loop iterations per round beside):",
-             "mode     N  M  tok/s meas  tok/s sim   err   load meas  load sim   err"
+    lines = ["validation (replay measured vs simulated; tokens/s = rounds/s x tokens/round, and busy s and loop "
+             "iterations per round beside):",
+             "mode     N  M  tok/s meas  tok/s sim   err   load meas  load sim   err | rounds/s err  tok/round err"
              " | busy/round meas  sim | iter/round meas  sim"]
     for v in result["validation"]:
-        me, si, er = v["measured"], v["simulated"], v["error"]
+        me, si, er, ep = v["measured"], v["simulated"], v["error"], v["error_parts"]
         lines.append(f"{v['mode']:<7} {v['n']:>2} {v['m']:>2} {me['system_tokens_per_s']:>11.1f} "
                      f"{si['system_tokens_per_s']:>10.1f} {er['system_tokens_per_s']:>+6.1%} "
                      f"{me['draft_load']:>10.3f} {si['draft_load']:>9.3f} {er['draft_load']:>+6.1%} | "
+                     f"{ep['rounds_per_s']:>+12.1%} {ep['tokens_per_round']:>+13.1%} | "
                      f"{me['busy_per_round_s']:>15.3f} {si['busy_per_round_s']:>5.3f} | "
                      f"{me['passes_per_round']:>15.2f} {si['passes_per_round']:>5.2f}")
     lines += ["", "scale (projection):", "mode        N     M  tokens/s    draft load"]

@@ -23,7 +23,7 @@ from starjar.proposer import DraftRequest
 from target_worker.replay import ReplayTarget
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
-ROUNDS_PER_SIZE = 3  # rounds of gamma passes timed per batch size (the median pass is kept)
+ROUNDS_PER_SIZE = 4  # rounds of gamma passes timed per batch size (the median pass is kept)
 
 
 @contextmanager
@@ -100,7 +100,7 @@ def step_cost(engine: DraftEngine, scripts, b: int, gamma: int) -> tuple[float, 
 
 
 def linear(points: list[tuple[int, float]]) -> PassCost:
-    """A least-squares line through (tokens, seconds), as a PassCost between the fewest and most tokens."""
+    """A least-squares line through (size, seconds), as a PassCost between the smallest and largest size."""
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     if len(set(xs)) < 2:
         return PassCost([(float(xs[0]), ys[0])])
@@ -119,7 +119,10 @@ def measure(draft_dir: str, scripts, gamma: int, threads: int = 1) -> dict:
         engine.release(["warm-up"])
         rounds, prompt_passes = workload(engine, scripts, gamma)
         by_size = {b: step_cost(engine, scripts, b, gamma) for b in SIZES}
-    return {"threads": threads, "step": [(float(b), c[0]) for b, c in by_size.items()],
+    # Points at neighbouring sizes differ by less than the noise of a shared machine: the simulator takes the
+    # least-squares line through them (a pass's cost grows about linearly with its rows at these sizes).
+    return {"threads": threads, "step": linear([(b, c[0]) for b, c in by_size.items()]).points,
+            "step_measured": [(float(b), c[0]) for b, c in by_size.items()],
             "round_s": statistics.median(c[1] for c in by_size.values()),
             "prefill": linear(prompt_passes).points, "prompt_passes": prompt_passes,
             "scripts": [[vars(r) for r in s] for s in rounds]}
