@@ -123,3 +123,11 @@ def test_calibration_takes_the_measured_costs_and_the_workload():
     assert service_s(m) == pytest.approx(0.010)
     # Admission: speculating beats 50 tokens/s alone only while tau / (N S) > 50, i.e. N < 6.
     assert admitted(m).n_max == 5
+
+
+def test_bench_star_refuses_draft_threads_out_of_range(tmp_path, capsys):
+    from benchmarks.cli import main
+
+    out = tmp_path / "star.json"
+    assert main(["star", "--replay", "--draft-servers", "2", "--draft-threads", "0", "--out", str(out)]) == 2
+    assert "draft_threads" in capsys.readouterr().err and not out.exists()
