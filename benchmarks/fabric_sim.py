@@ -24,9 +24,8 @@ import math
 from dataclasses import dataclass, field
 
 from controller.draft_assignment import Assignment, DraftSlot, place
+from draft_server.engine import SHORT_FEED  # rows feeding at most this many tokens share a pass
 from starjar.grouped_forward import length_groups
-
-SHORT_FEED = 8  # draft_server.engine.SHORT_FEED: rows feeding at most this many tokens share a pass
 
 
 @dataclass
@@ -123,8 +122,10 @@ def iteration_cost(model: StarModel, dr: _Draft, taken: int) -> tuple[float, lis
         longest = max(feed[id(j)] for j in group)
         if longest <= SHORT_FEED:
             cost += model.cost(len(group))
-        else:  # a padded pass feeds rows x the longest
-            cost += (model.prefill or model.cost)(longest * len(group) if model.prefill else 1)
+        elif model.prefill is not None:  # a padded pass feeds rows x the longest
+            cost += model.prefill(longest * len(group))
+        else:
+            cost += model.cost(len(group))
         dr.passes += 1
         dr.rows += len(group)
     for j in live:
