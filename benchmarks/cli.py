@@ -17,6 +17,8 @@ def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
     ap.add_argument("--replay", action="store_true", help="replay targets (bench star): simulated target compute")
     ap.add_argument("--draft-servers", type=int, default=1,
                     help="bench star: also run M draft servers against one at the same N (fifo)")
+    ap.add_argument("--draft-threads", type=int, default=1,
+                    help="bench star --draft-servers M: torch threads of each draft server (default 1: one core each)")
     ap.add_argument("--from-json", default=None,
                     help="bench fabric: validate against the rows of an earlier `bench star --replay --draft-servers "
                          "M` JSON instead of measuring again (fifo rows only; without it fifo and batched are "

@@ -1,10 +1,13 @@
 """`starjar bench fabric`: how many draft servers N targets need, from a simulator checked against measurement.
 
-1. Measure: replay targets on 1 and 2 real draft servers (benchmarks/star_fleet.py), fifo and batched,
+1. Calibrate (benchmarks/fabric_costs.py), from nothing the validation measures: the draft engine's pass
+   cost by batch size, its per-round bookkeeping and its prompt passes, timed in this process with one
+   torch thread (what each draft server gets); the workload (each script's rounds) from a dry replay;
+   Z = the replayed verification time + the wire time of the calibration run (benchmarks/star.py).
+2. Measure: replay targets on 1 and 2 real draft servers (benchmarks/star_fleet.py), fifo and batched,
    N <= 8: system tokens/s and draft load.
-2. Calibrate the simulator (benchmarks/fabric_sim.py) from the M = 1 rows only: the pass cost as a function
-   of the rounds in a pass, the extra cost after an idle gap, the return time Z and the tokens per round.
-3. Validate: simulate every measured (N, M), M = 2 included, and report both (`validation`).
+3. Validate: simulate every measured (N, M) as the bench ran it (targets start together, stop after the
+   run's duration), and report both (`validation`), with busy time and loop iterations per round beside.
 4. Project (labeled a projection): N = 1 .. 1024 targets, one draft server against the fewest that keep
    90% of unsaturated throughput (`scale`), and that number for N = 1024 as Z/S varies (`m_needed`).
 """
@@ -15,70 +18,49 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.fabric_sim import PassCost, StarModel, drafts_needed, n_full, simulate
+from benchmarks.fabric_costs import from_json as costs_from_json
+from benchmarks.fabric_sim import StarModel, drafts_needed, n_full, service_s, simulate
 
 SCALE_NS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 Z_OVER_S = [0.5, 1, 2, 4, 8, 16]
 
 
-def calibrate(rows: list[dict], mode: str, fifo_rows: list[dict], plain_step_s: float) -> StarModel:
-    """A StarModel from the M = 1 rows of one mode (fifo rows give S, the idle penalty and Z)."""
-    f1 = {r["n"]: r for r in fifo_rows if r["m"] == 1}
-    busiest = max(f1.values(), key=lambda r: r["draft_load"])
-    s_busy = busiest["busy_per_round_s"]  # a busy fifo server: one round after another
-    wake = max(0.0, f1[1]["busy_per_round_s"] - s_busy)  # a round served after an idle gap costs more
-    z = f1[1]["cycle_s"] - f1[1]["busy_per_round_s"]  # N = 1: a cycle is Z + S (nothing waits)
-    tau = f1[1]["tokens_per_round"]
-    points = [(1.0, s_busy)]
-    if mode == "batched":
-        g = busiest["passes_per_round"]  # draft passes one round needs (gamma, fewer at a sequence's end)
-        for r in rows:
-            if r["m"] == 1 and r["n"] > 1:
-                b = g / r["passes_per_round"]  # rounds that share each pass
-                points.append((b, r["busy_per_round_s"] * b))
-    return StarModel(z_s=z, tokens_per_round=tau, plain_step_s=plain_step_s, cost=PassCost(points), mode=mode,
-                     wake_s=wake)
+def calibrate(costs: dict, mode: str, z_s: float, plain_step_s: float) -> StarModel:
+    """A StarModel of one mode from the measured costs and workload (benchmarks/fabric_costs.measure)."""
+    step, prefill, round_s, scripts = costs_from_json(costs)
+    rounds = [r for s in scripts for r in s]
+    tau = sum(r.tokens for r in rounds) / max(1, len(rounds))
+    return StarModel(z_s=z_s, tokens_per_round=tau, plain_step_s=plain_step_s, cost=step, mode=mode,
+                     prefill=prefill, round_s=round_s, scripts=scripts)
 
 
 def _err(measured: float, simulated: float) -> float:
     return round((simulated - measured) / measured, 4) if measured else 0.0
 
 
-def shared_host_slowdown(rows: list[dict], mode: str, m: int) -> float:
-    """How much slower each pass is when M draft servers share this machine's cores: busy time per round at
-    the largest N with M servers over the same with one (1.0 where each has its own device)."""
-    top = max(r["n"] for r in rows if r["mode"] == mode and r["m"] == m)
-    one = next(r for r in rows if r["mode"] == mode and r["m"] == 1 and r["n"] == top)
-    many = next(r for r in rows if r["mode"] == mode and r["m"] == m and r["n"] == top)
-    return many["busy_per_round_s"] / one["busy_per_round_s"]
+def _sim_row(model: StarModel, n: int, m: int, duration_s: float) -> dict:
+    sim = simulate(model, n, m, duration_s=duration_s, together=True)
+    return {"system_tokens_per_s": round(sim["system_tokens_per_s"], 3), "draft_load": round(sim["draft_load"], 4),
+            "rounds_per_s": round(sim["rounds"] / sim["wall_s"], 3),
+            "tokens_per_round": round(sim["system_tokens_per_s"] * sim["wall_s"] / max(1, sim["rounds"]), 4),
+            "busy_per_round_s": round(sim["busy_per_round_s"], 5),
+            "passes_per_round": round(sim["passes_per_round"], 4), "rows_per_pass": round(sim["rows_per_pass"], 3)}
 
 
-def _sim_row(model: StarModel, n: int, m: int) -> dict:
-    sim = simulate(model, n, m, cycles=300)
-    return {"system_tokens_per_s": round(sim["system_tokens_per_s"], 3), "draft_load": round(sim["draft_load"], 4)}
-
-
-def validate(rows: list[dict], models: dict[str, StarModel]) -> list[dict]:
-    """Every measured row against the simulator calibrated on M = 1 (`simulated`: each draft server on its own
-    device). For M > 1 also `simulated_shared_host`: every pass slowed by the factor measured at the largest N
-    (on a 2-core machine two draft servers share the cores; the other N are then out of sample)."""
+def validate(rows: list[dict], models: dict[str, StarModel], duration_s: float) -> list[dict]:
+    """Every measured row against the simulator run the way the bench ran (each draft server on its own
+    core: on this 2-core machine the replay targets share them with the servers)."""
     out = []
     for r in rows:
-        model = models[r["mode"]]
-        sim = _sim_row(model, r["n"], r["m"])
-        row = {"n": r["n"], "m": r["m"], "mode": r["mode"],
-               "measured": {"system_tokens_per_s": r["system_tokens_per_s"], "draft_load": r["draft_load"]},
-               "simulated": sim, "error": {k: _err(row_v, sim[k]) for k, row_v in
-                                           (("system_tokens_per_s", r["system_tokens_per_s"]),
-                                            ("draft_load", r["draft_load"]))}}
-        if r["m"] > 1:
-            f = shared_host_slowdown(rows, r["mode"], r["m"])
-            shared = _sim_row(replace(model, cost=PassCost([(b, c * f) for b, c in model.cost.points]),
-                                      wake_s=model.wake_s * f), r["n"], r["m"])
-            row["shared_host_slowdown"] = round(f, 3)
-            row["simulated_shared_host"] = shared
-            row["error_shared_host"] = {k: _err(row["measured"][k], shared[k]) for k in shared}
-        out.append(row)
+        sim = _sim_row(models[r["mode"]], r["n"], r["m"], r.get("duration_s", duration_s))
+        measured = {k: r[k] for k in ("system_tokens_per_s", "draft_load", "busy_per_round_s", "passes_per_round",
+                                      "tokens_per_round")}
+        measured["rounds_per_s"] = round(r["n"] / r["cycle_s"], 3)
+        # tokens/s = rounds/s (the schedule: what the model is about) x tokens per round (the drafts' acceptance)
+        out.append({"n": r["n"], "m": r["m"], "mode": r["mode"], "measured": measured, "simulated": sim,
+                    "error": {k: _err(r[k], sim[k]) for k in ("system_tokens_per_s", "draft_load")},
+                    "error_parts": {k: _err(measured[k], sim[k]) for k in ("rounds_per_s", "tokens_per_round",
+                                                                          "busy_per_round_s")}})
     return out
 
 
@@ -87,8 +69,7 @@ def admitted(model: StarModel) -> StarModel:
     speculating target still beats decoding alone; see controller/admission.py)."""
     from controller.admission import n_max
 
-    s = model.cost(1)
-    return replace(model, n_max=max(1, n_max(model.z_s + model.wake_s, s, model.tokens_per_round,
+    return replace(model, n_max=max(1, n_max(model.z_s + model.wake_s, service_s(model), model.tokens_per_round,
                                               1 / model.plain_step_s, cap=64)))
 
 
@@ -111,33 +92,30 @@ def scale(models: dict[str, StarModel]) -> list[dict]:
 
 def m_needed(model: StarModel, n: int = 1024) -> list[dict]:
     """Draft servers N targets need as the return time grows against the service time (fifo model)."""
-    s = model.cost(1)
+    s = service_s(model)
     out = []
     for ratio in Z_OVER_S:
         # Z is mostly the target's verification pass, and so is a step without drafts: they grow together.
         z = ratio * s
-        m = admitted(StarModel(z_s=z, tokens_per_round=model.tokens_per_round,
-                               plain_step_s=model.plain_step_s * z / model.z_s, cost=model.cost, mode=model.mode,
-                               wake_s=model.wake_s))
+        m = admitted(replace(model, z_s=z, plain_step_s=model.plain_step_s * z / model.z_s, n_max=64))
         out.append({"z_over_s": ratio, "n_targets": n, "n_full": n_full(m), "n_max": m.n_max,
                     "m_drafts": drafts_needed(m, n, cycles=40)})
     return out
 
 
 def _table(result: dict) -> str:
-    lines = ["validation (replay measured vs simulated; M > 1 also with the shared-host slowdown):",
-             "mode     N  M  tok/s meas  tok/s sim   err   load meas  load sim   err"
-             " | shared: tok/s   err    load   err"]
+    lines = ["validation (replay measured vs simulated; tokens/s = rounds/s x tokens/round, and busy s and loop "
+             "iterations per round beside):",
+             "mode     N  M  tok/s meas  tok/s sim   err   load meas  load sim   err | rounds/s err  tok/round err"
+             " | busy/round meas  sim | iter/round meas  sim"]
     for v in result["validation"]:
-        me, si, er = v["measured"], v["simulated"], v["error"]
-        line = (f"{v['mode']:<7} {v['n']:>2} {v['m']:>2} {me['system_tokens_per_s']:>11.1f} "
-                f"{si['system_tokens_per_s']:>10.1f} {er['system_tokens_per_s']:>+6.1%} {me['draft_load']:>10.3f} "
-                f"{si['draft_load']:>9.3f} {er['draft_load']:>+6.1%}")
-        if "simulated_shared_host" in v:
-            sh, es = v["simulated_shared_host"], v["error_shared_host"]
-            line += (f" | {sh['system_tokens_per_s']:>12.1f} {es['system_tokens_per_s']:>+6.1%} "
-                     f"{sh['draft_load']:>6.3f} {es['draft_load']:>+6.1%}")
-        lines.append(line)
+        me, si, er, ep = v["measured"], v["simulated"], v["error"], v["error_parts"]
+        lines.append(f"{v['mode']:<7} {v['n']:>2} {v['m']:>2} {me['system_tokens_per_s']:>11.1f} "
+                     f"{si['system_tokens_per_s']:>10.1f} {er['system_tokens_per_s']:>+6.1%} "
+                     f"{me['draft_load']:>10.3f} {si['draft_load']:>9.3f} {er['draft_load']:>+6.1%} | "
+                     f"{ep['rounds_per_s']:>+12.1%} {ep['tokens_per_round']:>+13.1%} | "
+                     f"{me['busy_per_round_s']:>15.3f} {si['busy_per_round_s']:>5.3f} | "
+                     f"{me['passes_per_round']:>15.2f} {si['passes_per_round']:>5.2f}")
     lines += ["", "scale (projection):", "mode        N     M  tokens/s    draft load"]
     for r in result["scale"]:
         lines.append(f"{r['mode']:<7} {r['n_targets']:>5} {r['m_drafts']:>5} {r['system_tokens_per_s']:>9.1f} "
@@ -147,20 +125,21 @@ def _table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _measure(args) -> tuple[list[dict], float, dict]:
+def _measure(args, prep: dict) -> tuple[list[dict], float, dict]:
     """Replay rows (fifo and batched, M = 1 and 2), the replayed verification time, and the pair."""
-    from benchmarks.star import prepare
     from benchmarks.star_fleet import sweep
 
-    prep = prepare(args)
     ns = [1, 4, 8] if args.quick else [1, 2, 4, 8]
-    duration = 6.0 if args.quick else 12.0
     rows = []
     for mode in ("fifo", "batched"):
         for m in (1, 2):
-            rows += sweep(prep["draft_dir"], mode, m, ns, prep["scripts"], prep["verify_s"], duration,
+            rows += sweep(prep["draft_dir"], mode, m, ns, prep["scripts"], prep["verify_s"], _duration(args),
                           prep["fingerprint"], on_row=lambda r: print(f"measured {r}", file=sys.stderr))
     return rows, prep["verify_s"], {"target": prep["target_dir"], "draft": prep["draft_dir"], "note": prep["note"]}
+
+
+def _duration(args) -> float:
+    return 6.0 if args.quick else 12.0
 
 
 def _earlier(path: str) -> tuple[list[dict], float, dict]:
@@ -168,33 +147,51 @@ def _earlier(path: str) -> tuple[list[dict], float, dict]:
     import json
 
     star = json.loads(Path(path).read_text())
-    return star["rows"], star["verify_s"], {**star["pair"], "measured_in": path, "measured_meta": star["meta"]}
+    ran = 6.0 if star["meta"].get("quick") else 15.0  # bench star's durations (rows from before they said)
+    rows = [{"duration_s": ran, **r} for r in star["rows"]]
+    return rows, star["verify_s"], {**star["pair"], "measured_in": path, "measured_meta": star["meta"]}
+
+
+def _calibration(prep: dict) -> dict:
+    from benchmarks.fabric_costs import measure
+    from benchmarks.star import GAMMA
+
+    print("measuring the draft's pass cost by batch size and the replay workload ...", file=sys.stderr)
+    return measure(prep["draft_dir"], prep["scripts"], GAMMA, threads=1)
+
+
+def _series(result: dict, modes) -> dict:
+    """The plot's lines: per mode, M = 1 and M = needed, system tokens/s by N."""
+    out = {}
+    for mode in modes:
+        for label, keep in (("M = needed", lambda r: r["m_drafts"] == r["m_needed"]),
+                            ("M = 1", lambda r: r["m_drafts"] == 1)):
+            rs = [r for r in result["scale"] if r["mode"] == mode and keep(r)]
+            out[f"{mode}, {label}"] = ([r["n_targets"] for r in rs], [r["system_tokens_per_s"] for r in rs])
+    return out
 
 
 def run(args) -> dict:
     from benchmarks.common import save_plot
+    from benchmarks.star import prepare
 
     from_json = getattr(args, "from_json", None)
-    rows, verify_s, pair = _earlier(from_json) if from_json else _measure(args)
-    fifo = [r for r in rows if r["mode"] == "fifo"]
+    prep = prepare(args)
+    costs = _calibration(prep)
+    rows, verify_s, pair = _earlier(from_json) if from_json else _measure(args, prep)
     modes = sorted({r["mode"] for r in rows})
-    models = {mode: calibrate([r for r in rows if r["mode"] == mode], mode, fifo, verify_s) for mode in modes}
-    result = {"label": "validation: replay targets on real draft servers vs the simulator calibrated on M = 1; "
-                       "scale and m_needed: a projection by the simulator",
-              "pair": pair,
-              "models": {k: {**vars(m), "cost": m.cost.points} for k, m in models.items()},
-              "measured": rows, "validation": validate(rows, models), "scale": scale(models),
+    z = verify_s + prep["wire_s"]
+    models = {mode: calibrate(costs, mode, z, verify_s) for mode in modes}
+    result = {"label": "validation: replay targets on real draft servers vs the simulator calibrated on the "
+                       "draft's measured pass costs (not on these rows); scale and m_needed: a projection",
+              "pair": pair, "calibration": {**costs, "z_s": z, "verify_s": verify_s, "wire_s": prep["wire_s"]},
+              "models": {k: {"z_s": m.z_s, "tokens_per_round": m.tokens_per_round, "cost": m.cost.points,
+                             "prefill": m.prefill.points, "round_s": m.round_s, "mode": m.mode}
+                         for k, m in models.items()},
+              "measured": rows, "validation": validate(rows, models, _duration(args)), "scale": scale(models),
               "m_needed": m_needed(models["fifo"])}
     result["validation_max_error"] = max(abs(e) for v in result["validation"] for e in v["error"].values())
     print(_table(result))
-    series = {f"{mode}, M = needed": ([r["n_targets"] for r in result["scale"] if r["mode"] == mode
-                                       and r["m_drafts"] == r["m_needed"]],
-                                      [r["system_tokens_per_s"] for r in result["scale"] if r["mode"] == mode
-                                       and r["m_drafts"] == r["m_needed"]]) for mode in models}
-    series.update({f"{mode}, M = 1": ([r["n_targets"] for r in result["scale"] if r["mode"] == mode
-                                       and r["m_drafts"] == 1],
-                                      [r["system_tokens_per_s"] for r in result["scale"] if r["mode"] == mode
-                                       and r["m_drafts"] == 1]) for mode in models})
-    result["plot"] = save_plot(Path(args.out).with_suffix(".png"), "star fabric (simulated, calibrated by replay)",
-                               series, "targets N", "system tokens/s")
+    result["plot"] = save_plot(Path(args.out).with_suffix(".png"), "star fabric (simulated, calibrated by the "
+                               "draft's pass costs)", _series(result, models), "targets N", "system tokens/s")
     return result

@@ -1,15 +1,20 @@
 """A discrete-event simulation of the star with M draft servers (a projection, labeled as one).
 
-Each target cycles: it sends a round to its draft server, waits in that
-server's queue, is served, and returns after Z (verification plus wire)
-with `tokens_per_round` new tokens. A draft server serves its queue in
-`fifo` mode one round at a time, or in `batched` mode all queued rounds in
-one pass; a pass over b rounds costs pass_cost(b), measured on this machine
-(see benchmarks/fabric.py), plus `wake_s` when the server was idle before
-it (a round served after an idle gap takes longer: StarSD sees the same).
-Targets are assigned with the controller's own rules
-(controller/draft_assignment.py); a target no draft server has room for
-decodes alone, one token per `plain_step_s`.
+It schedules the way draft_server/compute.py does, at the level of forward passes, not of whole rounds:
+- each target cycles: it sends a round to its draft server, the round waits in that server's queue, is
+  drafted, and the target sends its next one Z later (verification plus wire);
+- `batched`: every iteration of a server's loop takes the rounds that arrived (up to max_batch_rounds in
+  flight) and runs ONE pass over every unfinished round of every target; a round is answered after its
+  gamma passes, and a round that arrives meanwhile joins the very next pass;
+- `fifo`: one round at a time, its gamma passes back to back, as StarSD does;
+- a pass's rows are grouped as starjar/grouped_forward.py groups them: short rows (one-token steps and a
+  usual round's catch-up) share a pass costing step(b) for b rows; a new sequence's prompt (its catch-up
+  prefill) is a pass of its own costing prefill(tokens);
+- every round also costs `round_s` of the loop's bookkeeping (starting it, answering it).
+The costs are measured on this machine (benchmarks/fabric_costs.py); the workload is each request's rounds
+(passes, tokens gained, prefill) as a dry replay of the scripts gives them. Targets are assigned with the
+controller's own rules (controller/draft_assignment.py); one no draft server admits decodes alone, one
+token per `plain_step_s`. A server's load is its busy time (its passes and bookkeeping) over the wall time.
 """
 
 from __future__ import annotations
@@ -19,16 +24,22 @@ import math
 from dataclasses import dataclass, field
 
 from controller.draft_assignment import Assignment, DraftSlot, place
+from draft_server.engine import SHORT_FEED  # rows feeding at most this many tokens share a pass
+from starjar.grouped_forward import length_groups
 
 
 @dataclass
 class PassCost:
-    """Seconds one pass over b rounds takes: linear between measured points, and beyond the last."""
+    """Seconds of one pass as a function of its size x (rows, or fed tokens): linear between measured points,
+    and along the last segment beyond them."""
 
-    points: list[tuple[float, float]]  # (rounds in the pass, seconds), at least one
+    points: list[tuple[float, float]]  # (size, seconds), at least one
 
-    def __call__(self, b: int) -> float:
-        pts = sorted(self.points)
+    def __post_init__(self):
+        self._sorted = sorted(self.points)
+
+    def __call__(self, b: float) -> float:
+        pts = self._sorted
         if len(pts) == 1:
             return pts[0][1]
         k = next((k for k in range(1, len(pts)) if b <= pts[k][0]), len(pts) - 1)  # the segment holding b
@@ -36,24 +47,57 @@ class PassCost:
         return max(1e-6, c0 + (c1 - c0) * (b - b0) / (b1 - b0)) if b1 != b0 else c1
 
 
+@dataclass(frozen=True)
+class Round:
+    passes: int  # draft passes it needs (its gamma; 0: answered without a pass)
+    tokens: float  # tokens the target gains from it (accepted drafts + its own)
+    prefill: int = 0  # catch-up tokens of its first pass (a new sequence's prompt), when longer than SHORT_FEED
+
+
 @dataclass
 class StarModel:
     z_s: float  # a target's return time: from drafts received to its next round
-    tokens_per_round: float  # accepted drafts + 1, per round
+    tokens_per_round: float  # accepted drafts + 1, per round (the workload when `scripts` is None)
     plain_step_s: float  # a step without drafts (one token)
-    cost: PassCost
+    cost: PassCost  # step(b): a pass over b short rows
     mode: str = "fifo"  # fifo | batched
-    wake_s: float = 0.0  # extra time of a pass that starts after an idle gap
+    wake_s: float = 0.0  # extra time of an iteration that starts after an idle gap
     n_max: int = 64  # targets per draft server
+    prefill: PassCost | None = None  # a pass feeding one new sequence's prompt, by fed tokens (None: step(1))
+    round_s: float = 0.0  # the loop's bookkeeping per round
+    gamma: int = 4
+    max_batch_rounds: int = 64
+    scripts: list[list[Round]] | None = None  # each request's rounds; target i serves them in turn from i
+
+    def rounds_of(self, target: int):
+        """A target's endless sequence of rounds (StarSD's targets serve one request at a time)."""
+        if not self.scripts:
+            while True:
+                yield Round(self.gamma, self.tokens_per_round)
+        k = target
+        while True:
+            yield from self.scripts[k % len(self.scripts)]
+            k += 1
+
+
+@dataclass(eq=False)
+class _Job:
+    target: int
+    rnd: Round
+    left: int  # passes still to run
+    fresh: bool = True  # its first pass is still to run
 
 
 @dataclass
 class _Draft:
-    queue: list[int] = field(default_factory=list)
-    served: list[int] = field(default_factory=list)  # the rounds of the pass under way
-    busy_until: float = 0.0
+    queue: list[tuple[int, Round]] = field(default_factory=list)
+    active: list[_Job] = field(default_factory=list)
     busy_s: float = 0.0
     serving: bool = False
+    passes: int = 0  # forward passes run
+    rows: int = 0  # rows over those passes (rows / passes: the mean batch)
+    iterations: int = 0  # loop iterations (what GetStats counts as batches)
+    rounds: int = 0  # rounds answered
 
 
 def assign(n_targets: int, m_drafts: int, n_max: int) -> dict[str, str | None]:
@@ -63,51 +107,159 @@ def assign(n_targets: int, m_drafts: int, n_max: int) -> dict[str, str | None]:
     return a.of
 
 
-def simulate(model: StarModel, n_targets: int, m_drafts: int, cycles: int = 200) -> dict:
-    """System tokens/s and mean draft load over `cycles` unloaded cycles of simulated time."""
-    of = assign(n_targets, m_drafts, model.n_max)
-    where = [None if of[f"t{i}"] is None else int(of[f"t{i}"][1:]) for i in range(n_targets)]
-    drafts = [_Draft() for _ in range(m_drafts)]
-    horizon = cycles * (model.z_s + model.cost(1) + model.wake_s)
-    events: list[tuple[float, int, str, int]] = []  # (time, seq, kind, who)
-    seq = 0
-    tokens = 0.0
-    for i, d in enumerate(where):  # targets start spread over one cycle (no synchronized start)
-        t0 = model.z_s * i / max(1, n_targets)
-        heapq.heappush(events, (t0, seq := seq + 1, "send" if d is not None else "plain", i))
-    while events:
-        t, _, kind, who = heapq.heappop(events)
-        if t > horizon:
-            break
-        if kind == "plain":
-            tokens += 1
-            heapq.heappush(events, (t + model.plain_step_s, seq := seq + 1, "plain", who))
-        elif kind == "send":
-            dr = drafts[where[who]]
-            dr.queue.append(who)
-            if not dr.serving:
-                seq = _start(dr, where[who], t, model, events, seq, idle=True)
-        elif kind == "done":
-            dr = drafts[who]
-            for target in dr.served:
-                tokens += model.tokens_per_round
-                heapq.heappush(events, (t + model.z_s, seq := seq + 1, "send", target))
+def iteration_cost(model: StarModel, dr: _Draft, taken: int) -> tuple[float, list[_Job]]:
+    """One loop iteration over the jobs in flight: its seconds, and the jobs it finishes (their passes run)."""
+    live = [j for j in dr.active if j.left > 0]
+    cost = model.round_s * taken
+    if model.mode == "fifo" and len(live) == 1:  # nothing can join: the round's passes all at once
+        return cost + _whole_round(model, dr, live[0]), list(dr.active)
+    feed = {id(j): (j.rnd.prefill if j.fresh and j.rnd.prefill > SHORT_FEED else 1) for j in live}
+    if all(f == 1 for f in feed.values()):  # the usual case: one pass over short rows
+        groups = [live] if live else []
+    else:
+        groups = length_groups(live, lambda j: feed[id(j)], short=SHORT_FEED)
+    for group in groups:
+        longest = max(feed[id(j)] for j in group)
+        if longest <= SHORT_FEED:
+            cost += model.cost(len(group))
+        elif model.prefill is not None:  # a padded pass feeds rows x the longest
+            cost += model.prefill(longest * len(group))
+        else:
+            cost += model.cost(len(group))
+        dr.passes += 1
+        dr.rows += len(group)
+    for j in live:
+        j.left -= 1
+        j.fresh = False
+    return cost, [j for j in dr.active if j.left <= 0]
+
+
+def _whole_round(model: StarModel, dr: _Draft, j: _Job) -> float:
+    """The seconds of all of a lone round's passes (fifo), counted as the loop would count them."""
+    first = model.prefill(j.rnd.prefill) if j.rnd.prefill > SHORT_FEED and model.prefill else model.cost(1)
+    dr.passes += j.left
+    dr.rows += j.left
+    dr.iterations += j.left - 1  # the caller counts one
+    cost = first + (j.left - 1) * model.cost(1)
+    j.left, j.fresh = 0, False
+    return cost
+
+
+def _take(model: StarModel, dr: _Draft) -> int:
+    """The rounds this iteration takes from the queue (compute.py: fifo only when nothing is in flight)."""
+    if model.mode == "fifo":
+        room = 0 if dr.active else 1
+    else:
+        room = max(0, model.max_batch_rounds - len(dr.active))
+    taken, dr.queue = dr.queue[:room], dr.queue[room:]
+    dr.active += [_Job(t, r, r.passes) for t, r in taken]
+    return len(taken)
+
+
+class _Run:
+    """One simulated run: N targets, M draft servers, the event queue."""
+
+    def __init__(self, model: StarModel, where: dict[int, int | None], m_drafts: int, stop_s: float):
+        """where: each target's draft server (None: it decodes alone); a target's number picks its scripts."""
+        self.model, self.stop_s, self.where = model, stop_s, where
+        self.drafts = [_Draft() for _ in range(m_drafts)]
+        self.scripts = {i: model.rounds_of(i) for i in where}
+        self.events: list[tuple[float, int, str, int, list]] = []
+        self.seq = 0
+        self.tokens = 0.0
+        self.end_s = 0.0  # when the last target finished
+
+    def push(self, t: float, kind: str, who: int, jobs: list | None = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, who, jobs or []))
+
+    def iterate(self, d: int, t: float, idle: bool) -> None:
+        dr = self.drafts[d]
+        taken = _take(self.model, dr)
+        if not dr.active:
             dr.serving = False
-            if dr.queue:
-                seq = _start(dr, who, t, model, events, seq, idle=False)
-    load = [min(1.0, d.busy_s / horizon) for d in drafts]
-    return {"system_tokens_per_s": tokens / horizon, "draft_load": sum(load) / len(load) if load else 0.0,
-            "without_draft": sum(d is None for d in where)}
+            return
+        cost, done = iteration_cost(self.model, dr, taken)
+        cost += self.model.wake_s if idle else 0.0
+        dr.serving, dr.busy_s, dr.iterations = True, dr.busy_s + cost, dr.iterations + 1
+        self.push(t + cost, "iter", d, done)
+
+    def step(self, t: float, kind: str, who: int, jobs: list) -> None:
+        m = self.model
+        if kind == "plain":
+            if t < self.stop_s:
+                self.tokens += 1
+                self.push(t + m.plain_step_s, "plain", who)
+            self.end_s = max(self.end_s, t)
+        elif kind == "send":
+            if t >= self.stop_s:  # the target's time is up: it stops after its last verification
+                self.end_s = max(self.end_s, t)
+                return
+            dr = self.drafts[self.where[who]]
+            dr.queue.append((who, next(self.scripts[who])))
+            if not dr.serving:
+                self.iterate(self.where[who], t, idle=True)
+        else:  # an iteration of draft server `who` ends: its finished rounds are answered
+            dr = self.drafts[who]
+            dr.rounds += len(jobs)
+            for j in jobs:
+                self.tokens += j.rnd.tokens
+                self.push(t + m.z_s, "send", j.target)
+            dr.active = [j for j in dr.active if j.left > 0]
+            self.iterate(who, t, idle=False)
 
 
-def _start(dr: _Draft, index: int, t: float, model: StarModel, events: list, seq: int, idle: bool) -> int:
-    """Begin a pass on draft server `index` at time t; returns the event counter."""
-    take = dr.queue if model.mode == "batched" else dr.queue[:1]
-    dr.served, dr.queue = list(take), dr.queue[len(take):]
-    cost = model.cost(len(dr.served)) + (model.wake_s if idle else 0.0)
-    dr.serving, dr.busy_s = True, dr.busy_s + cost
-    heapq.heappush(events, (t + cost, seq + 1, "done", index))
-    return seq + 1
+def simulate(model: StarModel, n_targets: int, m_drafts: int, cycles: int = 200, duration_s: float | None = None,
+             together: bool = False) -> dict:
+    """System tokens/s and mean draft load. Every target sends rounds until `duration_s` (default: `cycles`
+    unloaded cycles) and stops after the verification of its last one; tokens and busy time are over the wall
+    time to then. together: all targets start at 0, as the replay bench starts them (default: spread over
+    one cycle, a steady state; then draft servers with as many targets are alike, and one of each is run)."""
+    stop = duration_s if duration_s is not None else cycles * (model.z_s + model.gamma * model.cost(1))
+    of = assign(n_targets, m_drafts, model.n_max)
+    where = {i: None if of[f"t{i}"] is None else int(of[f"t{i}"][1:]) for i in range(n_targets)}
+    if together or duration_s is not None:
+        runs = [(_Run(model, where, m_drafts, stop), 1)]
+    else:
+        runs = _alike(model, where, m_drafts, stop)
+    for run, _ in runs:
+        for i, d in run.where.items():
+            run.push(0.0 if together else model.z_s * i / max(1, n_targets), "send" if d is not None else "plain", i)
+        while run.events:
+            t, _, kind, who, jobs = heapq.heappop(run.events)
+            run.step(t, kind, who, jobs)
+    return _summary(runs, m_drafts, sum(d is None for d in where.values()))
+
+
+def _alike(model: StarModel, where: dict, m_drafts: int, stop: float) -> list[tuple[_Run, int]]:
+    """One run per number of targets a draft server holds (weighted by how many servers hold that many),
+    and one for the targets that decode alone."""
+    held: dict[int, list[int]] = {}
+    for i, d in where.items():
+        if d is not None:
+            held.setdefault(d, []).append(i)
+    first: dict[int, tuple[list[int], int]] = {}
+    for targets in held.values():
+        ts, count = first.get(len(targets), (targets, 0))
+        first[len(targets)] = (ts, count + 1)
+    runs = [(_Run(model, dict.fromkeys(ts, 0), 1, stop), count) for ts, count in first.values()]
+    alone = [i for i, d in where.items() if d is None]
+    return runs + ([(_Run(model, dict.fromkeys(alone), 0, stop), 1)] if alone else [])
+
+
+def _summary(runs: list[tuple[_Run, int]], m_drafts: int, without: int) -> dict:
+    wall = max(max(run.end_s for run, _ in runs), 1e-9)
+    drafts = [(d, count) for run, count in runs for d in run.drafts]
+    load = [min(1.0, d.busy_s / wall) for d, count in drafts for _ in range(count)]
+    load += [0.0] * (m_drafts - len(load))  # servers with no target
+    tot = {k: sum(getattr(d, k) * count for d, count in drafts) for k in ("passes", "rounds", "rows", "busy_s",
+                                                                          "iterations")}
+    rounds = tot["rounds"]
+    return {"system_tokens_per_s": sum(run.tokens * count for run, count in runs) / wall,
+            "draft_load": sum(load) / len(load) if load else 0.0, "loads": load, "without_draft": without,
+            "wall_s": wall, "rounds": rounds, "rows_per_pass": tot["rows"] / tot["passes"] if tot["passes"] else 0.0,
+            "busy_per_round_s": tot["busy_s"] / rounds if rounds else 0.0,
+            "passes_per_round": tot["iterations"] / rounds if rounds else 0.0}
 
 
 def drafts_needed(model: StarModel, n_targets: int, share: float = 0.9, cycles: int = 100) -> int:
@@ -125,7 +277,12 @@ def drafts_needed(model: StarModel, n_targets: int, share: float = 0.9, cycles: 
     return lo
 
 
+def service_s(model: StarModel) -> float:
+    """A usual round's fifo service time S: gamma one-row passes and its bookkeeping."""
+    return model.gamma * model.cost(1) + model.round_s
+
+
 def n_full(model: StarModel) -> int:
     """StarSD's N_full for this model's fifo service time."""
-    s = model.cost(1)
+    s = service_s(model)
     return math.ceil(model.z_s / s) + 1 if s > 0 else 1

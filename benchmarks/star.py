@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from benchmarks.common import pair_dirs, prompt_ids, save_plot, target_continuations
 from controller.launch import ServerProcess
+from starjar.errors import InvalidArgument
 from starjar.models import load_model
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
@@ -134,7 +135,8 @@ def prepare(args) -> dict:
     calib = _run_n(draft_dir, "fifo", 1, scripts, 0.0, 4.0, fingerprint)
     s_round = calib["s_ms"] / 1000
     return {"target_dir": target_dir, "draft_dir": draft_dir, "note": note, "scripts": scripts,
-            "fingerprint": fingerprint, "s_round": s_round, "verify_s": VERIFY_OVER_S * s_round}
+            "fingerprint": fingerprint, "s_round": s_round, "verify_s": VERIFY_OVER_S * s_round,
+            "wire_s": calib["wire_ms_mean"] / 1000}  # the wire's share of a round trip (part of Z)
 
 
 def run(args) -> dict:
@@ -143,12 +145,15 @@ def run(args) -> dict:
     quick = args.quick
     ns = [1, 2, 4, 6, 8] if quick else list(range(1, 9))
     duration = 6.0 if quick else 15.0
+    threads = getattr(args, "draft_threads", 1)
+    if not 1 <= threads <= 16:
+        raise InvalidArgument("draft_threads", "1 to 16", threads)
     prep = prepare(args)
     if getattr(args, "draft_servers", 1) > 1:
         from benchmarks.star_fleet import compare
 
         return compare(prep, args.draft_servers, [1, 4, 8] if quick else [1, 2, 4, 6, 8], duration,
-                       Path(args.out).with_suffix(".png"))
+                       Path(args.out).with_suffix(".png"), threads)
     target_dir, draft_dir, note = prep["target_dir"], prep["draft_dir"], prep["note"]
     scripts, fingerprint, s_round, verify_s = prep["scripts"], prep["fingerprint"], prep["s_round"], prep["verify_s"]
     modes = {}

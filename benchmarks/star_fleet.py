@@ -67,7 +67,7 @@ def run_row(servers: list[str], n: int, scripts, verify_s: float, duration_s: fl
     per = {a: _delta(before[a], _quiet(a)) for a in servers}
     tokens = sum(t.stats.tokens for t in targets)
     rounds = sum(t.stats.rounds for t in targets)
-    return {"n": n, "m": len(servers), "system_tokens_per_s": round(tokens / wall, 3),
+    return {"n": n, "m": len(servers), "duration_s": duration_s, "system_tokens_per_s": round(tokens / wall, 3),
             # Over all M servers (as the simulator reports it): with N < M some stay idle.
             "draft_load": round(sum(min(1.0, per[a]["busy_s"] / wall) for a in servers) / len(servers), 4),
             "loads": [round(min(1.0, per[a]["busy_s"] / wall), 4) for a in servers],
@@ -82,10 +82,10 @@ def run_row(servers: list[str], n: int, scripts, verify_s: float, duration_s: fl
 
 
 def sweep(draft_dir: str, mode: str, m: int, ns: list[int], scripts, verify_s: float, duration_s: float,
-          fingerprint: str, on_row=None) -> list[dict]:
-    """Rows for N in ns on M draft servers started once (fifo or batched)."""
+          fingerprint: str, on_row=None, threads: int = 1) -> list[dict]:
+    """Rows for N in ns on M draft servers started once (fifo or batched), `threads` torch threads each."""
     procs = [ServerProcess("draft", "--model", draft_dir, "--port", "0", "--mode", mode, "--max-targets", "64",
-                           threads=1) for _ in range(m)]
+                           threads=threads) for _ in range(m)]
     try:
         rows = []
         for n in ns:
@@ -99,8 +99,9 @@ def sweep(draft_dir: str, mode: str, m: int, ns: list[int], scripts, verify_s: f
             p.kill()
 
 
-def compare(prep: dict, m: int, ns: list[int], duration_s: float, plot_path) -> dict:
-    """fifo, N in ns: M draft servers against one, same targets, same scripts, same Z."""
+def compare(prep: dict, m: int, ns: list[int], duration_s: float, plot_path, threads: int = 1) -> dict:
+    """fifo, N in ns: M draft servers against one, same targets, same scripts, same Z; `threads` torch threads
+    per draft server (one each by default: one core per server, the same for M = 1)."""
     import sys
 
     from tqdm import tqdm
@@ -114,14 +115,14 @@ def compare(prep: dict, m: int, ns: list[int], duration_s: float, plot_path) -> 
         bar.update()
 
     rows = {k: sweep(prep["draft_dir"], "fifo", k, ns, prep["scripts"], prep["verify_s"], duration_s,
-                     prep["fingerprint"], tick) for k in (1, m)}
+                     prep["fingerprint"], tick, threads) for k in (1, m)}
     bar.close()
     ratio = {r1["n"]: round(rm["system_tokens_per_s"] / r1["system_tokens_per_s"], 3)
              for r1, rm in zip(rows[1], rows[m], strict=True)}
     return {"label": "replay: recorded target continuations and a fixed verification time; draft servers real "
-                     "(one torch thread each)",
+                     f"({threads} torch thread(s) each)",
             "pair": {"target": prep["target_dir"], "draft": prep["draft_dir"], "note": prep["note"]},
-            "mode": "fifo", "gamma": GAMMA, "verify_s": round(prep["verify_s"], 5),
+            "mode": "fifo", "draft_threads": threads, "gamma": GAMMA, "verify_s": round(prep["verify_s"], 5),
             "service_time_s_fifo": round(prep["s_round"], 5), "draft_servers": m,
             "rows": rows[1] + rows[m], f"ratio_m{m}_over_m1": ratio, "ratio_at_max_n": ratio[max(ns)],
             "plot": save_plot(plot_path, f"star, 1 vs {m} draft servers (replay, fifo)",

@@ -1,37 +1,88 @@
-"""Issue 19: the star simulator (benchmarks/fabric_sim.py) against StarSD's closed forms."""
+"""Issue 19: the star simulator (benchmarks/fabric_sim.py): pass-level scheduling as draft_server/compute.py
+does it, hand-computed small cases, and StarSD's closed forms."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.fabric_sim import PassCost, StarModel, assign, drafts_needed, n_full, simulate
+from benchmarks.fabric_sim import (
+    PassCost,
+    Round,
+    StarModel,
+    _Draft,
+    _Job,
+    assign,
+    drafts_needed,
+    iteration_cost,
+    n_full,
+    service_s,
+    simulate,
+)
 
-S, Z, TAU = 0.010, 0.025, 3.0
+P, Z, TAU, G = 0.0025, 0.025, 3.0, 4  # one-row pass, return time, tokens per round, gamma: S = 4 P = 0.010
 
 
 def _model(**kw) -> StarModel:
-    kw.setdefault("cost", PassCost([(1, S)]))
-    return StarModel(z_s=Z, tokens_per_round=TAU, plain_step_s=0.02, **kw)
+    kw.setdefault("cost", PassCost([(1, P)]))
+    return StarModel(z_s=Z, tokens_per_round=TAU, plain_step_s=0.02, gamma=G, **kw)
 
 
 def test_one_target_cycles_in_z_plus_s():
     out = simulate(_model(wake_s=0.002), 1, 1, cycles=400)
-    assert out["system_tokens_per_s"] == pytest.approx(TAU / (Z + S + 0.002), rel=0.02)
-    assert out["draft_load"] == pytest.approx((S + 0.002) / (Z + S + 0.002), rel=0.02)
+    s = G * P + 0.002
+    assert out["system_tokens_per_s"] == pytest.approx(TAU / (Z + s), rel=0.02)
+    assert out["draft_load"] == pytest.approx(s / (Z + s), rel=0.02)
+
+
+def test_a_batched_pass_serves_rows_of_two_targets():
+    # Two targets sending at 0: the first round starts a pass alone (the server was idle), the second joins
+    # the next pass: passes of 1, 2, 2, 2, 1 rows = 1 + 3 x 1.5 + 1 = 6.5 s for 2 rounds. fifo runs 4 one-row
+    # passes for the first, then 4 for the second: 8 s.
+    cost = PassCost([(1, 1.0), (2, 1.5)])
+    both = [Round(G, 3)] * 100
+    batched = simulate(_model(cost=cost, mode="batched", scripts=[both]), 2, 1, duration_s=1.0, together=True)
+    assert batched["rows_per_pass"] == pytest.approx(8 / 5) and batched["passes_per_round"] == pytest.approx(2.5)
+    assert batched["busy_per_round_s"] == pytest.approx(6.5 / 2)
+    fifo = simulate(_model(cost=cost, scripts=[both]), 2, 1, duration_s=1.0, together=True)
+    assert fifo["rows_per_pass"] == pytest.approx(1.0) and fifo["busy_per_round_s"] == pytest.approx(4.0)
+
+
+def test_load_accounting_of_a_hand_computed_run():
+    # One target, rounds of 2 passes at 1 s plus 0.5 s bookkeeping, Z = 2 s, stop after 5 s:
+    # round 1 at [0, 2.5], next send 4.5 (< 5): round 2 at [4.5, 7], next send 9 >= 5: wall 9,
+    # busy 5 s, tokens 2 x 3.
+    m = StarModel(z_s=2.0, tokens_per_round=3, plain_step_s=1.0, cost=PassCost([(1, 1.0)]), gamma=2, round_s=0.5)
+    out = simulate(m, 1, 1, duration_s=5.0, together=True)
+    assert out["wall_s"] == pytest.approx(9.0) and out["rounds"] == 2
+    assert out["draft_load"] == pytest.approx(5.0 / 9.0)
+    assert out["system_tokens_per_s"] == pytest.approx(6.0 / 9.0)
+
+
+def test_a_late_round_joins_the_next_pass_and_a_prompt_gets_its_own_pass():
+    m = _model(cost=PassCost([(1, 1.0), (4, 2.5)]), prefill=PassCost([(10, 3.0), (100, 12.0)]), mode="batched")
+    dr = _Draft()
+    dr.active = [_Job(0, Round(G, 3), G - 2, fresh=False), _Job(1, Round(G, 3, prefill=40), G),
+                 _Job(2, Round(G, 3), G)]
+    cost, done = iteration_cost(m, dr, taken=2)
+    # The two short rows (one mid-way, one new) share one pass (step(2) = 1.5); the 40-token prompt its own
+    # (prefill(40) = 6.0): two passes in this iteration, nobody finished yet.
+    assert cost == pytest.approx(1.5 + 6.0) and dr.passes == 2 and done == []
+    cost, done = iteration_cost(m, dr, taken=0)
+    assert cost == pytest.approx(2.0) and [j.target for j in done] == [0]  # step(3), the first is done
 
 
 def test_fifo_saturates_at_n_full_and_a_second_draft_doubles_it():
     m = _model()
-    assert n_full(m) == 4
+    assert service_s(m) == pytest.approx(0.010) and n_full(m) == 4
     one = simulate(m, 8, 1, cycles=400)
-    assert one["system_tokens_per_s"] == pytest.approx(TAU / S, rel=0.02) and one["draft_load"] > 0.99
+    assert one["system_tokens_per_s"] == pytest.approx(TAU / 0.010, rel=0.02) and one["draft_load"] > 0.99
     two = simulate(m, 8, 2, cycles=400)
-    assert two["system_tokens_per_s"] == pytest.approx(2 * TAU / S, rel=0.02)
+    assert two["system_tokens_per_s"] == pytest.approx(2 * TAU / 0.010, rel=0.02)
 
 
 def test_batched_passes_serve_more_rounds_per_second():
-    m = _model(mode="batched", cost=PassCost([(1, S), (8, 2 * S)]))
-    assert PassCost([(1, S), (8, 2 * S)])(4) == pytest.approx(S + 3 * S / 7)
+    m = _model(mode="batched", cost=PassCost([(1, P), (8, 2 * P)]))
+    assert PassCost([(1, P), (8, 2 * P)])(4) == pytest.approx(P + 3 * P / 7)
     fifo = simulate(_model(), 16, 1, cycles=200)["system_tokens_per_s"]
     assert simulate(m, 16, 1, cycles=200)["system_tokens_per_s"] > 2 * fifo
 
@@ -41,7 +92,7 @@ def test_targets_past_n_max_decode_alone():
     assert sum(d is None for d in assign(8, 2, 3).values()) == 2
     out = simulate(m, 8, 2, cycles=400)
     assert out["without_draft"] == 2
-    assert out["system_tokens_per_s"] == pytest.approx(2 * 3 * TAU / max(Z + S, 3 * S) + 2 / 0.02, rel=0.03)
+    assert out["system_tokens_per_s"] == pytest.approx(2 * 3 * TAU / max(Z + 0.01, 3 * 0.01) + 2 / 0.02, rel=0.03)
 
 
 def test_drafts_needed_follows_n_full():
@@ -50,19 +101,33 @@ def test_drafts_needed_follows_n_full():
     assert 64 / n_full(m) <= need <= 64 / (n_full(m) - 2)
 
 
-def test_calibration_reads_s_the_idle_penalty_and_z_from_replay_rows():
+def test_scripts_give_each_target_its_rounds_in_turn():
+    # A request of a prompt round (2 passes) and a last round with nothing to draft (0 passes, 1 token).
+    script = [Round(2, 3, prefill=20), Round(0, 1)]
+    m = StarModel(z_s=1.0, tokens_per_round=0, plain_step_s=1.0, cost=PassCost([(1, 1.0)]), gamma=2,
+                  prefill=PassCost([(20, 4.0)]), scripts=[script])
+    out = simulate(m, 1, 1, duration_s=7.0, together=True)
+    # [0, 5]: prompt pass 4 + step 1; send 6: the 0-pass round is answered at once (no pass); send 7 >= 7.
+    assert out["rounds"] == 2 and out["wall_s"] == pytest.approx(7.0)
+    assert out["system_tokens_per_s"] == pytest.approx(4 / 7.0) and out["draft_load"] == pytest.approx(5 / 7.0)
+
+
+def test_calibration_takes_the_measured_costs_and_the_workload():
     from benchmarks.fabric import admitted, calibrate
 
-    wake = 0.002
-    rows = [{"mode": "fifo", "n": 1, "m": 1, "cycle_s": Z + S + wake, "busy_per_round_s": S + wake,
-             "tokens_per_round": TAU, "passes_per_round": 4.0, "draft_load": 0.35},
-            {"mode": "fifo", "n": 8, "m": 1, "cycle_s": 8 * S, "busy_per_round_s": S, "tokens_per_round": TAU,
-             "passes_per_round": 4.0, "draft_load": 1.0}]
-    m = calibrate(rows, "fifo", rows, plain_step_s=0.02)
-    assert (m.z_s, m.cost(1), m.wake_s, m.tokens_per_round) == pytest.approx((Z, S, wake, TAU))
-    batched = [dict(rows[0], mode="batched"), dict(rows[1], mode="batched", passes_per_round=1.0,
-                                                     busy_per_round_s=S / 2)]
-    b = calibrate(batched, "batched", rows, plain_step_s=0.02)
-    assert b.cost(4) == pytest.approx(2 * S)  # 4 rounds per pass at S/2 each
+    costs = {"step": [(1.0, P), (4.0, 2 * P)], "prefill": [(10.0, 0.01), (50.0, 0.03)], "round_s": 0.0,
+             "scripts": [[{"passes": G, "tokens": 4, "prefill": 20}, {"passes": G, "tokens": 2, "prefill": 0}]]}
+    m = calibrate(costs, "fifo", Z, plain_step_s=0.02)
+    assert (m.z_s, m.cost(1), m.cost(4), m.prefill(30), m.tokens_per_round) == pytest.approx(
+        (Z, P, 2 * P, 0.02, 3.0))
+    assert service_s(m) == pytest.approx(0.010)
     # Admission: speculating beats 50 tokens/s alone only while tau / (N S) > 50, i.e. N < 6.
     assert admitted(m).n_max == 5
+
+
+def test_bench_star_refuses_draft_threads_out_of_range(tmp_path, capsys):
+    from benchmarks.cli import main
+
+    out = tmp_path / "star.json"
+    assert main(["star", "--replay", "--draft-servers", "2", "--draft-threads", "0", "--out", str(out)]) == 2
+    assert "draft_threads" in capsys.readouterr().err and not out.exists()
