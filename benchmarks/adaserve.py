@@ -167,7 +167,9 @@ def slo_sweep(target, source, prompts, budget: int, b1: dict, multiples, n_req: 
             depth = best_chain if policy == "chain" else best_tree["depth"]
             proposer = source.proposer() if policy != "none" else None
             engine = engine_for(target, proposer, policy, depth, 8, budget, max(1, best_tree["width"]))
+            before = source.stats()
             row = _open_loop(engine, arrivals, max_new)
+            row.update(_draft_costs(engine, source, before))  # draft round, tree build, selection: per policy
             source.release(proposer)
             row.update(rate=rate, requests=n_req, max_tokens=max_new, tree_rounds=engine.stats.tree_rounds)
             policies[policy].append(row)

@@ -34,6 +34,18 @@ def test_adaserve_serves_the_sequence_behind_its_slo_first():
     assert all(_closed(t) for t in out)
 
 
+def test_adaserve_serves_an_slo_that_can_hold_before_one_that_cannot():
+    # T1's sequence needs 10 tokens this step, more than its depth-2 tree can give (d + 1 = 3): T2's 1.3 goes first.
+    out = select([Candidate(T1, need=10.0), Candidate(T2, need=1.3)], budget=2 + 2, policy="adaserve")
+    assert [list(t.tokens) for t in out] == [[], [5, 6]]
+
+
+def test_adaserve_slo_phase_gives_no_sequence_more_than_twice_its_share():
+    # Four sequences that cannot hold their SLO, 4 nodes: n_max = 2 x (4 / 4), so two get 2 each, not one all 4.
+    out = select([Candidate(T1, need=10.0)] * 4, budget=4 + 4, policy="adaserve")
+    assert [len(t) for t in out] == [2, 2, 0, 0]
+
+
 def test_equal_fixed_and_chain_shapes():
     out = select([Candidate(T1), Candidate(T2)], budget=2 + 4, policy="equal_greedy")
     assert [len(t) for t in out] == [2, 2]
