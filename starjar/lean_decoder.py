@@ -42,8 +42,6 @@ class LeanDecoder(torch.nn.Module):
             nq, nk = att.q_proj.out_features // self.head_dim, att.k_proj.out_features // self.head_dim
             self.plan.append((layer.input_layernorm.weight, qkv, att, nq, nk, att.o_proj,
                               layer.post_attention_layernorm.weight, gate_up, mlp))
-        # attach_fused laid q and k out as (x_j, x_j+D/2) pairs: rotary is one complex product
-        self.pairs = fuse and all(getattr(att, "starjar_pairs", False) for _, _, att, *_ in self.plan)
 
     @staticmethod
     def attach_fused(model: torch.nn.Module, head_vocab: int | None = None) -> None:
@@ -58,13 +56,9 @@ class LeanDecoder(torch.nn.Module):
             model.starjar_head = torch.nn.Linear(head.in_features, min(head_vocab, head.out_features), bias=False)
             with torch.no_grad():
                 model.starjar_head.weight.copy_(head.weight[: model.starjar_head.out_features])
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         for layer in model.base_model.layers:
             att, mlp = layer.self_attn, layer.mlp
             att.starjar_qkv = _concat([att.q_proj, att.k_proj, att.v_proj])
-            att.starjar_pairs = _pair_rotary_rows(att.starjar_qkv, att.q_proj.out_features + att.k_proj.out_features,
-                                                  head_dim)
             mlp.starjar_gate_up = _concat([mlp.gate_proj, mlp.up_proj])
 
     @staticmethod
@@ -78,11 +72,7 @@ class LeanDecoder(torch.nn.Module):
         base = self.model.base_model
         x = base.embed_tokens(input_ids)
         cos, sin = base.rotary_emb(x, position_ids)  # [B, Q, D]
-        if self.pairs:  # one complex factor per position and frequency: [B, Q, 1, D/2]
-            half = cos.shape[-1] // 2
-            turn = torch.complex(cos[..., :half], sin[..., :half]).unsqueeze(2)
-        else:
-            cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, Q, 1, D]: broadcast over heads
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, Q, 1, D]: broadcast over heads
         b, q = input_ids.shape
         d, eps, size = self.head_dim, self.eps, (x.shape[-1],)
         for i, (w_in, qkv, att, nq, nk, o_proj, w_post, gate_up, mlp) in enumerate(self.plan):
@@ -91,11 +81,7 @@ class LeanDecoder(torch.nn.Module):
                 heads = qkv(h).view(b, q, -1, d)
             else:
                 heads = torch.cat([att.q_proj(h), att.k_proj(h), att.v_proj(h)], -1).view(b, q, -1, d)
-            if self.pairs:  # rotated as pairs, then laid out as HF's halves again: q.k sums in HF's order
-                qk = torch.view_as_real(torch.view_as_complex(heads[:, :, : nq + nk].unflatten(-1, (-1, 2))) * turn)
-                qk = qk.transpose(-1, -2).flatten(-2)
-            else:
-                qk = _rope(heads[:, :, : nq + nk], cos, sin)
+            qk = _rope(heads[:, :, : nq + nk], cos, sin)
             qs, ks = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2)
             ks, vs = cache.update(ks, heads[:, :, nq + nk:].transpose(1, 2), i)
             a, _ = folded_attention(att, qs, ks, vs, mask)
@@ -127,20 +113,3 @@ def _concat(linears: list[torch.nn.Linear]) -> torch.nn.Linear:
                                         for lin in linears]))
     return fused
 
-
-def _pair_rotary_rows(fused: torch.nn.Linear, rotated: int, head_dim: int) -> bool:
-    """Reorder the first `rotated` output rows (q and k heads) of a fused q/k/v linear so that each head's
-    dimensions j and j + D/2 (the pair rotary turns together) sit side by side: rotary is then one complex
-    product (40 -> 20 us a layer at batch 1) with the same products as HF's rotate_half. Each row keeps its
-    weights (and, quantized, its int8 values and scale), so q and k are the same numbers in another order,
-    put back in HF's order after the rotation: the cache and attention see exactly what they did."""
-    if head_dim % 2 or rotated % head_dim:
-        return False
-    half = head_dim // 2
-    within = torch.stack([torch.arange(half), torch.arange(half) + half], -1).flatten()  # 0, D/2, 1, D/2+1, ..
-    order = (torch.arange(rotated // head_dim)[:, None] * head_dim + within[None, :]).flatten()
-    with torch.no_grad():
-        fused.weight[:rotated] = fused.weight[:rotated][order].clone()
-        if fused.bias is not None:
-            fused.bias[:rotated] = fused.bias[:rotated][order].clone()
-    return True
