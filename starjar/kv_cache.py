@@ -47,6 +47,7 @@ class RaggedKVCache(Cache):
         # Set by begin() for the pass in flight.
         self._rows: torch.Tensor | slice | None = None
         self._write_pos: torch.Tensor | None = None  # [B, Q] absolute positions to write
+        self._write_span: slice | None = None  # the same positions for every row, when they are
         self._kv_len = 0
 
     # ---- slot management (between passes) -------------------------------------------------
@@ -132,6 +133,10 @@ class RaggedKVCache(Cache):
         contiguous = slots == list(range(slots[0], slots[0] + B))
         self._rows = slice(slots[0], slots[0] + B) if contiguous else torch.tensor(slots, dtype=torch.long)
         self._write_pos = write.to(self.device)
+        # Every row writing the same positions (batch 1 always): a slice copy, not a scatter (10 vs 17 us a write).
+        first = self.lengths[slots[0]]
+        self._write_span = slice(first, first + Q) if contiguous and all(self.lengths[s] == first for s in slots) \
+            else None
         key_pos = torch.arange(self._kv_len)
         allowed = key_pos[None, None, :] <= pos[:, :, None]  # [B, Q, K]
         pos_ids = _tree_rows(pos, allowed, starts, trees) if trees else pos
@@ -152,6 +157,11 @@ class RaggedKVCache(Cache):
         rows, pos = self._rows, self._write_pos
         if isinstance(rows, slice):
             k_rows, v_rows = kbuf[rows], vbuf[rows]  # views
+            span = self._write_span
+            if span is not None:
+                k_rows[:, :, span] = key_states
+                v_rows[:, :, span] = value_states
+                return k_rows[:, :, : self._kv_len], v_rows[:, :, : self._kv_len]
             idx = pos[:, None, :, None]
             k_rows.scatter_(2, idx.expand_as(key_states), key_states.to(self.dtype))
             v_rows.scatter_(2, idx.expand(-1, value_states.shape[1], -1, value_states.shape[3]),
