@@ -101,6 +101,8 @@ def step_cost(engine: DraftEngine, scripts, b: int, gamma: int) -> tuple[float, 
 
 def linear(points: list[tuple[int, float]]) -> PassCost:
     """A least-squares line through (size, seconds), as a PassCost between the smallest and largest size."""
+    if not points:
+        raise ValueError("no measured points to fit (no prompt longer than a short feed in the workload?)")
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     if len(set(xs)) < 2:
         return PassCost([(float(xs[0]), ys[0])])

@@ -74,6 +74,8 @@ class StarModel:
         if not self.scripts:
             while True:
                 yield Round(self.gamma, self.tokens_per_round)
+        if not any(self.scripts):
+            raise ValueError("scripts: every script is empty (no round to serve)")
         k = target
         while True:
             yield from self.scripts[k % len(self.scripts)]

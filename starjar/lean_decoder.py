@@ -31,14 +31,12 @@ class LeanDecoder(torch.nn.Module):
         cfg = model.config
         self.eps = cfg.rms_norm_eps
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layers = []
         # What a step reads per layer, looked up once (module attribute lookups cost ~0.5 ms a step).
         self.plan = []
         for layer in base.layers:
             att, mlp = layer.self_attn, layer.mlp
             qkv = getattr(att, "starjar_qkv", None) if fuse else None
             gate_up = getattr(mlp, "starjar_gate_up", None) if fuse else None
-            self.layers.append((layer, qkv, gate_up))
             nq, nk = att.q_proj.out_features // self.head_dim, att.k_proj.out_features // self.head_dim
             self.plan.append((layer.input_layernorm.weight, qkv, att, nq, nk, att.o_proj,
                               layer.post_attention_layernorm.weight, gate_up, mlp))
@@ -112,4 +110,3 @@ def _concat(linears: list[torch.nn.Linear]) -> torch.nn.Linear:
             fused.bias.copy_(torch.cat([lin.bias if lin.bias is not None else torch.zeros(lin.out_features)
                                         for lin in linears]))
     return fused
-

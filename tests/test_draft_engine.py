@@ -57,3 +57,22 @@ def test_release_frees_kv_and_keeps_others_intact(models):
     replies = eng.propose([DraftRequest(i, 3, [7], 2) for i in (1, 3, 4)])
     for i, r in zip((1, 3, 4), replies, strict=False):
         assert r == greedy_chain(d, prompts[i] + [7], 2)
+
+
+def test_passes_split_for_the_gather_cap_draft_the_same(models, spec_prompts):
+    # A round over every other sequence reads scattered slots (a K/V copy per layer); with the cap at one
+    # cell every such pass is split to single rows. Drafts, trees included, must not change.
+    prompts = [list(p) for p in spec_prompts[:7]]
+
+    def rounds(engine):
+        first = engine.propose([DraftRequest(i, 0, p, 3) for i, p in enumerate(prompts)])
+        sub = [DraftRequest(i, len(prompts[i]), [7 + i] * (1 + i % 3), 3, 2 if i == 2 else 0)
+               for i in range(0, len(prompts), 2)]
+        second = engine.propose(sub)
+        return [[(list(r.tokens), list(r.parents)) if hasattr(r, "parents") else r for r in rs]
+                for rs in (first, second)]
+
+    capped, free = DraftEngine(models["draft"], max_kv_tokens=10**6), DraftEngine(models["draft"], max_kv_tokens=10**6)
+    capped.max_gather_cells, free.max_gather_cells = 1, None
+    assert rounds(capped) == rounds(free)
+    assert capped.stats.passes > free.stats.passes

@@ -91,3 +91,35 @@ def test_skinny_linear_matches_f_linear(models):
         assert torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-5)
     head = models["llama"].model.get_output_embeddings()
     assert "forward" in head.__dict__  # load_model installed it on the CPU fp32 model
+
+
+def test_the_slice_write_equals_the_scatter_write_with_padding_and_a_budget(models, monkeypatch):
+    # Rows at the same length write one slice instead of scattering; padded rows in a budgeted cache clamp
+    # their padding writes. Both ways must give the same logits and the same KV at every valid position.
+    from starjar.kv_cache import RaggedKVCache
+    m = models["llama"]
+
+    def run(span: bool, budget):
+        cache = m.new_cache()
+        cache.max_cells = budget
+        slots = [cache.allocate() for _ in range(3)]
+        out = m.forward(cache, slots, [[5, 6, 7, 8]] * 3, [[3]] * 3)
+        out += m.forward(cache, slots, [[9], [10, 11, 12], [13, 14]], [[0], [2], [1]])
+        out += m.forward(cache, slots, [[20], [21], [22]], [[0]] * 3)
+        return out, cache
+
+    begin = RaggedKVCache.begin
+    for budget in (None, 3 * 16):
+        with_span, a = run(True, budget)
+
+        def scatter_only(self, *args, **kwargs):
+            result = begin(self, *args, **kwargs)
+            self._write_span = None
+            return result
+        monkeypatch.setattr(RaggedKVCache, "begin", scatter_only)
+        scattered, b = run(False, budget)
+        monkeypatch.setattr(RaggedKVCache, "begin", begin)
+        assert all(torch.equal(x, y) for x, y in zip(with_span, scattered, strict=True))
+        for ka, kb in zip(a._keys + a._values, b._keys + b._values, strict=True):
+            for s, n in enumerate(a.lengths):
+                assert torch.equal(ka[s, :, :n], kb[s, :, :n])

@@ -120,3 +120,14 @@ def test_a_forced_path_is_measured_on_its_own_and_leaves_the_choice_alone(tmp_pa
     saved = json.loads((draft_dir / "starjar.json").read_text())
     assert saved["measured:int_mm"] == forced and "measured" not in saved
     assert saved["int8_kernel"] == "fused"  # the machine's own choice is untouched
+
+
+def test_one_row_is_exactly_torchs_dynamic_int8_linear():
+    # The layer calls torch's dynamic op itself (reduce_range as the module's version says): a one-row pass
+    # must give exactly what torch's own module gives, not just something close to float.
+    from starjar.quantized import _dynamic_int8
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(64, 24)
+    q = _dynamic_int8(lin)
+    row = torch.randn(1, 64)
+    assert torch.equal(RowInt8Linear(q)(row), q(row))
