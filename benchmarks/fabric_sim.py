@@ -122,9 +122,7 @@ def iteration_cost(model: StarModel, dr: _Draft, taken: int) -> tuple[float, lis
         groups = length_groups(live, lambda j: feed[id(j)], short=SHORT_FEED)
     for group in groups:
         longest = max(feed[id(j)] for j in group)
-        if longest <= SHORT_FEED:
-            cost += model.cost(len(group))
-        elif model.prefill is not None:  # a padded pass feeds rows x the longest
+        if longest > SHORT_FEED and model.prefill is not None:  # a padded pass feeds rows x the longest
             cost += model.prefill(longest * len(group))
         else:
             cost += model.cost(len(group))

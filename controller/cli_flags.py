@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from starjar.errors import InvalidArgument
-from starjar.tree_select import TREE_CHOICES, TREE_MAX_DEPTH
+from starjar.tree_select import TREE_CHOICES, TREE_MAX_DEPTH, trees_on
 
 
 def flag_of(field: str) -> str:
@@ -60,6 +60,6 @@ def tree_speculation(tree: str | None, gamma: int | None, policy: str | None) ->
         if gamma:
             raise InvalidArgument("--tree", "none (no speculation) cannot go with --gamma > 0", tree)
         return 0, "fixed"
-    if tree not in (None, "chain") and gamma is None and policy in (None, "fixed"):
+    if trees_on(tree) and gamma is None and policy in (None, "fixed"):
         return TREE_MAX_DEPTH, "fixed"
     return gamma, policy

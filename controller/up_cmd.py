@@ -114,10 +114,11 @@ def _spec(args) -> ClusterSpec:
 def _tree_fields(args) -> dict:
     """--tree and its knobs for the spec; the verification budget from --profile's verify_budget when
     --tree-budget is not given (the target workers measure it at start when neither is)."""
+    from starjar.tree_select import trees_on
     from target_worker.tree_budget import profiled_budget
 
     budget = args.tree_budget
-    if budget is None and args.tree not in (None, "chain", "none"):
+    if budget is None and trees_on(args.tree):
         budget = profiled_budget(os.path.abspath(args.profile) if args.profile else None)
     return {"tree": args.tree, "tree_width": args.tree_width, "tree_cap": args.tree_cap, "tree_budget": budget}
 

@@ -213,11 +213,9 @@ class DraftEngine:
         # A new sequence's whole prompt goes in its own pass; a usual round's catch-up (accepted drafts + the
         # bonus token) is short enough to ride with the one-token steps.
         cap = min(MAX_FEED, self.max_pass_tokens)
-        lengths = self.cache.lengths
         for step in grouped_forward(self.model, self.cache, live, lambda j: j.feed[:cap], lambda j: j.seq.slot,
                                     short=SHORT_FEED, max_pass_tokens=self.max_pass_tokens,
-                                    tree=_tree_row, last=_logit_rows, max_gather_cells=self.max_gather_cells,
-                                    context=lambda j: lengths[j.seq.slot] + len(j.feed[:cap])):
+                                    tree=_tree_row, last=_logit_rows, max_gather_cells=self.max_gather_cells):
             if all(j.passes == 0 for j in step.rows):
                 self.stats.catchup_s += step.seconds
             else:

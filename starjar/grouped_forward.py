@@ -63,14 +63,15 @@ def grouped_forward(model: LoadedModel, cache: RaggedKVCache, rows: Sequence[T],
     short: rows of at most this many tokens always share a pass (see length_groups). max_pass_tokens: a
     pass feeds at most this many tokens in all. Each pass runs when the iterator reaches it, so the caller
     may act on one pass's results before the next reads its slots. tree, last: as forward_pass's.
-    context, max_gather_cells: a row's keys in its pass (cached + fed); a pass over slots that are not
-    consecutive copies rows x its longest context of K and V in every layer, at most max_gather_cells."""
+    max_gather_cells: a pass over slots that are not consecutive copies rows x its longest context (cached +
+    fed keys) of K and V in every layer: at most this many. context: a row's keys, if not the cache's count."""
     lengths = {id(r): len(feed(r)) for r in rows}
     groups = length_groups(list(rows), lambda r: lengths[id(r)], short=short)
     if max_pass_tokens is not None:
         groups = _split_by_tokens(groups, lambda r: lengths[id(r)], max_pass_tokens)
-    if max_gather_cells is not None and context is not None:
-        groups = _split_by_gather(groups, slot, context, max_gather_cells)
+    if max_gather_cells is not None:
+        keys = context or (lambda r: cache.lengths[slot(r)] + lengths[id(r)])
+        groups = _split_by_gather(groups, slot, keys, max_gather_cells)
     for group in groups:
         yield forward_pass(model, cache, group, feed, slot, tree=tree, last=last)
 

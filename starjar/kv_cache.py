@@ -161,11 +161,11 @@ class RaggedKVCache(Cache):
             if span is not None:
                 k_rows[:, :, span] = key_states
                 v_rows[:, :, span] = value_states
-                return k_rows[:, :, : self._kv_len], v_rows[:, :, : self._kv_len]
-            idx = pos[:, None, :, None]
-            k_rows.scatter_(2, idx.expand_as(key_states), key_states.to(self.dtype))
-            v_rows.scatter_(2, idx.expand(-1, value_states.shape[1], -1, value_states.shape[3]),
-                            value_states.to(self.dtype))
+            else:
+                idx = pos[:, None, :, None]
+                k_rows.scatter_(2, idx.expand_as(key_states), key_states.to(self.dtype))
+                v_rows.scatter_(2, idx.expand(-1, value_states.shape[1], -1, value_states.shape[3]),
+                                value_states.to(self.dtype))
             return k_rows[:, :, : self._kv_len], v_rows[:, :, : self._kv_len]
         # Scattered slots: write through advanced indexing, then gather (a copy).
         b = rows[:, None].expand_as(pos)

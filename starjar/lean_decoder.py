@@ -39,7 +39,8 @@ class LeanDecoder(torch.nn.Module):
             gate_up = getattr(mlp, "starjar_gate_up", None) if fuse else None
             nq, nk = att.q_proj.out_features // self.head_dim, att.k_proj.out_features // self.head_dim
             self.plan.append((layer.input_layernorm.weight, qkv, att, nq, nk, att.o_proj,
-                              layer.post_attention_layernorm.weight, gate_up, mlp))
+                              layer.post_attention_layernorm.weight, gate_up, mlp, mlp.down_proj))
+        self.final_norm = base.norm.weight
 
     @staticmethod
     def attach_fused(model: torch.nn.Module, head_vocab: int | None = None) -> None:
@@ -73,7 +74,7 @@ class LeanDecoder(torch.nn.Module):
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, Q, 1, D]: broadcast over heads
         b, q = input_ids.shape
         d, eps, size = self.head_dim, self.eps, (x.shape[-1],)
-        for i, (w_in, qkv, att, nq, nk, o_proj, w_post, gate_up, mlp) in enumerate(self.plan):
+        for i, (w_in, qkv, att, nq, nk, o_proj, w_post, gate_up, mlp, down) in enumerate(self.plan):
             h = F.rms_norm(x, size, w_in, eps)
             if qkv is not None:  # [B, Q, heads q+k+v, D]; q and k rotated in one go
                 heads = qkv(h).view(b, q, -1, d)
@@ -89,8 +90,8 @@ class LeanDecoder(torch.nn.Module):
                 gate, up = gate_up(h).chunk(2, dim=-1)
             else:
                 gate, up = mlp.gate_proj(h), mlp.up_proj(h)
-            x = x + mlp.down_proj(F.silu(gate) * up)
-        return F.rms_norm(x, size, base.norm.weight, eps)
+            x = x + down(F.silu(gate) * up)
+        return F.rms_norm(x, size, self.final_norm, eps)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

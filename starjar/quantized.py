@@ -86,7 +86,7 @@ class RowInt8Linear(torch.nn.Module):
 
     def fused_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Each row scaled to an absolute maximum of 1, so the fused kernel's one range is every row's own."""
-        peak = torch.linalg.vector_norm(rows, float("inf"), -1, keepdim=True).clamp_min_(1e-12)  # = abs().amax()
+        peak = _row_peak(rows)
         y = _LINEAR_DYNAMIC(rows / peak, self._packed, self._reduce_range)
         return y * peak if self.bias is None else (y - self.bias) * peak + self.bias
 
@@ -94,9 +94,14 @@ class RowInt8Linear(torch.nn.Module):
         """Symmetric 8-bit rows times the int8 weights with torch._int_mm, rescaled per row and channel."""
         if self.w_t is None:
             self.set_path("int_mm")
-        scale = rows.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
+        scale = _row_peak(rows) / 127
         y = torch._int_mm(torch.round(rows / scale).to(torch.int8), self.w_t).float() * (scale * self.w_scale)
         return y if self.bias is None else y + self.bias
+
+
+def _row_peak(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's absolute maximum (at least 1e-12), [rows, 1]: one op, the same values as abs().amax()."""
+    return torch.linalg.vector_norm(rows, float("inf"), -1, keepdim=True).clamp_min_(1e-12)
 
 
 def quantize_int8(model: torch.nn.Module, path: str | None = None) -> torch.nn.Module:

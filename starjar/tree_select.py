@@ -30,6 +30,12 @@ POLICIES = ("adaserve", "global_greedy", "equal_greedy", "fixed", "chain")
 # The user's switch (`--tree`): the policies above, where "chain" means today's chains (no trees at all), and
 # "none", no speculation.
 TREE_CHOICES = (*POLICIES, "none")
+
+
+def trees_on(tree: str | None) -> bool:
+    """Whether the --tree switch asks for token trees (not chains, no speculation or no switch)."""
+    return tree not in (None, "chain", "none")
+
 TREE_MAX_DEPTH = 8  # D_max when trees are on and no gamma is given: the budget sets the depth below it
 SPECINFER_WIDTHS = (1, 1, 3, 1, 1, 1, 1, 1)  # AdaServe 6.1's SpecInfer baseline expansion
 SLO_SHARE = 2  # n_max: the SLO phase gives one sequence at most this many times its equal share of the budget

@@ -15,7 +15,7 @@ import statistics
 import time
 
 from starjar.errors import InvalidArgument
-from starjar.tree_select import TREE_CHOICES
+from starjar.tree_select import TREE_CHOICES, trees_on
 from target_worker.tree_score import TreeConfig
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def tree_config(tree: str | None, width: int, cap: int, budget: int | None, prof
     """The engine's TreeConfig for the switch (None for chain, none and no switch) and a line that says where
     its budget came from. `target`: the loaded model, measured when neither budget nor profile gives one."""
     check_tree(tree)
-    if tree in (None, "chain", "none"):
+    if not trees_on(tree):
         return None, f"trees: off ({tree or 'chain'})"
     source = "--tree-budget"
     if budget is None:

@@ -22,7 +22,7 @@ LANES = 8
 def status(controller) -> dict:
     import ray
 
-    return ray.get(controller.status.remote())
+    return ray.get(controller.status.remote(), timeout=30)
 
 
 def drafted(name: str) -> int:

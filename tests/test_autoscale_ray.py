@@ -13,12 +13,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from fleet_load import MAX_TOKENS, drafted, status
 from local_cluster import up_cluster
 
 from starjar import Client
 
 pytestmark = pytest.mark.slow
-MAX_TOKENS = 24
 TARGETS, LANES = 4, 8
 SECOND = "starjar-draft-1"
 
@@ -32,26 +32,14 @@ def scaled(model_dirs, tmp_path_factory):
         yield running
 
 
-def _status(controller) -> dict:
-    import ray
-
-    return ray.get(controller.status.remote(), timeout=30)
-
-
 def _wait(controller, cond, what: str, timeout: float = 150.0) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        st = _status(controller)
+        st = status(controller)
         if cond(st):
             return st
         time.sleep(0.5)
-    raise AssertionError(f"{what}: not within {timeout:.0f} s: {_status(controller)}")
-
-
-def _drafted(target: str) -> int:
-    import ray
-
-    return ray.get(ray.get_actor(target, namespace="starjar").stats.remote(), timeout=30)["drafted_tokens"]
+    raise AssertionError(f"{what}: not within {timeout:.0f} s: {status(controller)}")
 
 
 class _Load:
@@ -86,7 +74,7 @@ class _Load:
 def test_autoscale_adds_a_draft_server_under_load_and_retires_it_when_idle(scaled, spec_prompts, reference):
     addrs, controller = scaled
     ref = [r[:MAX_TOKENS] for r in reference("llama", 64)]
-    st = _status(controller)
+    st = status(controller)
     assert list(st["drafts"]["servers"]) == ["starjar-draft"] and st["autoscale"]["added"] == 0
     heavy = _Load(addrs["grpc"], spec_prompts, LANES)
     try:
@@ -97,9 +85,9 @@ def test_autoscale_adds_a_draft_server_under_load_and_retires_it_when_idle(scale
                                                 and s["actors"][t].get("draft_attached") for t in moved),
                       "its targets attached to it")
         loads_at_add = {d: v["load"] for d, v in st["drafts"]["servers"].items()}
-        before = {t: _drafted(t) for t in moved}
+        before = {t: drafted(t) for t in moved}
         time.sleep(2.0)
-        assert all(_drafted(t) > before[t] for t in moved)  # speculating on the new server
+        assert all(drafted(t) > before[t] for t in moved)  # speculating on the new server
     finally:
         heavy.end()
     light = _Load(addrs["grpc"], spec_prompts, 1, pause_s=0.5)  # a trickle: the retire happens under traffic

@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from fleet_load import lane_of, workload
+from fleet_load import lane_of, status, workload
 from local_cluster import up_cluster
 
 pytestmark = pytest.mark.chaos
@@ -22,12 +22,6 @@ def cluster4(model_dirs, tmp_path_factory):
     with up_cluster(tmp_path_factory, "--target", model_dirs["llama"], "--draft", model_dirs["draft"],
                     "--targets", str(TARGETS), "--gamma", "3", "--batch-size", "4") as running:
         yield running
-
-
-def _status(controller) -> dict:
-    import ray
-
-    return ray.get(controller.status.remote())
 
 
 def test_draft_server_killed_five_times_loses_nothing(cluster4, spec_prompts, reference):
@@ -43,12 +37,12 @@ def test_draft_server_killed_five_times_loses_nothing(cluster4, spec_prompts, re
         futs = [pool.submit(lane, list(range(k, n, 8))) for k in range(8)]
         for _ in range(KILLS):
             time.sleep(2.0)  # requests in flight
-            old = _status(controller)["actors"]["starjar-draft"]["pid"]
+            old = status(controller)["actors"]["starjar-draft"]["pid"]
             os.kill(old, signal.SIGKILL)
             t_live = None
             t0 = time.time()
             while time.time() - t0 < 120:
-                st = _status(controller)["actors"]
+                st = status(controller)["actors"]
                 draft = st["starjar-draft"]
                 if t_live is None and draft["live"] and draft["pid"] != old:
                     t_live = time.time()
@@ -58,7 +52,7 @@ def test_draft_server_killed_five_times_loses_nothing(cluster4, spec_prompts, re
                     break
                 time.sleep(0.1)
             else:
-                raise AssertionError(f"not reattached: {_status(controller)}")
+                raise AssertionError(f"not reattached: {status(controller)}")
         [f.result() for f in futs]
         done.set()
     lost = sum(r is None for r in results)
