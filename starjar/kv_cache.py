@@ -173,6 +173,15 @@ class RaggedKVCache(Cache):
         vbuf[b, :, pos] = value_states.transpose(1, 2).to(self.dtype)
         return kbuf[rows, :, : self._kv_len], vbuf[rows, :, : self._kv_len]
 
+    def span_views(self, layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
+        """For the pass begin() prepared, when its rows are consecutive slots that all write one span of positions
+        and every one of `layers` layers has its buffers: those rows' K and V buffers per layer (views, written
+        in place by the caller) and the span's first position. None otherwise (then update() writes)."""
+        if self._write_span is None or not isinstance(self._rows, slice) or len(self._keys) != layers:
+            return None
+        rows = self._rows
+        return [k[rows] for k in self._keys], [v[rows] for v in self._values], self._write_span.start
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
 

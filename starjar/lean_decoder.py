@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from starjar import lean_step
 from starjar.attention import folded_attention
 
 FAMILIES = ("llama", "qwen2", "mistral")
@@ -41,6 +42,8 @@ class LeanDecoder(torch.nn.Module):
             self.plan.append((layer.input_layernorm.weight, qkv, att, nq, nk, att.o_proj,
                               layer.post_attention_layernorm.weight, gate_up, mlp, mlp.down_proj))
         self.final_norm = base.norm.weight
+        # The scripted one-token step (starjar.lean_step) needs every layer's four linears in torch's int8 kernel.
+        self.scriptable = all(all(hasattr(lin, "_packed") for lin in (p[1], p[5], p[7], p[9])) for p in self.plan)
 
     @staticmethod
     def attach_fused(model: torch.nn.Module, head_vocab: int | None = None) -> None:
@@ -74,6 +77,10 @@ class LeanDecoder(torch.nn.Module):
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, Q, 1, D]: broadcast over heads
         b, q = input_ids.shape
         d, eps, size = self.head_dim, self.eps, (x.shape[-1],)
+        if b == 1 and q == 1 and self.scriptable and lean_step.enabled():
+            span = cache.span_views(len(self.plan))
+            if span is not None:
+                return F.rms_norm(self._scripted_layers(x, cos, sin, *span), size, self.final_norm, eps)
         for i, (w_in, qkv, att, nq, nk, o_proj, w_post, gate_up, mlp, down) in enumerate(self.plan):
             h = F.rms_norm(x, size, w_in, eps)
             if qkv is not None:  # [B, Q, heads q+k+v, D]; q and k rotated in one go
@@ -92,6 +99,16 @@ class LeanDecoder(torch.nn.Module):
                 gate, up = mlp.gate_proj(h), mlp.up_proj(h)
             x = x + down(F.silu(gate) * up)
         return F.rms_norm(x, size, self.final_norm, eps)
+
+    def _scripted_layers(self, x, cos, sin, keys, values, start: int) -> torch.Tensor:
+        """A one-row, one-token pass through every layer as starjar.lean_step's scripted layer."""
+        layer = lean_step.layer_fn()
+        d, eps = self.head_dim, self.eps
+        for (w_in, qkv, _, nq, nk, o_proj, w_post, gate_up, _, down), k, v in zip(self.plan, keys, values,
+                                                                                     strict=True):
+            x = layer(x, cos, sin, w_in, qkv._packed, o_proj._packed, w_post, gate_up._packed, down._packed,
+                      qkv._reduce_range, k, v, start, nq, nk, d, eps)
+        return x
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -53,3 +53,37 @@ def test_greedy_output_with_a_lean_draft_is_the_targets(tmp_path, models, model_
     outs = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=48))]
     assert outs == reference("llama", 48)[:8]
     assert eng.stats.acceptance_rate > 0.5
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_scripted_one_token_steps_are_the_eager_steps_bit_for_bit(tmp_path, model_dirs, family, monkeypatch):
+    """starjar.lean_step runs a one-row, one-token pass as one scripted function per layer: the logits and the
+    K/V it writes must be exactly the eager lean forward's, step after step (and a multi-token pass keeps the
+    eager forward)."""
+    from starjar import lean_step
+
+    draft = load_model(int8_draft_dir(tmp_path, model_dirs[family]))
+    assert draft.lean.scriptable
+    calls = []
+    real = lean_step.layer_fn
+    monkeypatch.setattr(lean_step, "layer_fn", lambda: calls.append(1) or real())
+
+    def run(env: str):
+        monkeypatch.setenv("STARJAR_LEAN_SCRIPT", env)
+        cache = draft.new_cache()
+        slot = cache.allocate()
+        outs = [draft.forward(cache, [slot], [[5, 6, 7, 8, 9]], [[4]])[0]]
+        for t in (11, 12, 13, 14):
+            outs.append(draft.forward(cache, [slot], [[t]], [[0]])[0])
+        outs.append(draft.forward(cache, [slot], [[15, 16]], [[1]])[0])  # a catch-up: eager
+        outs.append(draft.forward(cache, [slot], [[17]], [[0]])[0])
+        n = cache.lengths[slot]
+        kv = [t[slot, :, :n] for t in cache._keys + cache._values]
+        return torch.cat(outs), kv
+
+    eager, eager_kv = run("0")
+    assert not calls
+    scripted, scripted_kv = run("1")
+    assert len(calls) == 5  # every one-token step took the scripted path
+    assert torch.equal(eager, scripted)
+    assert all(torch.equal(a, b) for a, b in zip(eager_kv, scripted_kv, strict=True))
