@@ -48,6 +48,30 @@ class PassCost:
 
 
 @dataclass(frozen=True)
+class Hosts:
+    """Where the draft servers run. Servers on one host share its cores: while k of them are busy at once,
+    each one's passes run slowdown(k) times as long as alone (processor sharing; the slowdown changes the
+    moment another server of the host starts or stops). `contention[k - 1]` is measured (k engines drafting
+    at once in separate processes on one host, benchmarks/fabric_costs.contention); past the measured k, a
+    host whose threads outnumber its cores time-shares them: k x threads / cores."""
+
+    per_host: int = 1  # draft servers per host: server d runs on host d // per_host (1: a host, a device, each)
+    cores: int = 1
+    threads: int = 1  # torch threads of each draft server
+    contention: tuple[float, ...] = (1.0,)  # slowdown with 1, 2, ... servers of one host busy at once
+
+    def slowdown(self, busy: int) -> float:
+        if busy <= 1:
+            return 1.0
+        if busy <= len(self.contention):
+            return self.contention[busy - 1]
+        return max(self.contention[-1], busy * self.threads / self.cores)
+
+    def host(self, server: int) -> int:
+        return server // self.per_host
+
+
+@dataclass(frozen=True)
 class Round:
     passes: int  # draft passes it needs (its gamma; 0: answered without a pass)
     tokens: float  # tokens the target gains from it (accepted drafts + its own)
@@ -68,6 +92,7 @@ class StarModel:
     gamma: int = 4
     max_batch_rounds: int = 64
     scripts: list[list[Round]] | None = None  # each request's rounds; target i serves them in turn from i
+    hosts: Hosts = field(default_factory=Hosts)  # default: each draft server on a host of its own
 
     def rounds_of(self, target: int):
         """A target's endless sequence of rounds (StarSD's targets serve one request at a time)."""
@@ -168,10 +193,14 @@ class _Run:
         self.seq = 0
         self.tokens = 0.0
         self.end_s = 0.0  # when the last target finished
+        # Iterations in progress: server -> [work left (seconds alone), started at, its end event, its jobs].
+        self.running: dict[int, list] = {}
+        self.clock: dict[int, float] = {}  # host -> when its servers' work left was last brought up to date
 
-    def push(self, t: float, kind: str, who: int, jobs: list | None = None) -> None:
+    def push(self, t: float, kind: str, who: int, jobs: list | None = None) -> int:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, who, jobs or []))
+        return self.seq
 
     def iterate(self, d: int, t: float, idle: bool) -> None:
         dr = self.drafts[d]
@@ -181,10 +210,31 @@ class _Run:
             return
         cost, done = iteration_cost(self.model, dr, taken)
         cost += self.model.wake_s if idle else 0.0
-        dr.serving, dr.busy_s, dr.iterations = True, dr.busy_s + cost, dr.iterations + 1
-        self.push(t + cost, "iter", d, done)
+        dr.serving, dr.iterations = True, dr.iterations + 1
+        self.share(t, d, [cost, t, 0, done])
 
-    def step(self, t: float, kind: str, who: int, jobs: list) -> None:
+    def share(self, t: float, d: int, start: list | None = None) -> None:
+        """Server d starts an iteration (`start`) or ends one (None) at t. Its host's busy servers progress
+        at 1 / slowdown(busy servers) until t, and their ends are set again at the new slowdown."""
+        hosts = self.model.hosts
+        h = hosts.host(d)
+        mine = [s for s in range(h * hosts.per_host, (h + 1) * hosts.per_host) if s in self.running]
+        slow = hosts.slowdown(len(mine))
+        for s in mine:
+            self.running[s][0] -= (t - self.clock[h]) / slow
+        self.clock[h] = t
+        if start is None:
+            mine.remove(d)
+            del self.running[d]
+        else:
+            mine.append(d)
+            self.running[d] = start
+        slow = hosts.slowdown(len(mine))
+        for s in mine:  # the end events set before are stale now (step() skips them)
+            work = self.running[s]
+            work[2] = self.push(t + max(0.0, work[0]) * slow, "iter", s, work[3])
+
+    def step(self, t: float, kind: str, who: int, jobs: list, seq: int = 0) -> None:
         m = self.model
         if kind == "plain":
             if t < self.stop_s:
@@ -199,8 +249,10 @@ class _Run:
             dr.queue.append((who, next(self.scripts[who])))
             if not dr.serving:
                 self.iterate(self.where[who], t, idle=True)
-        else:  # an iteration of draft server `who` ends: its finished rounds are answered
+        elif self.running.get(who, (0, 0, -1))[2] == seq:  # an iteration of server `who` ends (not a stale end)
             dr = self.drafts[who]
+            dr.busy_s += t - self.running[who][1]
+            self.share(t, who)
             dr.rounds += len(jobs)
             for j in jobs:
                 self.tokens += j.rnd.tokens
@@ -218,7 +270,7 @@ def simulate(model: StarModel, n_targets: int, m_drafts: int, cycles: int = 200,
     stop = duration_s if duration_s is not None else cycles * (model.z_s + model.gamma * model.cost(1))
     of = assign(n_targets, m_drafts, model.n_max)
     where = {i: None if of[f"t{i}"] is None else int(of[f"t{i}"][1:]) for i in range(n_targets)}
-    if together or duration_s is not None:
+    if together or duration_s is not None or model.hosts.per_host > 1:  # servers sharing a host run together
         runs = [(_Run(model, where, m_drafts, stop), 1)]
     else:
         runs = _alike(model, where, m_drafts, stop)
@@ -226,8 +278,8 @@ def simulate(model: StarModel, n_targets: int, m_drafts: int, cycles: int = 200,
         for i, d in run.where.items():
             run.push(0.0 if together else model.z_s * i / max(1, n_targets), "send" if d is not None else "plain", i)
         while run.events:
-            t, _, kind, who, jobs = heapq.heappop(run.events)
-            run.step(t, kind, who, jobs)
+            t, seq, kind, who, jobs = heapq.heappop(run.events)
+            run.step(t, kind, who, jobs, seq)
     return _summary(runs, m_drafts, sum(d is None for d in where.values()))
 
 
