@@ -76,6 +76,7 @@ class Round:
     passes: int  # draft passes it needs (its gamma; 0: answered without a pass)
     tokens: float  # tokens the target gains from it (accepted drafts + its own)
     prefill: int = 0  # catch-up tokens of its first pass (a new sequence's prompt), when longer than SHORT_FEED
+    feed: int = 1  # tokens its first pass feeds when short (the accepted drafts and the bonus token)
 
 
 @dataclass
@@ -93,6 +94,17 @@ class StarModel:
     max_batch_rounds: int = 64
     scripts: list[list[Round]] | None = None  # each request's rounds; target i serves them in turn from i
     hosts: Hosts = field(default_factory=Hosts)  # default: each draft server on a host of its own
+    # A short pass is padded to its longest row: catchup(b) is a pass over b rows feeding catchup_width
+    # tokens each; between width 1 (cost) and that, linear in the width (None: width costs nothing).
+    catchup: PassCost | None = None
+    catchup_width: int = 3
+
+    def short_pass(self, rows: int, width: int) -> float:
+        """Seconds of a pass over `rows` short rows padded to `width` fed tokens."""
+        one = self.cost(rows)
+        if self.catchup is None or width <= 1:
+            return one
+        return one + (self.catchup(rows) - one) * (width - 1) / max(1, self.catchup_width - 1)
 
     def rounds_of(self, target: int):
         """A target's endless sequence of rounds (StarSD's targets serve one request at a time)."""
@@ -140,8 +152,8 @@ def iteration_cost(model: StarModel, dr: _Draft, taken: int) -> tuple[float, lis
     cost = model.round_s * taken
     if model.mode == "fifo" and len(live) == 1:  # nothing can join: the round's passes all at once
         return cost + _whole_round(model, dr, live[0]), list(dr.active)
-    feed = {id(j): (j.rnd.prefill if j.fresh and j.rnd.prefill > SHORT_FEED else 1) for j in live}
-    if all(f == 1 for f in feed.values()):  # the usual case: one pass over short rows
+    feed = {id(j): (j.rnd.prefill if j.rnd.prefill > SHORT_FEED else j.rnd.feed) if j.fresh else 1 for j in live}
+    if all(f <= SHORT_FEED for f in feed.values()):  # the usual case: one pass over short rows
         groups = [live] if live else []
     else:
         groups = length_groups(live, lambda j: feed[id(j)], short=SHORT_FEED)
@@ -150,7 +162,7 @@ def iteration_cost(model: StarModel, dr: _Draft, taken: int) -> tuple[float, lis
         if longest > SHORT_FEED and model.prefill is not None:  # a padded pass feeds rows x the longest
             cost += model.prefill(longest * len(group))
         else:
-            cost += model.cost(len(group))
+            cost += model.short_pass(len(group), longest)
         dr.passes += 1
         dr.rows += len(group)
     for j in live:
@@ -161,7 +173,8 @@ def iteration_cost(model: StarModel, dr: _Draft, taken: int) -> tuple[float, lis
 
 def _whole_round(model: StarModel, dr: _Draft, j: _Job) -> float:
     """The seconds of all of a lone round's passes (fifo), counted as the loop would count them."""
-    first = model.prefill(j.rnd.prefill) if j.rnd.prefill > SHORT_FEED and model.prefill else model.cost(1)
+    long = j.rnd.prefill > SHORT_FEED
+    first = model.prefill(j.rnd.prefill) if long and model.prefill else model.short_pass(1, 1 if long else j.rnd.feed)
     dr.passes += j.left
     dr.rows += j.left
     dr.iterations += j.left - 1  # the caller counts one
