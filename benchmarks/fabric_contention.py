@@ -9,7 +9,9 @@ Nothing here runs a draft server or a replay target: the figure does not come fr
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import statistics
+import time
 
 
 def _drafting(draft_dir: str, scripts, gamma: int, seconds: float, go, out) -> None:
@@ -39,8 +41,15 @@ def pass_seconds(draft_dir: str, scripts, gamma: int, k: int, seconds: float) ->
              for _ in range(k)]
     for p in procs:
         p.start()
+    got, deadline = [], time.monotonic() + seconds + 300
     try:
-        return [out.get(timeout=seconds + 300) for _ in procs]
+        while len(got) < k:
+            try:
+                got.append(out.get(timeout=1.0))
+            except queue.Empty:
+                if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
+                    raise RuntimeError("a drafting process died or hung before it reported") from None
+        return got
     finally:
         for p in procs:
             p.join(timeout=30)
