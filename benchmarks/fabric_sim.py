@@ -8,8 +8,12 @@ It schedules the way draft_server/compute.py does, at the level of forward passe
   gamma passes, and a round that arrives meanwhile joins the very next pass;
 - `fifo`: one round at a time, its gamma passes back to back, as StarSD does;
 - a pass's rows are grouped as starjar/grouped_forward.py groups them: short rows (one-token steps and a
-  usual round's catch-up) share a pass costing step(b) for b rows; a new sequence's prompt (its catch-up
+  usual round's catch-up) share a pass padded to the widest, costing step(b) for b one-token rows and more
+  with the width (catchup(b) at the measured catch-up width); a new sequence's prompt (its catch-up
   prefill) is a pass of its own costing prefill(tokens);
+- servers on one host (Hosts) share its cores: while k of them are busy, each runs its passes slowdown(k)
+  times as long (measured contention; processor sharing). The validation puts the M servers on this
+  machine, as the replay bench runs them; the projection gives each server a host (a device) of its own;
 - every round also costs `round_s` of the loop's bookkeeping (starting it, answering it).
 The costs are measured on this machine (benchmarks/fabric_costs.py); the workload is each request's rounds
 (passes, tokens gained, prefill) as a dry replay of the scripts gives them. Targets are assigned with the
