@@ -51,6 +51,9 @@ def assign_targets(n: int, servers: list[str], fingerprint: str) -> list[str]:
 def _delta(before: pb.DraftStats, after: pb.DraftStats) -> dict:
     rounds = after.rounds - before.rounds
     return {"busy_s": after.busy_s - before.busy_s, "rounds": rounds, "batches": after.batches - before.batches,
+            # Where the busy time goes: forward passes (as the engine times them) and the drafts they made.
+            "pass_s": after.mean_step_s * after.draft_steps - before.mean_step_s * before.draft_steps,
+            "passes": after.draft_steps - before.draft_steps, "drafted": after.drafted_tokens - before.drafted_tokens,
             "service_s": (after.mean_service_s * after.rounds - before.mean_service_s * before.rounds)
             / max(1, rounds)}
 
@@ -79,7 +82,14 @@ def run_row(servers: list[str], n: int, scripts, verify_s: float, duration_s: fl
                                       max(1, sum(p["rounds"] for p in per.values())), 5),
             "passes_per_round": round(sum(p["batches"] for p in per.values()) /
                                       max(1, sum(p["rounds"] for p in per.values())), 4),
+            "pass_s_per_round": round(_over(per, "pass_s", "rounds"), 5),
+            "pass_s_per_pass": round(_over(per, "pass_s", "passes"), 5),
+            "drafts_per_pass": round(_over(per, "drafted", "passes"), 3),  # rows drafting in a pass, on average
             "fallbacks": sum(t.stats.fallbacks for t in targets)}
+
+
+def _over(per: dict, num: str, den: str) -> float:
+    return sum(p[num] for p in per.values()) / max(1, sum(p[den] for p in per.values()))
 
 
 def sweep(draft_dir: str, mode: str, m: int, ns: list[int], scripts, verify_s: float, duration_s: float,
