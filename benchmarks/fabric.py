@@ -74,6 +74,7 @@ def validate(rows: list[dict], costs: dict, z_s: float, plain_step_s: float, dur
         measured = {k: r[k] for k in ("system_tokens_per_s", "draft_load", "busy_per_round_s", "passes_per_round",
                                       "tokens_per_round")}
         measured["rounds_per_s"] = round(r["n"] / r["cycle_s"], 3)
+        measured.update({k: r[k] for k in ("pass_s_per_round", "drafts_per_pass") if k in r})  # where busy goes
         # tokens/s = rounds/s (the schedule: what the model is about) x tokens per round (the drafts' acceptance)
         out.append({"n": r["n"], "m": r["m"], "mode": r["mode"], "measured": measured, "simulated": sim,
                     "error": {k: _err(r[k], sim[k]) for k in ("system_tokens_per_s", "draft_load")},
