@@ -24,7 +24,7 @@ from benchmarks.fabric_costs import from_json as costs_from_json
 from benchmarks.fabric_sim import Hosts, StarModel, drafts_needed, n_full, service_s, simulate
 
 HOSTS_NOTE = {"validation": "as measured: all M draft servers on this machine's cores, one torch thread each, "
-                             "slowed by the measured contention of engines drafting at once",
+                             "slowed by the measured contention of draft servers busy at once (Z = 0, one target each)",
               "scale": "a projection with one host (one device) per draft server: no contention between them"}
 SCALE_NS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 Z_OVER_S = [0.5, 1, 2, 4, 8, 16]
@@ -44,7 +44,7 @@ def calibrate(costs: dict, mode: str, z_s: float, plain_step_s: float, per_serve
 
 def this_host(costs: dict, m: int) -> Hosts:
     """The replay bench's hosts: all M draft servers on this machine, one torch thread each, slowed by the
-    measured contention of engines drafting at once (benchmarks/fabric_contention.py)."""
+    measured contention of draft servers busy at once (benchmarks/fabric_contention.py)."""
     return Hosts(per_host=max(1, m), cores=os.cpu_count() or 1, threads=1,
                  contention=costs_from_json(costs)["slowdown"])
 
@@ -178,8 +178,8 @@ def _calibration(prep: dict, z_s: float) -> dict:
     from benchmarks.star import GAMMA
 
     print("measuring the draft's pass costs, the replay workloads (single-row and batched) and the contention "
-          "of two engines on this host ...", file=sys.stderr)
-    return measure(prep["draft_dir"], prep["scripts"], GAMMA, z_s, threads=1)
+          "of two draft servers busy at once on this host ...", file=sys.stderr)
+    return measure(prep["draft_dir"], prep["scripts"], GAMMA, z_s, prep["fingerprint"], threads=1)
 
 
 def _series(result: dict, modes) -> dict:

@@ -120,9 +120,10 @@ def linear(points: list[tuple[int, float]]) -> PassCost:
     return PassCost([(float(x), max(1e-6, my + slope * (x - mx))) for x in (min(xs), max(xs))])
 
 
-def measure(draft_dir: str, scripts, gamma: int, z_s: float, threads: int = 1, servers: int = 2) -> dict:
+def measure(draft_dir: str, scripts, gamma: int, z_s: float, fingerprint: str, threads: int = 1,
+            servers: int = 2) -> dict:
     """The simulator's calibration: costs by batch size and width, per-round bookkeeping, prompt passes, the
-    single-row and batched workloads, and the slowdown of 1 .. `servers` engines drafting at once on this host."""
+    single-row and batched workloads, and the slowdown of 1 .. `servers` draft servers busy at once on this host."""
     from benchmarks.fabric_batched import batched_workloads
     from benchmarks.fabric_contention import contention
     from starjar.models import load_model
@@ -144,7 +145,7 @@ def measure(draft_dir: str, scripts, gamma: int, z_s: float, threads: int = 1, s
             "round_s": statistics.median(c[1] for c in by_size.values()),
             "prefill": linear(prompt_passes).points, "prompt_passes": prompt_passes,
             "scripts": _plain(rounds), "batched_scripts": {str(n): _plain(w) for n, w in batched.items()},
-            "contention": contention(draft_dir, scripts, gamma, servers)}
+            "contention": contention(draft_dir, scripts, fingerprint, servers)}
 
 
 def _plain(rounds: list[list[Round]]) -> list[list[dict]]:

@@ -214,12 +214,12 @@ def test_batched_dry_replay_drafts_in_shared_passes_and_loses_no_token(models):
 
 
 @pytest.mark.slow
-def test_contention_times_engines_drafting_at_once_in_their_own_processes(model_dirs, models):
+def test_contention_times_draft_servers_busy_at_once(model_dirs, models):
     from benchmarks.fabric_contention import contention
     from starjar.reference import hf_greedy
 
     scripts = [(p, hf_greedy(models["llama"], p, 12)) for p in ([5, 6, 7, 8], [100, 101, 102])]
-    out = contention(str(model_dirs["draft"]), scripts, G, servers=2, seconds=0.5)
-    assert len(out["pass_s_alone"]) == 2 and len(out["pass_s_together"]["2"]) == 2
-    assert all(s > 0 for s in out["pass_s_alone"] + out["pass_s_together"]["2"])
+    out = contention(str(model_dirs["draft"]), scripts, models["llama"].fingerprint, servers=2, seconds=1.0)
+    assert len(out["pass_s_alone"]) == 2 and len(out["loads_together"]["2"]) == 2
+    assert all(s > 0 for s in out["pass_s_alone"] + [out["pass_s_together"]["2"]])
     assert out["slowdown"][0] == 1.0 and out["slowdown"][1] > 0.5
