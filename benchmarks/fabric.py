@@ -14,24 +14,39 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks.fabric_batched import for_targets
 from benchmarks.fabric_costs import from_json as costs_from_json
-from benchmarks.fabric_sim import StarModel, drafts_needed, n_full, service_s, simulate
+from benchmarks.fabric_sim import Hosts, StarModel, drafts_needed, n_full, service_s, simulate
 
+HOSTS_NOTE = {"validation": "as measured: all M draft servers on this machine's cores, one torch thread each, "
+                             "slowed by the measured contention of draft servers busy at once (Z = 0, one target each)",
+              "scale": "a projection with one host (one device) per draft server: no contention between them"}
 SCALE_NS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 Z_OVER_S = [0.5, 1, 2, 4, 8, 16]
 
 
-def calibrate(costs: dict, mode: str, z_s: float, plain_step_s: float) -> StarModel:
-    """A StarModel of one mode from the measured costs and workload (benchmarks/fabric_costs.measure)."""
-    step, prefill, round_s, scripts = costs_from_json(costs)
+def calibrate(costs: dict, mode: str, z_s: float, plain_step_s: float, per_server: int = 1) -> StarModel:
+    """A StarModel of one mode from the measured costs and workload (benchmarks/fabric_costs.measure), each
+    draft server on a host of its own. per_server: targets per draft server, for the batched workload."""
+    c = costs_from_json(costs)
+    scripts = c["scripts"] if mode == "fifo" else for_targets(c["batched_scripts"], per_server)
     rounds = [r for s in scripts for r in s]
     tau = sum(r.tokens for r in rounds) / max(1, len(rounds))
-    return StarModel(z_s=z_s, tokens_per_round=tau, plain_step_s=plain_step_s, cost=step, mode=mode,
-                     prefill=prefill, round_s=round_s, scripts=scripts)
+    return StarModel(z_s=z_s, tokens_per_round=tau, plain_step_s=plain_step_s, cost=c["step"], mode=mode,
+                     prefill=c["prefill"], round_s=c["round_s"], scripts=scripts, catchup=c["catchup"],
+                     catchup_width=c["catchup_width"])
+
+
+def this_host(costs: dict, m: int) -> Hosts:
+    """The replay bench's hosts: all M draft servers on this machine, one torch thread each, slowed by the
+    measured contention of draft servers busy at once (benchmarks/fabric_contention.py)."""
+    return Hosts(per_host=max(1, m), cores=os.cpu_count() or 1, threads=1,
+                 contention=costs_from_json(costs)["slowdown"])
 
 
 def _err(measured: float, simulated: float) -> float:
@@ -47,15 +62,19 @@ def _sim_row(model: StarModel, n: int, m: int, duration_s: float) -> dict:
             "passes_per_round": round(sim["passes_per_round"], 4), "rows_per_pass": round(sim["rows_per_pass"], 3)}
 
 
-def validate(rows: list[dict], models: dict[str, StarModel], duration_s: float) -> list[dict]:
-    """Every measured row against the simulator run the way the bench ran (each draft server on its own
-    core: on this 2-core machine the replay targets share them with the servers)."""
+def validate(rows: list[dict], costs: dict, z_s: float, plain_step_s: float, duration_s: float) -> list[dict]:
+    """Every measured row against the simulator run the way the bench ran: its M draft servers share this
+    host (its cores and the measured contention), the batched workload drafted with as many targets per
+    server as the row had."""
     out = []
     for r in rows:
-        sim = _sim_row(models[r["mode"]], r["n"], r["m"], r.get("duration_s", duration_s))
+        per_server = -(-r["n"] // r["m"])
+        model = replace(calibrate(costs, r["mode"], z_s, plain_step_s, per_server), hosts=this_host(costs, r["m"]))
+        sim = _sim_row(model, r["n"], r["m"], r.get("duration_s", duration_s))
         measured = {k: r[k] for k in ("system_tokens_per_s", "draft_load", "busy_per_round_s", "passes_per_round",
                                       "tokens_per_round")}
         measured["rounds_per_s"] = round(r["n"] / r["cycle_s"], 3)
+        measured.update({k: r[k] for k in ("pass_s_per_round", "drafts_per_pass") if k in r})  # where busy goes
         # tokens/s = rounds/s (the schedule: what the model is about) x tokens per round (the drafts' acceptance)
         out.append({"n": r["n"], "m": r["m"], "mode": r["mode"], "measured": measured, "simulated": sim,
                     "error": {k: _err(r[k], sim[k]) for k in ("system_tokens_per_s", "draft_load")},
@@ -116,7 +135,8 @@ def _table(result: dict) -> str:
                      f"{ep['rounds_per_s']:>+12.1%} {ep['tokens_per_round']:>+13.1%} | "
                      f"{me['busy_per_round_s']:>15.3f} {si['busy_per_round_s']:>5.3f} | "
                      f"{me['passes_per_round']:>15.2f} {si['passes_per_round']:>5.2f}")
-    lines += ["", "scale (projection):", "mode        N     M  tokens/s    draft load"]
+    lines += ["", f"hosts: validation {result['hosts']['validation']}; scale {result['hosts']['scale']}"]
+    lines += ["", "scale (projection, one host per draft server):", "mode        N     M  tokens/s    draft load"]
     for r in result["scale"]:
         lines.append(f"{r['mode']:<7} {r['n_targets']:>5} {r['m_drafts']:>5} {r['system_tokens_per_s']:>9.1f} "
                      f"{r['draft_load']:>10.3f}" + ("   <- M needed" if r["m_drafts"] == r["m_needed"] else ""))
@@ -148,16 +168,18 @@ def _earlier(path: str) -> tuple[list[dict], float, dict]:
 
     star = json.loads(Path(path).read_text())
     ran = 6.0 if star["meta"].get("quick") else 15.0  # bench star's durations (rows from before they said)
-    rows = [{"duration_s": ran, **r} for r in star["rows"]]
+    # Rows of one server with more threads (bench star's second comparison) are not what the model describes.
+    rows = [{"duration_s": ran, **r} for r in star["rows"] if r.get("threads", 1) == 1]
     return rows, star["verify_s"], {**star["pair"], "measured_in": path, "measured_meta": star["meta"]}
 
 
-def _calibration(prep: dict) -> dict:
+def _calibration(prep: dict, z_s: float) -> dict:
     from benchmarks.fabric_costs import measure
     from benchmarks.star import GAMMA
 
-    print("measuring the draft's pass cost by batch size and the replay workload ...", file=sys.stderr)
-    return measure(prep["draft_dir"], prep["scripts"], GAMMA, threads=1)
+    print("measuring the draft's pass costs, the replay workloads (single-row and batched) and the contention "
+          "of two draft servers busy at once on this host ...", file=sys.stderr)
+    return measure(prep["draft_dir"], prep["scripts"], GAMMA, z_s, prep["fingerprint"], threads=1)
 
 
 def _series(result: dict, modes) -> dict:
@@ -177,19 +199,24 @@ def run(args) -> dict:
 
     from_json = getattr(args, "from_json", None)
     prep = prepare(args)
-    costs = _calibration(prep)
-    rows, verify_s, pair = _earlier(from_json) if from_json else _measure(args, prep)
-    modes = sorted({r["mode"] for r in rows})
+    earlier = _earlier(from_json) if from_json else None
+    verify_s = earlier[1] if earlier else prep["verify_s"]
     z = verify_s + prep["wire_s"]
-    models = {mode: calibrate(costs, mode, z, verify_s) for mode in modes}
+    costs = _calibration(prep, z)  # before the rows: nothing in it comes from them
+    rows, _, pair = earlier or _measure(args, prep)
+    modes = sorted({r["mode"] for r in rows})
+    # The projection: each draft server on a host (a device) of its own; the batched workload of the most
+    # targets per server the calibration drafted with.
+    models = {mode: calibrate(costs, mode, z, verify_s, per_server=SCALE_NS[-1]) for mode in modes}
     result = {"label": "validation: replay targets on real draft servers vs the simulator calibrated on the "
                        "draft's measured pass costs (not on these rows); scale and m_needed: a projection",
-              "pair": pair, "calibration": {**costs, "z_s": z, "verify_s": verify_s, "wire_s": prep["wire_s"]},
+              "hosts": HOSTS_NOTE, "pair": pair,
+              "calibration": {**costs, "z_s": z, "verify_s": verify_s, "wire_s": prep["wire_s"]},
               "models": {k: {"z_s": m.z_s, "tokens_per_round": m.tokens_per_round, "cost": m.cost.points,
-                             "prefill": m.prefill.points, "round_s": m.round_s, "mode": m.mode}
-                         for k, m in models.items()},
-              "measured": rows, "validation": validate(rows, models, _duration(args)), "scale": scale(models),
-              "m_needed": m_needed(models["fifo"])}
+                             "prefill": m.prefill.points, "catchup": m.catchup.points, "round_s": m.round_s,
+                             "mode": m.mode} for k, m in models.items()},
+              "measured": rows, "validation": validate(rows, costs, z, verify_s, _duration(args)),
+              "scale": scale(models), "m_needed": m_needed(models["fifo"])}
     result["validation_max_error"] = max(abs(e) for v in result["validation"] for e in v["error"].values())
     print(_table(result))
     result["plot"] = save_plot(Path(args.out).with_suffix(".png"), "star fabric (simulated, calibrated by the "

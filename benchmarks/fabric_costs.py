@@ -23,6 +23,7 @@ from starjar.proposer import DraftRequest
 from target_worker.replay import ReplayTarget
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+CATCHUP_WIDTH = 3  # tokens each row's first pass of a timed round feeds
 ROUNDS_PER_SIZE = 4  # rounds of gamma passes timed per batch size (the median pass is kept)
 
 
@@ -70,21 +71,28 @@ def workload(engine: DraftEngine, scripts, gamma: int) -> tuple[list[list[Round]
         # A round's new tokens are what the next request tells the draft (every token since the last sync).
         gained = [len(nxt.tokens) for nxt in reqs[1:]]
         gained.append(target.stats.tokens - sum(gained))
-        out.append([Round(r.gamma, g, len(r.tokens) if r.start == 0 and len(r.tokens) > SHORT_FEED else 0)
-                    for r, g in zip(reqs, gained, strict=True)])
+        out.append([as_round(r, g) for r, g in zip(reqs, gained, strict=True)])
         prompt_passes += rec.prompt_passes
     return out, prompt_passes
 
 
-def step_cost(engine: DraftEngine, scripts, b: int, gamma: int) -> tuple[float, float]:
-    """(median seconds of one pass over b rows, median seconds of start() per round) for b sequences that
-    are mid-way through their scripts: each round feeds a short catch-up, then one-token steps."""
+def as_round(r: DraftRequest, gained: int) -> Round:
+    """A request as the simulator sees it: its passes, the tokens it gained and what its first pass feeds."""
+    prompt = r.start == 0 and len(r.tokens) > SHORT_FEED
+    return Round(r.gamma, gained, len(r.tokens) if prompt else 0, 1 if prompt else max(1, len(r.tokens)))
+
+
+def step_cost(engine: DraftEngine, scripts, b: int, gamma: int) -> tuple[float, float, float]:
+    """(median seconds of a one-token pass over b rows, median seconds of start() per round, median seconds
+    of a catch-up pass over b rows feeding CATCHUP_WIDTH tokens each) for b sequences mid-way through their
+    scripts: each round feeds a short catch-up, then one-token steps."""
     keys = [("cost", b, k) for k in range(b)]
     mine = [scripts[k % len(scripts)] for k in range(b)]
     engine.propose([DraftRequest(key, 0, list(p), gamma) for key, (p, _) in zip(keys, mine, strict=True)])
-    passes, starts = [], []
+    passes, starts, catchups = [], [], []
+    w = CATCHUP_WIDTH
     for r in range(ROUNDS_PER_SIZE):
-        reqs = [DraftRequest(key, len(p) + 3 * r, list(c[3 * r: 3 * r + 3]), gamma)
+        reqs = [DraftRequest(key, len(p) + w * r, list(c[w * r: w * r + w]), gamma)
                 for key, (p, c) in zip(keys, mine, strict=True)]
         t0 = time.perf_counter()
         _, jobs = engine.start(reqs)
@@ -92,11 +100,12 @@ def step_cost(engine: DraftEngine, scripts, b: int, gamma: int) -> tuple[float, 
         live = [j for _, j in jobs]
         while live:
             t0 = time.perf_counter()
+            first = all(j.passes == 0 for j in live)
             engine.advance(live)
-            passes.append(time.perf_counter() - t0)
+            (catchups if first else passes).append(time.perf_counter() - t0)
             live = [j for j in live if not j.done]
     engine.release(keys)
-    return statistics.median(passes), statistics.median(starts)
+    return statistics.median(passes), statistics.median(starts), statistics.median(catchups)
 
 
 def linear(points: list[tuple[int, float]]) -> PassCost:
@@ -111,8 +120,12 @@ def linear(points: list[tuple[int, float]]) -> PassCost:
     return PassCost([(float(x), max(1e-6, my + slope * (x - mx))) for x in (min(xs), max(xs))])
 
 
-def measure(draft_dir: str, scripts, gamma: int, threads: int = 1) -> dict:
-    """The simulator's calibration: costs by batch size, per-round bookkeeping, prompt passes, workload."""
+def measure(draft_dir: str, scripts, gamma: int, z_s: float, fingerprint: str, threads: int = 1,
+            servers: int = 2) -> dict:
+    """The simulator's calibration: costs by batch size and width, per-round bookkeeping, prompt passes, the
+    single-row and batched workloads, and the slowdown of 1 .. `servers` draft servers busy at once on this host."""
+    from benchmarks.fabric_batched import batched_workloads
+    from benchmarks.fabric_contention import contention
     from starjar.models import load_model
 
     with torch_threads(threads):
@@ -121,16 +134,34 @@ def measure(draft_dir: str, scripts, gamma: int, threads: int = 1) -> dict:
         engine.release(["warm-up"])
         rounds, prompt_passes = workload(engine, scripts, gamma)
         by_size = {b: step_cost(engine, scripts, b, gamma) for b in SIZES}
-    # Points at neighbouring sizes differ by less than the noise of a shared machine: the simulator takes the
-    # least-squares line through them (a pass's cost grows about linearly with its rows at these sizes).
-    return {"threads": threads, "step": linear([(b, c[0]) for b, c in by_size.items()]).points,
-            "step_measured": [(float(b), c[0]) for b, c in by_size.items()],
+        # A one-row pass takes torch's fused int8 kernel, several rows the per-row scaled path
+        # (starjar/quantized.py): step(1) is its own point. Points at neighbouring sizes past it differ by less
+        # than the noise of a shared machine: the least-squares line through them (about linear at these sizes).
+        step = [(1.0, by_size[1][0])] + linear([(b, c[0]) for b, c in by_size.items() if b > 1]).points
+        batched = batched_workloads(engine, scripts, gamma, rounds, PassCost(step), z_s)
+    return {"threads": threads, "step": step, "step_measured": [(float(b), c[0]) for b, c in by_size.items()],
+            "catchup": linear([(b, c[2]) for b, c in by_size.items()]).points, "catchup_width": CATCHUP_WIDTH,
+            "catchup_measured": [(float(b), c[2]) for b, c in by_size.items()],
             "round_s": statistics.median(c[1] for c in by_size.values()),
             "prefill": linear(prompt_passes).points, "prompt_passes": prompt_passes,
-            "scripts": [[vars(r) for r in s] for s in rounds]}
+            "scripts": _plain(rounds), "batched_scripts": {str(n): _plain(w) for n, w in batched.items()},
+            "contention": contention(draft_dir, scripts, fingerprint, servers)}
 
 
-def from_json(d: dict) -> tuple[PassCost, PassCost, float, list[list[Round]]]:
-    """(step cost, prefill cost, round_s, scripts) from what measure() returned (or its JSON)."""
-    return (PassCost([tuple(p) for p in d["step"]]), PassCost([tuple(p) for p in d["prefill"]]), d["round_s"],
-            [[Round(**r) for r in s] for s in d["scripts"]])
+def _plain(rounds: list[list[Round]]) -> list[list[dict]]:
+    return [[vars(r) for r in s] for s in rounds]
+
+
+def _rounds(scripts: list[list[dict]]) -> list[list[Round]]:
+    return [[Round(**r) for r in s] for s in scripts]
+
+
+def from_json(d: dict) -> dict:
+    """What measure() returned (or its JSON) as the simulator's types: step, catchup and prefill costs
+    (PassCost), round_s, catchup_width, scripts, batched_scripts {targets per server: scripts}, slowdown."""
+    points = {k: PassCost([tuple(p) for p in d[k]]) if d.get(k) else None for k in ("step", "catchup", "prefill")}
+    scripts = _rounds(d["scripts"])
+    batched = {int(n): _rounds(w) for n, w in d.get("batched_scripts", {}).items()} or {1: scripts}
+    return {**points, "round_s": d["round_s"], "catchup_width": d.get("catchup_width", CATCHUP_WIDTH),
+            "scripts": scripts, "batched_scripts": batched,
+            "slowdown": tuple(d.get("contention", {}).get("slowdown", (1.0,)))}

@@ -8,8 +8,12 @@ It schedules the way draft_server/compute.py does, at the level of forward passe
   gamma passes, and a round that arrives meanwhile joins the very next pass;
 - `fifo`: one round at a time, its gamma passes back to back, as StarSD does;
 - a pass's rows are grouped as starjar/grouped_forward.py groups them: short rows (one-token steps and a
-  usual round's catch-up) share a pass costing step(b) for b rows; a new sequence's prompt (its catch-up
+  usual round's catch-up) share a pass padded to the widest, costing step(b) for b one-token rows and more
+  with the width (catchup(b) at the measured catch-up width); a new sequence's prompt (its catch-up
   prefill) is a pass of its own costing prefill(tokens);
+- servers on one host (Hosts) share its cores: while k of them are busy, each runs its passes slowdown(k)
+  times as long (measured contention; processor sharing). The validation puts the M servers on this
+  machine, as the replay bench runs them; the projection gives each server a host (a device) of its own;
 - every round also costs `round_s` of the loop's bookkeeping (starting it, answering it).
 The costs are measured on this machine (benchmarks/fabric_costs.py); the workload is each request's rounds
 (passes, tokens gained, prefill) as a dry replay of the scripts gives them. Targets are assigned with the
@@ -48,10 +52,35 @@ class PassCost:
 
 
 @dataclass(frozen=True)
+class Hosts:
+    """Where the draft servers run. Servers on one host share its cores: while k of them are busy at once,
+    each one's passes run slowdown(k) times as long as alone (processor sharing; the slowdown changes the
+    moment another server of the host starts or stops). `contention[k - 1]` is measured (k engines drafting
+    at once in separate processes on one host, benchmarks/fabric_costs.contention); past the measured k, a
+    host whose threads outnumber its cores time-shares them: k x threads / cores."""
+
+    per_host: int = 1  # draft servers per host: server d runs on host d // per_host (1: a host, a device, each)
+    cores: int = 1
+    threads: int = 1  # torch threads of each draft server
+    contention: tuple[float, ...] = (1.0,)  # slowdown with 1, 2, ... servers of one host busy at once
+
+    def slowdown(self, busy: int) -> float:
+        if busy <= 1:
+            return 1.0
+        if busy <= len(self.contention):
+            return self.contention[busy - 1]
+        return max(self.contention[-1], busy * self.threads / self.cores)
+
+    def host(self, server: int) -> int:
+        return server // self.per_host
+
+
+@dataclass(frozen=True)
 class Round:
     passes: int  # draft passes it needs (its gamma; 0: answered without a pass)
     tokens: float  # tokens the target gains from it (accepted drafts + its own)
     prefill: int = 0  # catch-up tokens of its first pass (a new sequence's prompt), when longer than SHORT_FEED
+    feed: int = 1  # tokens its first pass feeds when short (the accepted drafts and the bonus token)
 
 
 @dataclass
@@ -68,6 +97,18 @@ class StarModel:
     gamma: int = 4
     max_batch_rounds: int = 64
     scripts: list[list[Round]] | None = None  # each request's rounds; target i serves them in turn from i
+    hosts: Hosts = field(default_factory=Hosts)  # default: each draft server on a host of its own
+    # A short pass is padded to its longest row: catchup(b) is a pass over b rows feeding catchup_width
+    # tokens each; between width 1 (cost) and that, linear in the width (None: width costs nothing).
+    catchup: PassCost | None = None
+    catchup_width: int = 3
+
+    def short_pass(self, rows: int, width: int) -> float:
+        """Seconds of a pass over `rows` short rows padded to `width` fed tokens."""
+        one = self.cost(rows)
+        if self.catchup is None or width <= 1:
+            return one
+        return one + (self.catchup(rows) - one) * (width - 1) / max(1, self.catchup_width - 1)
 
     def rounds_of(self, target: int):
         """A target's endless sequence of rounds (StarSD's targets serve one request at a time)."""
@@ -115,8 +156,8 @@ def iteration_cost(model: StarModel, dr: _Draft, taken: int) -> tuple[float, lis
     cost = model.round_s * taken
     if model.mode == "fifo" and len(live) == 1:  # nothing can join: the round's passes all at once
         return cost + _whole_round(model, dr, live[0]), list(dr.active)
-    feed = {id(j): (j.rnd.prefill if j.fresh and j.rnd.prefill > SHORT_FEED else 1) for j in live}
-    if all(f == 1 for f in feed.values()):  # the usual case: one pass over short rows
+    feed = {id(j): (j.rnd.prefill if j.rnd.prefill > SHORT_FEED else j.rnd.feed) if j.fresh else 1 for j in live}
+    if all(f <= SHORT_FEED for f in feed.values()):  # the usual case: one pass over short rows
         groups = [live] if live else []
     else:
         groups = length_groups(live, lambda j: feed[id(j)], short=SHORT_FEED)
@@ -125,7 +166,7 @@ def iteration_cost(model: StarModel, dr: _Draft, taken: int) -> tuple[float, lis
         if longest > SHORT_FEED and model.prefill is not None:  # a padded pass feeds rows x the longest
             cost += model.prefill(longest * len(group))
         else:
-            cost += model.cost(len(group))
+            cost += model.short_pass(len(group), longest)
         dr.passes += 1
         dr.rows += len(group)
     for j in live:
@@ -136,7 +177,8 @@ def iteration_cost(model: StarModel, dr: _Draft, taken: int) -> tuple[float, lis
 
 def _whole_round(model: StarModel, dr: _Draft, j: _Job) -> float:
     """The seconds of all of a lone round's passes (fifo), counted as the loop would count them."""
-    first = model.prefill(j.rnd.prefill) if j.rnd.prefill > SHORT_FEED and model.prefill else model.cost(1)
+    long = j.rnd.prefill > SHORT_FEED
+    first = model.prefill(j.rnd.prefill) if long and model.prefill else model.short_pass(1, 1 if long else j.rnd.feed)
     dr.passes += j.left
     dr.rows += j.left
     dr.iterations += j.left - 1  # the caller counts one
@@ -168,10 +210,14 @@ class _Run:
         self.seq = 0
         self.tokens = 0.0
         self.end_s = 0.0  # when the last target finished
+        # Iterations in progress: server -> [work left (seconds alone), started at, its end event, its jobs].
+        self.running: dict[int, list] = {}
+        self.clock: dict[int, float] = {}  # host -> when its servers' work left was last brought up to date
 
-    def push(self, t: float, kind: str, who: int, jobs: list | None = None) -> None:
+    def push(self, t: float, kind: str, who: int, jobs: list | None = None) -> int:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, who, jobs or []))
+        return self.seq
 
     def iterate(self, d: int, t: float, idle: bool) -> None:
         dr = self.drafts[d]
@@ -181,10 +227,31 @@ class _Run:
             return
         cost, done = iteration_cost(self.model, dr, taken)
         cost += self.model.wake_s if idle else 0.0
-        dr.serving, dr.busy_s, dr.iterations = True, dr.busy_s + cost, dr.iterations + 1
-        self.push(t + cost, "iter", d, done)
+        dr.serving, dr.iterations = True, dr.iterations + 1
+        self.share(t, d, [cost, t, 0, done])
 
-    def step(self, t: float, kind: str, who: int, jobs: list) -> None:
+    def share(self, t: float, d: int, start: list | None = None) -> None:
+        """Server d starts an iteration (`start`) or ends one (None) at t. Its host's busy servers progress
+        at 1 / slowdown(busy servers) until t, and their ends are set again at the new slowdown."""
+        hosts = self.model.hosts
+        h = hosts.host(d)
+        mine = [s for s in range(h * hosts.per_host, (h + 1) * hosts.per_host) if s in self.running]
+        slow = hosts.slowdown(len(mine))
+        for s in mine:
+            self.running[s][0] -= (t - self.clock[h]) / slow
+        self.clock[h] = t
+        if start is None:
+            mine.remove(d)
+            del self.running[d]
+        else:
+            mine.append(d)
+            self.running[d] = start
+        slow = hosts.slowdown(len(mine))
+        for s in mine:  # the end events set before are stale now (step() skips them)
+            work = self.running[s]
+            work[2] = self.push(t + max(0.0, work[0]) * slow, "iter", s, work[3])
+
+    def step(self, t: float, kind: str, who: int, jobs: list, seq: int = 0) -> None:
         m = self.model
         if kind == "plain":
             if t < self.stop_s:
@@ -199,8 +266,10 @@ class _Run:
             dr.queue.append((who, next(self.scripts[who])))
             if not dr.serving:
                 self.iterate(self.where[who], t, idle=True)
-        else:  # an iteration of draft server `who` ends: its finished rounds are answered
+        elif self.running.get(who, (0, 0, -1))[2] == seq:  # an iteration of server `who` ends (not a stale end)
             dr = self.drafts[who]
+            dr.busy_s += t - self.running[who][1]
+            self.share(t, who)
             dr.rounds += len(jobs)
             for j in jobs:
                 self.tokens += j.rnd.tokens
@@ -218,7 +287,7 @@ def simulate(model: StarModel, n_targets: int, m_drafts: int, cycles: int = 200,
     stop = duration_s if duration_s is not None else cycles * (model.z_s + model.gamma * model.cost(1))
     of = assign(n_targets, m_drafts, model.n_max)
     where = {i: None if of[f"t{i}"] is None else int(of[f"t{i}"][1:]) for i in range(n_targets)}
-    if together or duration_s is not None:
+    if together or duration_s is not None or model.hosts.per_host > 1:  # servers sharing a host run together
         runs = [(_Run(model, where, m_drafts, stop), 1)]
     else:
         runs = _alike(model, where, m_drafts, stop)
@@ -226,8 +295,8 @@ def simulate(model: StarModel, n_targets: int, m_drafts: int, cycles: int = 200,
         for i, d in run.where.items():
             run.push(0.0 if together else model.z_s * i / max(1, n_targets), "send" if d is not None else "plain", i)
         while run.events:
-            t, _, kind, who, jobs = heapq.heappop(run.events)
-            run.step(t, kind, who, jobs)
+            t, seq, kind, who, jobs = heapq.heappop(run.events)
+            run.step(t, kind, who, jobs, seq)
     return _summary(runs, m_drafts, sum(d is None for d in where.values()))
 
 

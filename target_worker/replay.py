@@ -82,16 +82,28 @@ class ReplayTarget:
 
     def _round(self, batch: list[ReplaySequence]) -> None:
         t0 = time.perf_counter()
-        reqs = []
-        for s in batch:
-            toks = s.tokens()
-            g = max(0, min(self.gamma, len(s.continuation) - s.emitted - 1))
-            reqs.append(DraftRequest(id(s), s.synced, toks[s.synced:], g))
+        reqs = self.requests(batch)
         try:
             replies = self.proposer.propose(reqs)
         except Exception:  # a failed round is a speculation-free step, as on a real target
             replies = [None] * len(reqs)
             self.stats.fallbacks += 1
+        self.verify(batch, reqs, replies)
+        time.sleep(self.verify_s)  # the verification pass, replayed
+        self.stats.round_s.append(time.perf_counter() - t0)
+
+    def requests(self, batch: list[ReplaySequence]) -> list[DraftRequest]:
+        """A round's draft requests: each sequence's tokens since the last sync, and up to gamma drafts."""
+        reqs = []
+        for s in batch:
+            toks = s.tokens()
+            g = max(0, min(self.gamma, len(s.continuation) - s.emitted - 1))
+            reqs.append(DraftRequest(id(s), s.synced, toks[s.synced:], g))
+        return reqs
+
+    def verify(self, batch: list[ReplaySequence], reqs: list[DraftRequest], replies: list) -> None:
+        """Accept each sequence's drafts up to the first that differs from its recorded continuation, plus the
+        target's own next token (None: the proposer lost the sequence; it resyncs from 0 next round)."""
         for s, r, req in zip(batch, replies, reqs, strict=True):
             if r is None:
                 s.synced, r = 0, []
@@ -106,5 +118,3 @@ class ReplayTarget:
             self.stats.accepted += k
             self.stats.tokens += k + 1
         self.stats.rounds += 1
-        time.sleep(self.verify_s)  # the verification pass, replayed
-        self.stats.round_s.append(time.perf_counter() - t0)

@@ -3,9 +3,12 @@ does it, hand-computed small cases, and StarSD's closed forms."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from benchmarks.fabric_sim import (
+    Hosts,
     PassCost,
     Round,
     StarModel,
@@ -113,16 +116,70 @@ def test_scripts_give_each_target_its_rounds_in_turn():
 
 
 def test_calibration_takes_the_measured_costs_and_the_workload():
-    from benchmarks.fabric import admitted, calibrate
+    from benchmarks.fabric import admitted, calibrate, this_host
 
     costs = {"step": [(1.0, P), (4.0, 2 * P)], "prefill": [(10.0, 0.01), (50.0, 0.03)], "round_s": 0.0,
-             "scripts": [[{"passes": G, "tokens": 4, "prefill": 20}, {"passes": G, "tokens": 2, "prefill": 0}]]}
+             "scripts": [[{"passes": G, "tokens": 4, "prefill": 20}, {"passes": G, "tokens": 2, "prefill": 0}]],
+             "batched_scripts": {"1": [[{"passes": G, "tokens": 4}]], "4": [[{"passes": G, "tokens": 2}]]},
+             "contention": {"slowdown": [1.0, 1.7]}}
     m = calibrate(costs, "fifo", Z, plain_step_s=0.02)
     assert (m.z_s, m.cost(1), m.cost(4), m.prefill(30), m.tokens_per_round) == pytest.approx(
         (Z, P, 2 * P, 0.02, 3.0))
-    assert service_s(m) == pytest.approx(0.010)
+    assert service_s(m) == pytest.approx(0.010) and m.hosts == Hosts()  # a projection: a host per server
     # Admission: speculating beats 50 tokens/s alone only while tau / (N S) > 50, i.e. N < 6.
     assert admitted(m).n_max == 5
+    # The batched mode drafts with the workload of the most targets per server up to the row's (1 up to 3).
+    assert [calibrate(costs, "batched", Z, 0.02, per_server=k).tokens_per_round for k in (1, 3, 4, 8)] == [
+        4, 4, 2, 2]
+    assert this_host(costs, 2).per_host == 2 and this_host(costs, 2).slowdown(2) == 1.7
+
+
+def test_servers_sharing_a_host_slow_each_other_while_both_are_busy():
+    # Two servers on one host, a pass 1 s alone, 2 s while both are busy. Targets 0 and 1 (one per server)
+    # send at 0: round of 1 pass (server 0) and of 3 passes (server 1). Both at half speed until 2 (server 0
+    # done: 1 s of work), then server 1 alone: its 2 s left end at 4. Z = 1, stop 0.5: sends at 3 and 5 end it.
+    scripts = [[Round(1, 2)], [Round(3, 2)]]
+    shared = StarModel(z_s=1.0, tokens_per_round=0, plain_step_s=1.0, cost=PassCost([(1, 1.0)]), gamma=1,
+                       scripts=scripts, hosts=Hosts(per_host=2, cores=2, contention=(1.0, 2.0)))
+    assert assign(2, 2, 64) == {"t0": "d0", "t1": "d1"}
+    out = simulate(shared, 2, 2, duration_s=0.5, together=True)
+    assert out["wall_s"] == pytest.approx(5.0) and out["rounds"] == 2
+    assert out["loads"] == pytest.approx([2 / 5, 4 / 5]) and out["busy_per_round_s"] == pytest.approx(3.0)
+    assert out["system_tokens_per_s"] == pytest.approx(4 / 5)
+    # A host each (the projection's servers): 1 s and 3 s, sends at 2 and 4, wall 4.
+    apart = simulate(replace(shared, hosts=Hosts()), 2, 2, duration_s=0.5, together=True)
+    assert apart["wall_s"] == pytest.approx(4.0) and apart["loads"] == pytest.approx([1 / 4, 3 / 4])
+
+
+def test_a_host_of_saturated_servers_serves_at_the_measured_slowdown():
+    # fifo, 8 targets on 2 servers of one host, always both busy: each round 4 passes x P x 1.5.
+    m = _model(hosts=Hosts(per_host=2, cores=2, contention=(1.0, 1.5)))
+    out = simulate(m, 8, 2, duration_s=4.0, together=True)
+    assert out["busy_per_round_s"] == pytest.approx(1.5 * G * P, rel=0.02)
+    assert out["system_tokens_per_s"] == pytest.approx(2 * TAU / (1.5 * G * P), rel=0.03)
+    assert simulate(_model(), 8, 2, duration_s=4.0, together=True)["busy_per_round_s"] == pytest.approx(G * P)
+
+
+def test_host_slowdown_past_the_measured_servers_time_shares_the_cores():
+    h = Hosts(per_host=4, cores=2, threads=1, contention=(1.0, 1.1))
+    assert [h.slowdown(k) for k in (1, 2, 3, 4)] == pytest.approx([1.0, 1.1, 1.5, 2.0])
+    assert [h.host(d) for d in range(6)] == [0, 0, 0, 0, 1, 1]
+    assert Hosts(per_host=4, cores=8, contention=(1.0, 1.2)).slowdown(4) == pytest.approx(1.2)
+
+
+def test_a_short_pass_is_padded_to_its_widest_row():
+    # step(b) = b, catchup(b) over rows of 3 tokens = 2b: width w costs b (1 + (w - 1) / 2).
+    m = _model(cost=PassCost([(1, 1.0), (8, 8.0)]), catchup=PassCost([(1, 2.0), (8, 16.0)]), catchup_width=3,
+               mode="batched")
+    assert [m.short_pass(4, w) for w in (1, 3, 5)] == pytest.approx([4.0, 8.0, 12.0])
+    dr = _Draft()
+    dr.active = [_Job(0, Round(G, 3), G - 1, fresh=False), _Job(1, Round(G, 3, feed=5), G)]
+    cost, _ = iteration_cost(m, dr, taken=1)
+    assert cost == pytest.approx(m.short_pass(2, 5)) == pytest.approx(6.0)
+    fifo = replace(m, mode="fifo")
+    dr = _Draft()
+    dr.active = [_Job(0, Round(G, 3, feed=3), G)]
+    assert iteration_cost(fifo, dr, taken=1)[0] == pytest.approx(2.0 + (G - 1) * 1.0)
 
 
 def test_bench_star_refuses_draft_threads_out_of_range(tmp_path, capsys):
@@ -131,3 +188,38 @@ def test_bench_star_refuses_draft_threads_out_of_range(tmp_path, capsys):
     out = tmp_path / "star.json"
     assert main(["star", "--replay", "--draft-servers", "2", "--draft-threads", "0", "--out", str(out)]) == 2
     assert "draft_threads" in capsys.readouterr().err and not out.exists()
+
+
+def test_batched_dry_replay_drafts_in_shared_passes_and_loses_no_token(models):
+    from benchmarks.fabric_batched import batched_rounds, batched_workloads
+    from benchmarks.fabric_costs import workload
+    from draft_server.engine import DraftEngine
+    from starjar.reference import hf_greedy
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [100, 101, 102], [42] * 12, [7, 3, 9]]
+    scripts = [(p, hf_greedy(models["llama"], p, 10)) for p in prompts]
+    engine = DraftEngine(models["draft"])
+    single, _ = workload(engine, scripts, G)
+    # One target: every pass has one row, as the single-row dry replay's: the same rounds.
+    assert batched_rounds(engine, scripts, G, 1, PassCost([(1, P)]), Z) == single
+    engine.stats.passes = engine.stats.drafted_tokens = 0
+    by_n = batched_workloads(engine, scripts, G, single, PassCost([(1, P), (8, 2 * P)]), Z, sizes=(3,))
+    assert set(by_n) == {1, 3} and by_n[1] is single
+    # A one-row pass drafts at most one token: more drafts than passes, rows shared passes.
+    assert engine.stats.drafted_tokens > engine.stats.passes
+    for (_, continuation), rounds in zip(scripts, by_n[3], strict=True):
+        # The replay verifies against the target's own greedy continuation: every token once, none lost.
+        assert sum(r.tokens for r in rounds) == len(continuation)
+        assert all(0 <= r.passes <= G and 1 <= r.feed <= 8 for r in rounds)
+
+
+@pytest.mark.slow
+def test_contention_times_draft_servers_busy_at_once(model_dirs, models):
+    from benchmarks.fabric_contention import contention
+    from starjar.reference import hf_greedy
+
+    scripts = [(p, hf_greedy(models["llama"], p, 12)) for p in ([5, 6, 7, 8], [100, 101, 102])]
+    out = contention(str(model_dirs["draft"]), scripts, models["llama"].fingerprint, servers=2, seconds=1.0)
+    assert len(out["pass_s_alone"]) == 2 and len(out["loads_together"]["2"]) == 2
+    assert all(s > 0 for s in out["pass_s_alone"] + [out["pass_s_together"]["2"]])
+    assert out["slowdown"][0] == 1.0 and out["slowdown"][1] > 0.5
