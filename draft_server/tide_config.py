@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from draft_server.tide_buffer import BufferConfig
 from draft_server.tide_collect import CollectConfig
@@ -50,3 +50,20 @@ class TideConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     collect: CollectConfig = field(default_factory=CollectConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def train_config_from(spec: str) -> TrainConfig:
+    """TrainConfig from "name=value,name=value" (`serve draft --adapt-train`): the trainer's settings by name,
+    each converted to its field's type; an unknown name or a bad value is an InvalidArgument."""
+    types = {f.name: f.type for f in fields(TrainConfig)}
+    kw: dict = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq or name not in types:
+            raise InvalidArgument("adapt_train", f"name=value pairs of {sorted(types)}", item)
+        try:
+            kw[name] = float(value) if types[name] in ("float", float) else int(value)
+        except ValueError:
+            raise InvalidArgument(name, f"must be a {types[name]}", value) from None
+    return TrainConfig(**kw)

@@ -9,7 +9,7 @@ import torch
 
 from draft_server.tide_buffer import BufferConfig, TrainingBuffer
 from draft_server.tide_collect import CollectConfig, CollectionControl
-from draft_server.tide_config import TrainConfig
+from draft_server.tide_config import TrainConfig, train_config_from
 from draft_server.tide_trainer import AdapterTrainer, LowRankLogits
 from starjar.errors import InvalidArgument
 from starjar.proposer import DraftRequest
@@ -189,6 +189,11 @@ def test_serve_draft_adapt_flags_build_the_config():
     assert on.tide is not None and not on.tide.collect.start_collecting  # TIDE's default: wait for a drift
     cold = _draft_config(_parser().parse_args(["serve", "draft", "--adapt", "--adapt-collect-from-start"]))
     assert cold.tide.collect.start_collecting
+    tuned = _draft_config(_parser().parse_args(["serve", "draft", "--adapt", "--adapt-train", "rank=64,lr=0.003"]))
+    assert tuned.tide.train.rank == 64 and tuned.tide.train.lr == 0.003 and tuned.tide.train.eval_every == 4
+    for bad in ("rank=0", "nope=1", "lr=fast", "rank"):
+        with pytest.raises(InvalidArgument):
+            train_config_from(bad)
 
 
 def _agreement(draft, seqs, adapter=None) -> float:
