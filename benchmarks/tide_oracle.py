@@ -175,6 +175,14 @@ def best_gamma(a: float, c: float, verify_ratio: list[float]) -> tuple[int, floa
     return max(((g, speedup(a, g, c, verify_ratio)) for g in range(len(verify_ratio))), key=lambda x: x[1])
 
 
+def agreement_for(target: float, c: float, verify_ratio: list[float]) -> float | None:
+    """The least agreement (to 0.001) whose best-gamma speedup reaches `target`; None if even 1.0 does not."""
+    for i in range(1001):
+        if best_gamma(i / 1000, c, verify_ratio)[1] >= target:
+            return i / 1000
+    return None
+
+
 def _model_rows(agreements: dict, costs: dict) -> dict:
     rows = {}
     for batch, cost in costs.items():
@@ -190,7 +198,9 @@ def _model_rows(agreements: dict, costs: dict) -> dict:
                     "best_gamma_oracle": g1, "speedup_oracle": round(s1, 4),
                     "adaptation_ratio_best_gamma": round(s1 / s0, 4),
                     f"speedup_gamma{GAMMA}_before": round(f0, 4), f"speedup_gamma{GAMMA}_oracle": round(f1, 4),
-                    f"adaptation_ratio_gamma{GAMMA}": round(f1 / f0, 4)}
+                    f"adaptation_ratio_gamma{GAMMA}": round(f1 / f0, 4),
+                    "agreement_needed_for_1.05x_best_gamma": agreement_for(1.05 * s0, c, v),
+                    "speedup_at_agreement_1": round(best_gamma(1.0, c, v)[1], 4)}
     return rows
 
 
