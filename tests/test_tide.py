@@ -286,3 +286,18 @@ def test_held_out_judges_an_adapter_on_the_newest_traffic(models):
         assert candidate <= serving, (serving, candidate)  # the whole ring: the old domain outvotes the new
     finally:
         draft.adapter = None
+
+
+def test_tide_oracle_speedup_model():
+    """bench tide-oracle's model: (1 - a^(g+1)) / (1 - a) tokens over g c + V(g+1) target steps, gamma 0 = 1."""
+    from benchmarks.tide_oracle import agreement_for, best_gamma, speedup
+
+    flat = [1.0, 1.0, 1.0, 1.0]  # verification as cheap as one step
+    assert speedup(0.5, 0, 0.3, flat) == 1.0
+    assert speedup(0.5, 2, 0.25, flat) == pytest.approx(1.75 / 1.5)
+    assert best_gamma(0.0, 0.3, flat) == (0, 1.0)  # a draft that is never right: do not speculate
+    steep = [1.0, 1.7, 1.9, 1.7]  # this CPU's shape: two tokens cost 1.7 steps
+    assert best_gamma(0.3, 0.28, steep)[0] == 0
+    need = agreement_for(1.05, 0.28, steep)
+    assert best_gamma(need, 0.28, steep)[1] >= 1.05 > best_gamma(need - 0.001, 0.28, steep)[1]
+    assert agreement_for(10.0, 0.28, steep) is None
