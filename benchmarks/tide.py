@@ -26,7 +26,10 @@ once. Offline, training on one category's traffic lifts its held-out
 agreement 0.04 -> 0.13 on translation and 0.09 -> 0.12 on math_reasoning.
 What adaptation learns for it is what those
 layers skip, from the traffic: TIDE's case (a small draft head trained on
-serving-time hidden states). `--draft DIR` runs any other draft.
+serving-time hidden states). `--draft DIR` runs any other draft;
+`--adapt-train name=value,...` passes trainer settings to the adapting
+server. Whether any candidate can pay at all on this machine: `starjar bench
+tide-oracle` (an offline upper bound).
 
 Reported per run: tokens/s over the whole drift, mean acceptance (accepted /
 proposed), the draft server's round latency p99 (queue wait + compute, its own
