@@ -35,6 +35,8 @@ def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
     ap.add_argument("--in-process-draft", action="store_true",
                     help="bench adaserve: draft in the bench's process instead of a `starjar serve draft` process")
     ap.add_argument("--real", action="store_true", help="bench nightjar: also run a subset on the real models")
+    ap.add_argument("--adapt-train", default="",
+                    help="bench tide: the adapting draft server's --adapt-train (e.g. rank=64,lr=0.003)")
     ap.add_argument("--out", required=True, help="results JSON path")
     ap.add_argument("--target", help="target model directory (default: the default pair)")
     ap.add_argument("--draft", help="draft model directory (default: the default pair)")

@@ -19,7 +19,7 @@ BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "bench
               "cluster": "benchmarks.cluster", "draft": "benchmarks.draft", "api": "benchmarks.api",
               "nightjar": "benchmarks.nightjar", "offload": "benchmarks.offload",
               "faults": "benchmarks.faults", "tide": "benchmarks.tide", "fabric": "benchmarks.fabric",
-              "adaserve": "benchmarks.adaserve"}
+              "adaserve": "benchmarks.adaserve", "tide-oracle": "benchmarks.tide_oracle"}
 
 
 def run_bench(args) -> int:

@@ -26,7 +26,10 @@ once. Offline, training on one category's traffic lifts its held-out
 agreement 0.04 -> 0.13 on translation and 0.09 -> 0.12 on math_reasoning.
 What adaptation learns for it is what those
 layers skip, from the traffic: TIDE's case (a small draft head trained on
-serving-time hidden states). `--draft DIR` runs any other draft.
+serving-time hidden states). `--draft DIR` runs any other draft;
+`--adapt-train name=value,...` passes trainer settings to the adapting
+server. Whether any candidate can pay at all on this machine: `starjar bench
+tide-oracle` (an offline upper bound).
 
 Reported per run: tokens/s over the whole drift, mean acceptance (accepted /
 proposed), the draft server's round latency p99 (queue wait + compute, its own
@@ -141,8 +144,7 @@ def _draft_stats(address: str) -> pb.DraftStats:
         return pb_grpc.DraftServiceStub(ch).GetStats(pb.GetStatsRequest(), timeout=10)
 
 
-def _run(draft_dir: str, target, prompts, phase_s: float, adapt: bool) -> dict:
-    flags = ["--adapt", "--adapt-collect-from-start"] if adapt else []
+def _run(draft_dir: str, target, prompts, phase_s: float, flags: list[str]) -> dict:
     server = ServerProcess("draft", "--model", draft_dir, "--port", "0", "--max-targets", "4", *flags, threads=1)
     try:
         rp = RemoteProposer(server.address, target.fingerprint, "tide-bench", deadline_s=5.0)
@@ -254,16 +256,19 @@ def run(args) -> dict:
     torch.set_num_threads(1)  # the target's core; the draft server has the other
     target = load_model(target_dir)
     prompts = domain_prompts(target.tokenizer)
+    adapt = ["--adapt", "--adapt-collect-from-start"]
+    if getattr(args, "adapt_train", ""):
+        adapt += ["--adapt-train", args.adapt_train]
     runs = {}
-    for name, adapt in (("without", False), ("with_adaptation", True)):
+    for name, flags in (("without", []), ("with_adaptation", adapt)):
         print(f"bench tide: {name}, {len(DOMAINS)} phases of {phase_s:g} s ...", file=sys.stderr)
-        runs[name] = _run(draft_dir, target, prompts, phase_s, adapt)
+        runs[name] = _run(draft_dir, target, prompts, phase_s, flags)
     total = len(DOMAINS) * phase_s
     out = {"label": "one target engine in this process (1 core) drafting over loopback gRPC from a "
                     "`starjar serve draft` process (1 core); default target; greedy, gamma 3",
            "pair": {"target": target_dir, "draft": draft_dir, "note": note},
            "domains": list(DOMAINS), "phase_s": phase_s, "max_new_tokens": MAX_NEW, "concurrency": CONCURRENCY,
-           "prompt_cap_tokens": PROMPT_CAP, "draft_server_flags_with_adaptation": "--adapt --adapt-collect-from-start"}
+           "prompt_cap_tokens": PROMPT_CAP, "draft_server_flags_with_adaptation": " ".join(adapt)}
     for name, trace in runs.items():
         out[name] = summarize(trace, phase_s)
     w, wo = out["with_adaptation"], out["without"]

@@ -55,6 +55,9 @@ def _add_draft_parser(ssub) -> None:
     d.add_argument("--adapt-collect-from-start", action="store_true",
                    help="with --adapt: collect training data from the first round (a cold start) instead of "
                         "waiting for acceptance to drop (TIDE's default)")
+    d.add_argument("--adapt-train", default="",
+                   help="with --adapt: trainer settings as name=value pairs, e.g. rank=64,lr=0.003 (fields of "
+                        "draft_server.tide_config.TrainConfig; default: its defaults)")
     d.add_argument("--device", default="cpu")
     d.add_argument("--dtype", default="float32")
     d.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
@@ -149,11 +152,12 @@ def _draft_config(args):
 
 def _tide_config(args):
     from draft_server.tide_collect import CollectConfig
-    from draft_server.tide_config import TideConfig
+    from draft_server.tide_config import TideConfig, train_config_from
 
     if not args.adapt:
         return None
-    return TideConfig(collect=CollectConfig(start_collecting=args.adapt_collect_from_start))
+    return TideConfig(collect=CollectConfig(start_collecting=args.adapt_collect_from_start),
+                      train=train_config_from(args.adapt_train))
 
 
 def _run_draft(args) -> int:

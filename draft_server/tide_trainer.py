@@ -195,7 +195,7 @@ class AdapterTrainer:
         self.candidate = cand.train()
         self._opt = torch.optim.Adam(cand.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
         self._steps_left = self.cfg.steps_per_cycle
-        self._eval_at, self._eval_counts = 0, [0, 0, 0]
+        self._eval_at, self._eval_counts = self._eval_first(), [0, 0, 0]
         self.new_positions = 0
         self.cycles += 1
 
@@ -215,6 +215,11 @@ class AdapterTrainer:
             loss.backward()
             self._opt.step()
         self._steps_left -= 1
+
+    def _eval_first(self) -> int:
+        """The first held-out row a cycle scores: only the newest eval_recent (the pool is oldest first), so
+        an adapter is judged on the traffic it will serve, not on the domain before a switch."""
+        return max(0, len(self.eval_pool) - self.cfg.eval_recent)
 
     @torch.no_grad()
     def _eval_step(self) -> tuple[float, float] | None:

@@ -9,7 +9,7 @@ import torch
 
 from draft_server.tide_buffer import BufferConfig, TrainingBuffer
 from draft_server.tide_collect import CollectConfig, CollectionControl
-from draft_server.tide_config import TrainConfig
+from draft_server.tide_config import TrainConfig, train_config_from
 from draft_server.tide_trainer import AdapterTrainer, LowRankLogits
 from starjar.errors import InvalidArgument
 from starjar.proposer import DraftRequest
@@ -189,6 +189,11 @@ def test_serve_draft_adapt_flags_build_the_config():
     assert on.tide is not None and not on.tide.collect.start_collecting  # TIDE's default: wait for a drift
     cold = _draft_config(_parser().parse_args(["serve", "draft", "--adapt", "--adapt-collect-from-start"]))
     assert cold.tide.collect.start_collecting
+    tuned = _draft_config(_parser().parse_args(["serve", "draft", "--adapt", "--adapt-train", "rank=64,lr=0.003"]))
+    assert tuned.tide.train.rank == 64 and tuned.tide.train.lr == 0.003 and tuned.tide.train.eval_every == 4
+    for bad in ("rank=0", "nope=1", "lr=fast", "rank"):
+        with pytest.raises(InvalidArgument):
+            train_config_from(bad)
 
 
 def _agreement(draft, seqs, adapter=None) -> float:
@@ -227,3 +232,72 @@ def test_training_on_the_targets_outputs_does_not_lower_held_out_agreement(model
     before, after = _agreement(draft, unseen), _agreement(draft, unseen, adapter)
     assert before > 0.3  # a draft with something to lose
     assert after >= before - 0.02, (before, after)
+
+
+def _run_cycles(tr: AdapterTrainer, draft, limit: int = 5000) -> list[tuple[float, float]]:
+    """Step until the trainer has nothing left to do; each cycle's adapter is deployed when it beats serving
+    (the gate of draft_server.tide). Returns each cycle's (serving, candidate) held-out agreement."""
+    results = []
+    for _ in range(limit):
+        if not tr.has_work():
+            break
+        if (result := tr.step()) is not None:
+            results.append(result)
+            adapter = tr.finish(deploy=result[1] > result[0])
+            if adapter is not None:
+                draft.adapter = adapter
+    return results
+
+
+def _switch_domains(draft, eval_recent: int) -> tuple[float, float]:
+    """9 finished sequences of an old domain (continuation: 42 43 42 43 ...), its cycles deployed; then 6 of
+    a new one (42 44 42 44 ...: after 42 comes 44, no longer 43), fewer held-out sequences than the old
+    domain's. Returns the first cycle after the switch: (serving, candidate) held-out agreement."""
+    from draft_server.tide_buffer import Finished
+
+    gen = torch.Generator().manual_seed(3)
+
+    def domain(second: int, n: int) -> list[Finished]:
+        return [Finished(tuple(torch.randint(5, 300, (8,), generator=gen).tolist()) + (42, second) * 10, 8)
+                for _ in range(n)]
+
+    cfg = TrainConfig(min_new_positions=60, steps_per_cycle=30, eval_every=3, chunk_tokens=16, lr=0.05,
+                      max_positions=40, eval_recent=eval_recent)
+    tr = AdapterTrainer(draft, cfg)
+    tr.add(domain(43, 9))  # the old domain: 3 held-out sequences
+    old = _run_cycles(tr, draft)
+    assert old and old[0][1] > old[0][0] and draft.adapter is not None  # learned the old domain
+    tr.add(domain(44, 6))  # the switch: 2 held-out sequences
+    new = _run_cycles(tr, draft)
+    assert new, "no cycle after the switch"
+    return new[0]
+
+
+def test_held_out_judges_an_adapter_on_the_newest_traffic(models):
+    """Right after a domain switch a cycle must be scored on the new domain's held-out sequences, not on the
+    older ones: the adapter trained on the new domain wins and is deployed. Scored on the whole held-out ring
+    (the old behaviour, eval_recent past the ring), the old domain's majority kept the old adapter."""
+    draft = models["draft"]
+    try:
+        serving, candidate = _switch_domains(draft, eval_recent=16)
+        assert candidate > serving + 0.5, (serving, candidate)
+        draft.adapter = None
+        serving, candidate = _switch_domains(draft, eval_recent=1 << 20)
+        assert candidate <= serving, (serving, candidate)  # the whole ring: the old domain outvotes the new
+    finally:
+        draft.adapter = None
+
+
+def test_tide_oracle_speedup_model():
+    """bench tide-oracle's model: (1 - a^(g+1)) / (1 - a) tokens over g c + V(g+1) target steps, gamma 0 = 1."""
+    from benchmarks.tide_oracle import agreement_for, best_gamma, speedup
+
+    flat = [1.0, 1.0, 1.0, 1.0]  # verification as cheap as one step
+    assert speedup(0.5, 0, 0.3, flat) == 1.0
+    assert speedup(0.5, 2, 0.25, flat) == pytest.approx(1.75 / 1.5)
+    assert best_gamma(0.0, 0.3, flat) == (0, 1.0)  # a draft that is never right: do not speculate
+    steep = [1.0, 1.7, 1.9, 1.7]  # this CPU's shape: two tokens cost 1.7 steps
+    assert best_gamma(0.3, 0.28, steep)[0] == 0
+    need = agreement_for(1.05, 0.28, steep)
+    assert best_gamma(need, 0.28, steep)[1] >= 1.05 > best_gamma(need - 0.001, 0.28, steep)[1]
+    assert agreement_for(10.0, 0.28, steep) is None
