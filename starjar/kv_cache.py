@@ -48,6 +48,7 @@ class RaggedKVCache(Cache):
         self._rows: torch.Tensor | slice | None = None
         self._write_pos: torch.Tensor | None = None  # [B, Q] absolute positions to write
         self._write_span: slice | None = None  # the same positions for every row, when they are
+        self._tree_pass = False  # the pass has token-tree rows (their mask is not a plain prefix)
         self._kv_len = 0
 
     # ---- slot management (between passes) -------------------------------------------------
@@ -140,6 +141,7 @@ class RaggedKVCache(Cache):
         key_pos = torch.arange(self._kv_len)
         allowed = key_pos[None, None, :] <= pos[:, :, None]  # [B, Q, K]
         pos_ids = _tree_rows(pos, allowed, starts, trees) if trees else pos
+        self._tree_pass = any(t is not None for t in trees or ())
         mask = torch.zeros(B, 1, Q, self._kv_len, dtype=self.dtype)
         mask.masked_fill_(~allowed[:, None], torch.finfo(self.dtype).min)
         for s, n in zip(slots, new_counts, strict=True):
@@ -177,7 +179,8 @@ class RaggedKVCache(Cache):
         """For the pass begin() prepared, when its rows are consecutive slots that all write one span of positions
         and every one of `layers` layers has its buffers: those rows' K and V buffers per layer (views, written
         in place by the caller) and the span's first position. None otherwise (then update() writes)."""
-        if self._write_span is None or not isinstance(self._rows, slice) or len(self._keys) != layers:
+        if self._write_span is None or not isinstance(self._rows, slice) or len(self._keys) != layers \
+                or self._tree_pass:
             return None
         rows = self._rows
         return [k[rows] for k in self._keys], [v[rows] for v in self._values], self._write_span.start

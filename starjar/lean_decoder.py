@@ -42,8 +42,13 @@ class LeanDecoder(torch.nn.Module):
             self.plan.append((layer.input_layernorm.weight, qkv, att, nq, nk, att.o_proj,
                               layer.post_attention_layernorm.weight, gate_up, mlp, mlp.down_proj))
         self.final_norm = base.norm.weight
-        # The scripted one-token step (starjar.lean_step) needs every layer's four linears in torch's int8 kernel.
-        self.scriptable = all(all(hasattr(lin, "_packed") for lin in (p[1], p[5], p[7], p[9])) for p in self.plan)
+        # The scripted one-token step (starjar.lean_step) needs every layer's four linears in torch's int8 kernel,
+        # all with one reduce_range (it passes one); compiled here so the first served step does not pay for it.
+        linears = [lin for p in self.plan for lin in (p[1], p[5], p[7], p[9])]
+        self.scriptable = all(hasattr(lin, "_packed") for lin in linears) and \
+            len({lin._reduce_range for lin in linears}) == 1
+        if self.scriptable and lean_step.enabled():
+            lean_step.layer_fn()
 
     @staticmethod
     def attach_fused(model: torch.nn.Module, head_vocab: int | None = None) -> None:

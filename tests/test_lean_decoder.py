@@ -55,12 +55,15 @@ def test_greedy_output_with_a_lean_draft_is_the_targets(tmp_path, models, model_
     assert eng.stats.acceptance_rate > 0.5
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_scripted_one_token_steps_are_the_eager_steps_bit_for_bit(tmp_path, model_dirs, family, monkeypatch):
+@pytest.mark.parametrize("family,cache_kw", [("llama", {}), ("qwen2", {}),
+                                             ("llama", {"initial_capacity": 8}), ("llama", {"max_cells": 64})])
+def test_scripted_one_token_steps_are_the_eager_steps_bit_for_bit(tmp_path, model_dirs, family, cache_kw,
+                                                                 monkeypatch):
     """starjar.lean_step runs a one-row, one-token pass as one scripted function per layer: the logits and the
-    K/V it writes must be exactly the eager lean forward's, step after step (and a multi-token pass keeps the
-    eager forward)."""
+    K/V it writes must be exactly the eager lean forward's, step after step, on the second slot of a cache that
+    grows (or is budgeted) between steps; a multi-token pass keeps the eager forward."""
     from starjar import lean_step
+    from starjar.kv_cache import RaggedKVCache
 
     draft = load_model(int8_draft_dir(tmp_path, model_dirs[family]))
     assert draft.lean.scriptable
@@ -70,10 +73,11 @@ def test_scripted_one_token_steps_are_the_eager_steps_bit_for_bit(tmp_path, mode
 
     def run(env: str):
         monkeypatch.setenv("STARJAR_LEAN_SCRIPT", env)
-        cache = draft.new_cache()
-        slot = cache.allocate()
+        cache = RaggedKVCache(draft.device, draft.dtype, **cache_kw)
+        other, slot = cache.allocate(), cache.allocate()
+        draft.forward(cache, [other], [[9, 8, 7]], [[2]])
         outs = [draft.forward(cache, [slot], [[5, 6, 7, 8, 9]], [[4]])[0]]
-        for t in (11, 12, 13, 14):
+        for t in (11, 12, 13, 14, 15, 16):
             outs.append(draft.forward(cache, [slot], [[t]], [[0]])[0])
         outs.append(draft.forward(cache, [slot], [[15, 16]], [[1]])[0])  # a catch-up: eager
         outs.append(draft.forward(cache, [slot], [[17]], [[0]])[0])
@@ -84,6 +88,20 @@ def test_scripted_one_token_steps_are_the_eager_steps_bit_for_bit(tmp_path, mode
     eager, eager_kv = run("0")
     assert not calls
     scripted, scripted_kv = run("1")
-    assert len(calls) == 5  # every one-token step took the scripted path
+    assert len(calls) == 7  # every one-token step took the scripted path
     assert torch.equal(eager, scripted)
     assert all(torch.equal(a, b) for a, b in zip(eager_kv, scripted_kv, strict=True))
+
+
+def test_a_tree_pass_never_takes_the_scripted_step():
+    """A one-token tree row attends by its tree mask, which the scripted step does not read."""
+    from starjar.kv_cache import RaggedKVCache
+
+    cache = RaggedKVCache()
+    slot = cache.allocate()
+    cache.begin([slot], [1])
+    cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)
+    cache.begin([slot], [1])
+    assert cache.span_views(1) is not None
+    cache.begin([slot], [1], [(cache.lengths[slot], [-1])])
+    assert cache.span_views(1) is None
