@@ -54,6 +54,7 @@ def batched_rounds(engine: DraftEngine, scripts, gamma: int, targets: int, pass_
             if t.flight and all(j.done for _, j in t.flight[2]):
                 served += 1
                 _answer(engine, t, out, now + z_s)
+    engine.release([id(t.seq) for t in ts if t.seq is not None])  # sequences mid-request: the next call's ids
     return out
 
 

@@ -77,19 +77,26 @@ def workload(engine: DraftEngine, scripts, gamma: int) -> tuple[list[list[Round]
 
 
 def as_round(r: DraftRequest, gained: int) -> Round:
-    """A request as the simulator sees it: its passes, the tokens it gained and what its first pass feeds."""
+    """A request as the simulator sees it: its passes, the tokens it gained and what its first pass feeds.
+
+    A later request's first pass feeds only what the draft's KV lacks: it holds its own drafts but the last,
+    and the accepted ones match them, so 2 tokens after a full accept (the last draft and the bonus), else 1."""
     prompt = r.start == 0 and len(r.tokens) > SHORT_FEED
-    return Round(r.gamma, gained, len(r.tokens) if prompt else 0, 1 if prompt else max(1, len(r.tokens)))
+    if prompt:
+        return Round(r.gamma, gained, len(r.tokens), 1)
+    feed = len(r.tokens) if r.start == 0 else 2 if len(r.tokens) > r.gamma else 1
+    return Round(r.gamma, gained, 0, max(1, feed))
 
 
-def step_cost(engine: DraftEngine, scripts, b: int, gamma: int) -> tuple[float, float, float]:
+def step_cost(engine: DraftEngine, scripts, b: int, gamma: int) -> tuple[float, float, float, float]:
     """(median seconds of a one-token pass over b rows, median seconds of start() per round, median seconds
-    of a catch-up pass over b rows feeding CATCHUP_WIDTH tokens each) for b sequences mid-way through their
+    of a catch-up pass over b rows, the median width that catch-up fed: at most CATCHUP_WIDTH, fewer where the
+    draft's KV already holds its drafts of them) for b sequences mid-way through their
     scripts: each round feeds a short catch-up, then one-token steps."""
     keys = [("cost", b, k) for k in range(b)]
     mine = [scripts[k % len(scripts)] for k in range(b)]
     engine.propose([DraftRequest(key, 0, list(p), gamma) for key, (p, _) in zip(keys, mine, strict=True)])
-    passes, starts, catchups = [], [], []
+    passes, starts, catchups, widths = [], [], [], []
     w = CATCHUP_WIDTH
     for r in range(ROUNDS_PER_SIZE):
         reqs = [DraftRequest(key, len(p) + w * r, list(c[w * r: w * r + w]), gamma)
@@ -101,11 +108,14 @@ def step_cost(engine: DraftEngine, scripts, b: int, gamma: int) -> tuple[float, 
         while live:
             t0 = time.perf_counter()
             first = all(j.passes == 0 for j in live)
+            if first:  # what the catch-up really feeds: the tokens the draft's KV lacks, at most w
+                widths.append(max(len(j.feed) for j in live))
             engine.advance(live)
             (catchups if first else passes).append(time.perf_counter() - t0)
             live = [j for j in live if not j.done]
     engine.release(keys)
-    return statistics.median(passes), statistics.median(starts), statistics.median(catchups)
+    return statistics.median(passes), statistics.median(starts), statistics.median(catchups), \
+        statistics.median(widths)
 
 
 def linear(points: list[tuple[int, float]]) -> PassCost:
@@ -140,7 +150,8 @@ def measure(draft_dir: str, scripts, gamma: int, z_s: float, fingerprint: str, t
         step = [(1.0, by_size[1][0])] + linear([(b, c[0]) for b, c in by_size.items() if b > 1]).points
         batched = batched_workloads(engine, scripts, gamma, rounds, PassCost(step), z_s)
     return {"threads": threads, "step": step, "step_measured": [(float(b), c[0]) for b, c in by_size.items()],
-            "catchup": linear([(b, c[2]) for b, c in by_size.items()]).points, "catchup_width": CATCHUP_WIDTH,
+            "catchup": linear([(b, c[2]) for b, c in by_size.items()]).points,
+            "catchup_width": statistics.median(c[3] for c in by_size.values()),
             "catchup_measured": [(float(b), c[2]) for b, c in by_size.items()],
             "round_s": statistics.median(c[1] for c in by_size.values()),
             "prefill": linear(prompt_passes).points, "prompt_passes": prompt_passes,

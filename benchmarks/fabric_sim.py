@@ -101,14 +101,14 @@ class StarModel:
     # A short pass is padded to its longest row: catchup(b) is a pass over b rows feeding catchup_width
     # tokens each; between width 1 (cost) and that, linear in the width (None: width costs nothing).
     catchup: PassCost | None = None
-    catchup_width: int = 3
+    catchup_width: float = 3.0  # the median width the calibration's catch-ups really fed
 
     def short_pass(self, rows: int, width: int) -> float:
         """Seconds of a pass over `rows` short rows padded to `width` fed tokens."""
         one = self.cost(rows)
         if self.catchup is None or width <= 1:
             return one
-        return one + (self.catchup(rows) - one) * (width - 1) / max(1, self.catchup_width - 1)
+        return one + (self.catchup(rows) - one) * (width - 1) / max(0.5, self.catchup_width - 1)
 
     def rounds_of(self, target: int):
         """A target's endless sequence of rounds (StarSD's targets serve one request at a time)."""

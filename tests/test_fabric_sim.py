@@ -223,3 +223,17 @@ def test_contention_times_draft_servers_busy_at_once(model_dirs, models):
     assert len(out["pass_s_alone"]) == 2 and len(out["loads_together"]["2"]) == 2
     assert all(s > 0 for s in out["pass_s_alone"] + [out["pass_s_together"]["2"]])
     assert out["slowdown"][0] == 1.0 and out["slowdown"][1] > 0.5
+
+
+def test_a_rounds_first_pass_feeds_what_the_drafts_kv_lacks():
+    """The draft's KV holds its own drafts but the last, so after a full accept of gamma 3 (4 new tokens) the
+    catch-up feeds 2, after a partial one 1; a sequence seen first feeds its prompt in a pass of its own."""
+    from benchmarks.fabric_costs import as_round
+    from starjar.proposer import DraftRequest
+
+    assert as_round(DraftRequest(1, 40, [5, 6, 7, 8], 3), 4).feed == 2
+    assert as_round(DraftRequest(1, 40, [5, 6], 3), 2).feed == 1
+    assert as_round(DraftRequest(1, 40, [5], 3), 1).feed == 1
+    prompt = as_round(DraftRequest(1, 0, list(range(30)), 3), 3)
+    assert (prompt.prefill, prompt.feed) == (30, 1)
+    assert as_round(DraftRequest(1, 0, [1, 2, 3], 3), 3).feed == 3  # a short resync feeds all it has
