@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import pair_dirs
 from benchmarks.tide import CONCURRENCY, GAMMA, MAX_NEW, PROMPT_CAP, layer_skip_draft
+from controller.pair_check import round_speedup
 from draft_server.tide_trainer import LowRankLogits
 from starjar.models import LoadedModel, load_model
 from starjar.sampling import SamplingParams
@@ -164,11 +165,9 @@ def _costs(target: LoadedModel, drafts: dict[str, LoadedModel]) -> dict:
 
 
 def speedup(a: float, g: int, c: float, verify_ratio: list[float]) -> float:
-    """Tokens per target-step time: expected tokens of a round over its cost in target steps."""
-    if g == 0:
-        return 1.0
-    tokens = g + 1 if a >= 1.0 else (1 - a ** (g + 1)) / (1 - a)
-    return tokens / (g * c + verify_ratio[g])
+    """Tokens per target-step time: expected tokens of a round over its cost in target steps (every draft pass,
+    the first included, costs c)."""
+    return round_speedup(a, g, c, c, verify_ratio)
 
 
 def best_gamma(a: float, c: float, verify_ratio: list[float]) -> tuple[int, float]:

@@ -144,7 +144,7 @@ def _candidates(target, draft_dir: str, variants: list[dict], prompts, outputs, 
         else:
             row["agreement"] = round(_agreement(load_model(draft_dir, what="draft", variant=variant), prompts,
                                                 outputs), 4)
-            gamma, speedup = _best_gamma(row["agreement"], row["cost_b1"], row["cost_catchup"], verify_cost)
+            gamma, speedup = best_gamma(row["agreement"], row["cost_b1"], row["cost_catchup"], verify_cost)
             row.update(best_gamma=gamma, predicted_speedup=round(speedup, 3))
         _say(f"  {row['name']}: step {row['cost_b1']:.2f}x the target's at batch 1, catch-up pass "
              f"{row['cost_catchup']:.2f}x, 4 rows {row['cost_b4']:.2f}x; "
@@ -197,7 +197,7 @@ def _agreement(draft, prompts, outputs) -> float:
     return hits / max(total, 1)
 
 
-def _interleaved(fns: list, reps: int) -> list[float]:
+def interleaved_medians(fns: list, reps: int) -> list[float]:
     """Median time of each function, run in turns so that a slow spell hits all of them."""
     times = [[] for _ in fns]
     for fn in fns:
@@ -225,25 +225,33 @@ def _pass(model, batch: int, positions: int, context: int = 96):
 
 def _verify_costs(target) -> list[float]:
     """v[g] = the target's pass over g+1 positions at batch 1, over its one-position step."""
-    times = _interleaved([_pass(target, 1, g + 1) for g in range(MAX_GAMMA + 1)], reps=7)
+    times = interleaved_medians([_pass(target, 1, g + 1) for g in range(MAX_GAMMA + 1)], reps=7)
     return [t / times[0] for t in times]
 
 
 def _cost_ratios(target, draft) -> tuple[float, float, float]:
     """Draft passes over the target's one-position step: a one-token draft step and a 3-position catch-up at
     batch 1, and a 4-sequence pass over the target's 4-sequence step (batched drafting)."""
-    t1, d1, d3, t4, d4 = _interleaved([_pass(target, 1, 1), _pass(draft, 1, 1), _pass(draft, 1, 3),
+    t1, d1, d3, t4, d4 = interleaved_medians([_pass(target, 1, 1), _pass(draft, 1, 1), _pass(draft, 1, 3),
                                        _pass(target, 4, 1), _pass(draft, 4, 1)], reps=7)
     return d1 / t1, d3 / t1, d4 / t4
 
 
-def _best_gamma(alpha: float, cost: float, catchup: float, verify_cost: list[float]) -> tuple[int, float]:
-    """A round: one catch-up pass (it yields the first draft), gamma - 1 draft steps, one verification."""
+def round_speedup(alpha: float, g: int, cost: float, catchup: float, verify_cost: list[float]) -> float:
+    """A round of gamma g over the target alone: its expected tokens over its cost in target steps (one catch-up
+    pass, which yields the first draft, g - 1 draft steps and a verification over g + 1 positions)."""
+    if g == 0:
+        return 1.0
+    expected = g + 1 if alpha >= 1.0 else (1 - alpha ** (g + 1)) / (1 - alpha)
+    return expected / (verify_cost[g] + catchup + (g - 1) * cost)
+
+
+def best_gamma(alpha: float, cost: float, catchup: float, verify_cost: list[float]) -> tuple[int, float]:
+    """The gamma (0 = no speculation) whose round_speedup is highest, and that speedup."""
     alpha = min(alpha, 0.999)
     best = (0, 1.0)
     for g in range(1, len(verify_cost)):
-        expected = (1 - alpha ** (g + 1)) / (1 - alpha)
-        speedup = expected / (verify_cost[g] + catchup + (g - 1) * cost)
+        speedup = round_speedup(alpha, g, cost, catchup, verify_cost)
         if speedup > best[1]:
             best = (g, speedup)
     return best

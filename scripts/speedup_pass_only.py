@@ -25,23 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from controller.pair_check import interleaved_medians
+
 GOALS = {1: 1.5, 4: 1.15, 8: 1.0}  # issue 14's bench core goals
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm: allocator and thread pool
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def _pass_ms(model, cache, slots: list[int], lengths: list[int], k: int, all_logits: bool, repeats: int) -> float:
@@ -54,7 +44,7 @@ def _pass_ms(model, cache, slots: list[int], lengths: list[int], k: int, all_log
         for s, n in zip(slots, lengths, strict=True):
             cache.truncate(s, n)
 
-    return _median_ms(one, repeats)
+    return interleaved_medians([one], repeats)[0] * 1e3  # warmed once, then the median
 
 
 def _prefilled(model, prompts: list[list[int]]):

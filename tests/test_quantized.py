@@ -97,11 +97,11 @@ def test_the_pair_check_measures_once_per_machine_and_keeps_the_choice(tmp_path,
 
 
 def test_the_speedup_model_turns_speculation_off_when_drafts_cost_too_much():
-    from controller.pair_check import _best_gamma
+    from controller.pair_check import best_gamma
 
     flat = [1.0, 1.05, 1.1, 1.15, 1.2]
-    assert _best_gamma(0.8, 0.2, 0.25, flat)[0] >= 2  # cheap drafts, good acceptance: speculate
-    assert _best_gamma(0.8, 1.5, 1.6, flat) == (0, 1.0)  # a draft step dearer than a target step: never
+    assert best_gamma(0.8, 0.2, 0.25, flat)[0] >= 2  # cheap drafts, good acceptance: speculate
+    assert best_gamma(0.8, 1.5, 1.6, flat) == (0, 1.0)  # a draft step dearer than a target step: never
 
 
 def test_a_forced_path_is_measured_on_its_own_and_leaves_the_choice_alone(tmp_path, model_dirs, monkeypatch):
