@@ -60,12 +60,12 @@ def _fold_sdpa(query, key, value, mask, g: int, scaling) -> torch.Tensor:
     b, h, q, d = query.shape
     qf = query.reshape(b, h // g, g * q, d)  # heads kv*g + r -> kv head, query rows r*Q + t
     if mask is not None and q > 1:
-        mask = _fold_mask(mask, g)
+        mask = fold_mask(mask, g)
     out = F.scaled_dot_product_attention(qf, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(b, h, q, d)
 
 
-def _fold_mask(mask: torch.Tensor, g: int) -> torch.Tensor:
+def fold_mask(mask: torch.Tensor, g: int) -> torch.Tensor:
     """[..., Q, K] -> [..., g*Q, K] (row r*Q + t is query t's), computed once per pass and mask object."""
     hit = _folded.get(g)
     if hit is not None and hit[0]() is mask:

@@ -28,6 +28,9 @@ from transformers.cache_utils import Cache
 
 from starjar.tree_attention import tree_layout
 
+# pass_views(): per-layer K and V views of a pass's rows, write positions (or None: one span), span start, keys
+PassViews = tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None, int, int]
+
 
 class RaggedKVCache(Cache):
     def __init__(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -175,15 +178,17 @@ class RaggedKVCache(Cache):
         vbuf[b, :, pos] = value_states.transpose(1, 2).to(self.dtype)
         return kbuf[rows, :, : self._kv_len], vbuf[rows, :, : self._kv_len]
 
-    def span_views(self, layers: int) -> tuple[list[torch.Tensor], list[torch.Tensor], int] | None:
-        """For the pass begin() prepared, when its rows are consecutive slots that all write one span of positions
-        and every one of `layers` layers has its buffers: those rows' K and V buffers per layer (views, written
-        in place by the caller) and the span's first position. None otherwise (then update() writes)."""
-        if self._write_span is None or not isinstance(self._rows, slice) or len(self._keys) != layers \
-                or self._tree_pass:
+    def pass_views(self, layers: int) -> PassViews | None:
+        """For the pass begin() prepared, when its rows are consecutive slots, it is not a tree pass and every one of
+        `layers` layers has its buffers: (those rows' K and V buffers per layer, views the caller writes in place;
+        the write positions [B, 1, Q, 1], or None when every row writes one span; the span's first position; the
+        keys to attend). None otherwise (then update() writes)."""
+        if not isinstance(self._rows, slice) or len(self._keys) != layers or self._tree_pass:
             return None
-        rows = self._rows
-        return [k[rows] for k in self._keys], [v[rows] for v in self._values], self._write_span.start
+        rows, span = self._rows, self._write_span
+        write = None if span is not None else self._write_pos[:, None, :, None]
+        return ([k[rows] for k in self._keys], [v[rows] for v in self._values], write,
+                span.start if span is not None else 0, self._kv_len)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from starjar import lean_step
-from starjar.attention import folded_attention
+from starjar.attention import fold_mask, folded_attention
 
 FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -45,10 +45,12 @@ class LeanDecoder(torch.nn.Module):
         # The scripted one-token step (starjar.lean_step) needs every layer's four linears in torch's int8 kernel,
         # all with one reduce_range (it passes one); compiled here so the first served step does not pay for it.
         linears = [lin for p in self.plan for lin in (p[1], p[5], p[7], p[9])]
+        self._linears = linears
         self.scriptable = all(hasattr(lin, "_packed") for lin in linears) and \
             len({lin._reduce_range for lin in linears}) == 1
         if self.scriptable and lean_step.enabled():
             lean_step.layer_fn()
+            lean_step.rows_layer_fn()
 
     @staticmethod
     def attach_fused(model: torch.nn.Module, head_vocab: int | None = None) -> None:
@@ -82,10 +84,10 @@ class LeanDecoder(torch.nn.Module):
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, Q, 1, D]: broadcast over heads
         b, q = input_ids.shape
         d, eps, size = self.head_dim, self.eps, (x.shape[-1],)
-        if b == 1 and q == 1 and self.scriptable and lean_step.enabled():
-            span = cache.span_views(len(self.plan))
-            if span is not None:
-                return F.rms_norm(self._scripted_layers(x, cos, sin, *span), size, self.final_norm, eps)
+        if self.scriptable and lean_step.enabled() and (b == 1 and q == 1 or self._rows_fused()):
+            views = cache.pass_views(len(self.plan))
+            if views is not None:
+                return F.rms_norm(self._scripted_layers(x, cos, sin, mask, *views), size, self.final_norm, eps)
         for i, (w_in, qkv, att, nq, nk, o_proj, w_post, gate_up, mlp, down) in enumerate(self.plan):
             h = F.rms_norm(x, size, w_in, eps)
             if qkv is not None:  # [B, Q, heads q+k+v, D]; q and k rotated in one go
@@ -105,14 +107,32 @@ class LeanDecoder(torch.nn.Module):
             x = x + down(F.silu(gate) * up)
         return F.rms_norm(x, size, self.final_norm, eps)
 
-    def _scripted_layers(self, x, cos, sin, keys, values, start: int) -> torch.Tensor:
-        """A one-row, one-token pass through every layer as starjar.lean_step's scripted layer."""
-        layer = lean_step.layer_fn()
+    def _rows_fused(self) -> bool:
+        """Every linear takes the fused kernel for several rows (the scripted multi-row layer's; a machine where
+        starjar.kernels chose int_mm keeps the eager forward, which calls it)."""
+        return all(lin.path == "fused" for lin in self._linears)
+
+    def _scripted_layers(self, x, cos, sin, mask, keys, values, write, start: int, kv_len: int) -> torch.Tensor:
+        """A pass through every layer as starjar.lean_step's scripted layer: the one-row one-token step, or the
+        multi-row layer (several rows, or a catch-up's several tokens)."""
+        b, q = x.shape[:2]
         d, eps = self.head_dim, self.eps
+        if b == 1 and q == 1 and write is None:
+            layer = lean_step.layer_fn()
+            for (w_in, qkv, _, nq, nk, o_proj, w_post, gate_up, _, down), k, v in zip(self.plan, keys, values,
+                                                                                         strict=True):
+                x = layer(x, cos, sin, w_in, qkv._packed, o_proj._packed, w_post, gate_up._packed, down._packed,
+                          qkv._reduce_range, k, v, start, nq, nk, d, eps)
+            return x
+        layer = lean_step.rows_layer_fn()
+        folded = {}  # the mask folded per group size once per pass, as starjar.attention does
         for (w_in, qkv, _, nq, nk, o_proj, w_post, gate_up, _, down), k, v in zip(self.plan, keys, values,
                                                                                      strict=True):
+            g = nq // nk
+            if g not in folded:
+                folded[g] = mask if q == 1 else fold_mask(mask, g)
             x = layer(x, cos, sin, w_in, qkv._packed, o_proj._packed, w_post, gate_up._packed, down._packed,
-                      qkv._reduce_range, k, v, start, nq, nk, d, eps)
+                      qkv._reduce_range, k, v, write, start, kv_len, folded[g], nq, nk, d, eps)
         return x
 
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 _scripted = None
+_rows_scripted = None
 _compiling = threading.Lock()
 
 
@@ -59,3 +60,50 @@ def layer_fn():
         if _scripted is None:
             _scripted = torch.jit.script(_layer)
     return _scripted
+
+
+def _rows_linear(x: Tensor, packed: torch.classes.quantized.LinearPackedParamsBase, reduce_range: bool) -> Tensor:
+    """starjar.quantized.RowInt8Linear.fused_rows (no bias): each row scaled to an absolute maximum of 1 first, so
+    the kernel's one activation range is every row's own."""
+    rows = x.reshape(-1, x.shape[-1])
+    peak = rows.abs().amax(-1, keepdim=True).clamp_min_(1e-12)  # as quantized._row_peak
+    y = torch.ops.quantized.linear_dynamic(rows / peak, packed, reduce_range) * peak
+    return y.reshape(x.shape[0], x.shape[1], -1)
+
+
+def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.classes.quantized.LinearPackedParamsBase,
+                o: torch.classes.quantized.LinearPackedParamsBase, w_post: Tensor,
+                gate_up: torch.classes.quantized.LinearPackedParamsBase,
+                down: torch.classes.quantized.LinearPackedParamsBase, reduce_range: bool, keys: Tensor, values: Tensor,
+                write: Tensor | None, start: int, kv_len: int, mask: Tensor, nq: int, nk: int, head_dim: int,
+                eps: float) -> Tensor:
+    """x [B, Q, hidden]; keys/values [B, Hkv, L, D] (the rows' cache buffers); write [B, 1, Q, 1] positions, or None
+    when every row writes Q positions from `start`; mask [B, 1, Q, K] additive, already folded for Q > 1."""
+    b, q = x.shape[0], x.shape[1]
+    size = [x.shape[-1]]
+    heads = _rows_linear(F.rms_norm(x, size, w_in, eps), qkv, reduce_range).view(b, q, -1, head_dim)
+    half = head_dim // 2
+    qk = heads[:, :, : nq + nk]
+    qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+    ks, vs = qk[:, :, nq:].transpose(1, 2), heads[:, :, nq + nk:].transpose(1, 2)
+    if write is None:
+        keys[:, :, start:start + q] = ks
+        values[:, :, start:start + q] = vs
+    else:
+        keys.scatter_(2, write.expand_as(ks), ks)
+        values.scatter_(2, write.expand_as(vs), vs)
+    query = qk[:, :, :nq].transpose(1, 2).contiguous().reshape(b, nk, (nq // nk) * q, head_dim)
+    att = F.scaled_dot_product_attention(query, keys[:, :, :kv_len], values[:, :, :kv_len], attn_mask=mask)
+    att = att.reshape(b, nq, q, head_dim).transpose(1, 2).contiguous().reshape(b, q, -1)
+    x = x + _rows_linear(att, o, reduce_range)
+    gate, up = _rows_linear(F.rms_norm(x, size, w_post, eps), gate_up, reduce_range).chunk(2, -1)
+    return x + _rows_linear(F.silu(gate) * up, down, reduce_range)
+
+
+def rows_layer_fn():
+    """The scripted multi-row layer (several rows, or several tokens of one row), compiled once per process."""
+    global _rows_scripted
+    with _compiling:
+        if _rows_scripted is None:
+            _rows_scripted = torch.jit.script(_rows_layer)
+    return _rows_scripted

@@ -97,8 +97,8 @@ def test_a_folded_mask_lives_no_longer_than_its_pass_mask():
     from starjar import attention
 
     mask = torch.zeros(2, 1, 8, 64)
-    folded = attention._fold_mask(mask, 2)
-    assert attention._fold_mask(mask, 2) is folded  # reused by every layer of the pass
+    folded = attention.fold_mask(mask, 2)
+    assert attention.fold_mask(mask, 2) is folded  # reused by every layer of the pass
     ref = weakref.ref(folded)
     del mask, folded
     gc.collect()

@@ -61,7 +61,7 @@ def test_scripted_one_token_steps_are_the_eager_steps_bit_for_bit(tmp_path, mode
                                                                  monkeypatch):
     """starjar.lean_step runs a one-row, one-token pass as one scripted function per layer: the logits and the
     K/V it writes must be exactly the eager lean forward's, step after step, on the second slot of a cache that
-    grows (or is budgeted) between steps; a multi-token pass keeps the eager forward."""
+    grows (or is budgeted) between steps."""
     from starjar import lean_step
     from starjar.kv_cache import RaggedKVCache
 
@@ -79,7 +79,7 @@ def test_scripted_one_token_steps_are_the_eager_steps_bit_for_bit(tmp_path, mode
         outs = [draft.forward(cache, [slot], [[5, 6, 7, 8, 9]], [[4]])[0]]
         for t in (11, 12, 13, 14, 15, 16):
             outs.append(draft.forward(cache, [slot], [[t]], [[0]])[0])
-        outs.append(draft.forward(cache, [slot], [[15, 16]], [[1]])[0])  # a catch-up: eager
+        outs.append(draft.forward(cache, [slot], [[15, 16]], [[1]])[0])  # a catch-up: the multi-row layer
         outs.append(draft.forward(cache, [slot], [[17]], [[0]])[0])
         n = cache.lengths[slot]
         kv = [t[slot, :, :n] for t in cache._keys + cache._values]
@@ -93,8 +93,8 @@ def test_scripted_one_token_steps_are_the_eager_steps_bit_for_bit(tmp_path, mode
     assert all(torch.equal(a, b) for a, b in zip(eager_kv, scripted_kv, strict=True))
 
 
-def test_a_tree_pass_never_takes_the_scripted_step():
-    """A one-token tree row attends by its tree mask, which the scripted step does not read."""
+def test_a_tree_pass_never_takes_the_scripted_layers():
+    """A tree pass keeps the eager forward (its rows are beams positioned by depth, not a chain)."""
     from starjar.kv_cache import RaggedKVCache
 
     cache = RaggedKVCache()
@@ -102,6 +102,47 @@ def test_a_tree_pass_never_takes_the_scripted_step():
     cache.begin([slot], [1])
     cache.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4), 0)
     cache.begin([slot], [1])
-    assert cache.span_views(1) is not None
+    assert cache.pass_views(1) is not None
     cache.begin([slot], [1], [(cache.lengths[slot], [-1])])
-    assert cache.span_views(1) is None
+    assert cache.pass_views(1) is None
+
+
+@pytest.mark.parametrize("family,cache_kw", [("llama", {}), ("qwen2", {"initial_capacity": 8}),
+                                             ("llama", {"max_cells": 96})])
+def test_scripted_multi_row_passes_are_the_eager_passes_bit_for_bit(tmp_path, model_dirs, family, cache_kw,
+                                                                   monkeypatch):
+    """Several rows or several tokens (batched drafting, catch-ups, prefill into a grown cache) run as
+    starjar.lean_step's scripted multi-row layer: ragged rows (scattered writes, a padded row), rows that write
+    one span, a two-token catch-up. Logits and every layer's K/V must be exactly the eager forward's; a pass over
+    non-consecutive slots keeps the eager forward."""
+    from starjar import lean_step
+    from starjar.kv_cache import RaggedKVCache
+
+    draft = load_model(int8_draft_dir(tmp_path, model_dirs[family]))
+    calls = []
+    real = lean_step.rows_layer_fn
+    monkeypatch.setattr(lean_step, "rows_layer_fn", lambda: calls.append(1) or real())
+
+    def run(env: str):
+        monkeypatch.setenv("STARJAR_LEAN_SCRIPT", env)
+        cache = RaggedKVCache(draft.device, draft.dtype, **cache_kw)
+        a, b, c = cache.allocate(), cache.allocate(), cache.allocate()
+        outs = [torch.cat(draft.forward(cache, [a, b, c], [[5, 6, 7, 8], [9, 10], [11, 12, 13]],
+                                        [[3], [1], [2]]))]  # the first pass: buffers allocated, eager
+        for t in range(3):  # ragged one-token rows: scattered writes
+            outs += draft.forward(cache, [a, b, c], [[20 + t], [30 + t], [40 + t]], [[0]] * 3)
+        outs += draft.forward(cache, [a, b, c], [[50, 51], [52], [53, 54]], [[0, 1], [0], [0, 1]])  # a padded row
+        outs += draft.forward(cache, [b], [[60, 61]], [[0, 1]])  # a one-row catch-up
+        cache.truncate(a, cache.lengths[b])
+        cache.truncate(c, cache.lengths[b])
+        outs += draft.forward(cache, [a, b, c], [[70], [71], [72]], [[0]] * 3)  # one span for every row
+        outs += draft.forward(cache, [a, c], [[80], [81]], [[0]] * 2)  # slots 0 and 2: not consecutive
+        kv = [t[s, :, :cache.lengths[s]] for s in (a, b, c) for t in cache._keys + cache._values]
+        return torch.cat(outs), kv
+
+    eager, eager_kv = run("0")
+    assert not calls
+    scripted, scripted_kv = run("1")
+    assert len(calls) == 6  # every pass but the first and the non-consecutive one
+    assert torch.equal(eager, scripted)
+    assert all(torch.equal(x, y) for x, y in zip(eager_kv, scripted_kv, strict=True))
