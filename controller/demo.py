@@ -29,7 +29,9 @@ def add_demo_parser(sub) -> None:
     d.add_argument("--batch-size", type=int, default=1, help="running requests per target (default 1)")
     d.add_argument("--threads", type=int, default=2, help="torch threads of the target worker (default 2: draft "
                    "and target take turns, so it can use both cores of a small machine)")
-    d.add_argument("--draft-threads", type=int, default=1, help="torch threads of the draft server (default 1)")
+    d.add_argument("--draft-threads", type=int, default=2, help="torch threads of the draft server (default 2: "
+                   "at batch 1 the one target waits while its draft runs; OMP_WAIT_POLICY=PASSIVE keeps idle "
+                   "threads off the cores)")
     d.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     d.add_argument("--plot", default="starjar-demo.png", help="where to save the plot")
     d.add_argument("--keep", action="store_true", help="leave the cluster running afterwards")

@@ -28,8 +28,9 @@ from transformers.cache_utils import Cache
 
 from starjar.tree_attention import tree_layout
 
-# pass_views(): per-layer K and V views of a pass's rows, write positions (or None: one span), span start, keys
-PassViews = tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None, int, int]
+# pass_views(): per-layer K and V to write, scattered slots (or None), write positions (or None: one span), span
+# start, keys to attend
+PassViews = tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None, torch.Tensor | None, int, int]
 
 
 class RaggedKVCache(Cache):
@@ -179,16 +180,17 @@ class RaggedKVCache(Cache):
         return kbuf[rows, :, : self._kv_len], vbuf[rows, :, : self._kv_len]
 
     def pass_views(self, layers: int) -> PassViews | None:
-        """For the pass begin() prepared, when its rows are consecutive slots, it is not a tree pass and every one of
-        `layers` layers has its buffers: (those rows' K and V buffers per layer, views the caller writes in place;
-        the write positions [B, 1, Q, 1], or None when every row writes one span; the span's first position; the
-        keys to attend). None otherwise (then update() writes)."""
-        if not isinstance(self._rows, slice) or len(self._keys) != layers or self._tree_pass:
+        """For the pass begin() prepared, unless it is a tree pass or one of `layers` layers has no buffers yet:
+        (per layer K and V to write in place: the rows' buffers, views, for consecutive slots, else the whole
+        buffers; the slots [B] when scattered, else None; the write positions [B, Q], or None when every row
+        writes one span; the span's first position; the keys to attend). None otherwise (then update() writes)."""
+        if self._rows is None or len(self._keys) != layers or self._tree_pass:
             return None
         rows, span = self._rows, self._write_span
-        write = None if span is not None else self._write_pos[:, None, :, None]
-        return ([k[rows] for k in self._keys], [v[rows] for v in self._values], write,
-                span.start if span is not None else 0, self._kv_len)
+        if not isinstance(rows, slice):
+            return self._keys, self._values, rows, self._write_pos, 0, self._kv_len
+        return ([k[rows] for k in self._keys], [v[rows] for v in self._values], None,
+                None if span is not None else self._write_pos, span.start if span is not None else 0, self._kv_len)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len

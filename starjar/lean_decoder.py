@@ -112,12 +112,12 @@ class LeanDecoder(torch.nn.Module):
         starjar.kernels chose int_mm keeps the eager forward, which calls it)."""
         return all(lin.path == "fused" for lin in self._linears)
 
-    def _scripted_layers(self, x, cos, sin, mask, keys, values, write, start: int, kv_len: int) -> torch.Tensor:
+    def _scripted_layers(self, x, cos, sin, mask, keys, values, rows, write, start: int, kv_len: int) -> torch.Tensor:
         """A pass through every layer as starjar.lean_step's scripted layer: the one-row one-token step, or the
         multi-row layer (several rows, or a catch-up's several tokens)."""
         b, q = x.shape[:2]
         d, eps = self.head_dim, self.eps
-        if b == 1 and q == 1 and write is None:
+        if b == 1 and q == 1 and rows is None and write is None:
             layer = lean_step.layer_fn()
             for (w_in, qkv, _, nq, nk, o_proj, w_post, gate_up, _, down), k, v in zip(self.plan, keys, values,
                                                                                          strict=True):
@@ -132,7 +132,7 @@ class LeanDecoder(torch.nn.Module):
             if g not in folded:
                 folded[g] = mask if q == 1 else fold_mask(mask, g)
             x = layer(x, cos, sin, w_in, qkv._packed, o_proj._packed, w_post, gate_up._packed, down._packed,
-                      qkv._reduce_range, k, v, write, start, kv_len, folded[g], nq, nk, d, eps)
+                      qkv._reduce_range, k, v, rows, write, start, kv_len, folded[g], nq, nk, d, eps)
         return x
 
 

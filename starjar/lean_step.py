@@ -1,4 +1,4 @@
-"""One draft layer for a one-token, one-row pass, compiled by TorchScript: the draft's batch-1 decode step.
+"""The int8 draft's layers compiled by TorchScript: the one-row one-token step, and multi-row passes.
 
 Measured on a 2-core AMD EPYC (AVX2) for the default pair's int8 draft: a one-token step took 21.4 ms in the
 eager lean forward, of which its 121 int8 linears were 10.4 ms; the rest was the ~50 small ops per layer,
@@ -7,9 +7,15 @@ at one thread), with logits bit-identical to the eager forward: the same ops in 
 Python between them goes. (torch.compile of the same glue measured slower, 27.9 ms: its per-call guards cost
 more than the ops they replace.)
 
-Only the one-row, one-token case takes it: there torch's dynamic int8 kernel quantizes the whole tensor, which
-is the row's own range, and the cache writes a span. Anything else (several rows, a catch-up, a tree, float
-layers) keeps the eager forward. STARJAR_LEAN_SCRIPT=0 turns it off (to compare, or to force the eager path).
+A pass over several rows or tokens (batched drafting, a catch-up, a prefill into existing buffers) pays more
+glue per layer: each int8 linear scales its rows to their own range first (starjar.quantized). Scripted the same
+way (same machine, 2 threads, eager -> scripted): a 4-row step 30.2 -> 18.6 ms, an 8-row step 35.6 -> 24.2 ms,
+a one-row 2-token catch-up 27.1 -> 16.4 ms, again bit-identical.
+
+The one-row one-token step runs torch's dynamic int8 kernel as is (one range per tensor is the row's own); the
+multi-row layer runs the `fused` per-row path only (a machine where starjar.kernels chose int_mm keeps the
+eager forward for several rows). Rows must be consecutive cache slots; tree passes and float drafts keep the
+eager forward. STARJAR_LEAN_SCRIPT=0 turns both off (to compare, or to force the eager path).
 """
 
 from __future__ import annotations
@@ -71,29 +77,44 @@ def _rows_linear(x: Tensor, packed: torch.classes.quantized.LinearPackedParamsBa
     return y.reshape(x.shape[0], x.shape[1], -1)
 
 
+def _write_read(keys: Tensor, values: Tensor, ks: Tensor, vs: Tensor, rows: Tensor | None, write: Tensor | None,
+                start: int, kv_len: int) -> tuple[Tensor, Tensor]:
+    """As RaggedKVCache.update: write a pass's ks/vs [B, Hkv, Q, D], return the keys and values to attend. rows None:
+    keys/values are the rows' buffers [B, Hkv, L, D] (views), written at write [B, Q] or, when None, one span from
+    `start`. rows [B] (scattered slots): keys/values are the whole buffers, written at write, then gathered."""
+    if rows is not None and write is not None:
+        slots = rows[:, None].expand_as(write)
+        keys[slots, :, write] = ks.transpose(1, 2)
+        values[slots, :, write] = vs.transpose(1, 2)
+        return keys[rows, :, :kv_len], values[rows, :, :kv_len]
+    if write is None:
+        keys[:, :, start:start + ks.shape[2]] = ks
+        values[:, :, start:start + vs.shape[2]] = vs
+    else:
+        idx = write[:, None, :, None]
+        keys.scatter_(2, idx.expand_as(ks), ks)
+        values.scatter_(2, idx.expand_as(vs), vs)
+    return keys[:, :, :kv_len], values[:, :, :kv_len]
+
+
 def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.classes.quantized.LinearPackedParamsBase,
                 o: torch.classes.quantized.LinearPackedParamsBase, w_post: Tensor,
                 gate_up: torch.classes.quantized.LinearPackedParamsBase,
                 down: torch.classes.quantized.LinearPackedParamsBase, reduce_range: bool, keys: Tensor, values: Tensor,
-                write: Tensor | None, start: int, kv_len: int, mask: Tensor, nq: int, nk: int, head_dim: int,
-                eps: float) -> Tensor:
-    """x [B, Q, hidden]; keys/values [B, Hkv, L, D] (the rows' cache buffers); write [B, 1, Q, 1] positions, or None
-    when every row writes Q positions from `start`; mask [B, 1, Q, K] additive, already folded for Q > 1."""
+                rows: Tensor | None, write: Tensor | None, start: int, kv_len: int, mask: Tensor, nq: int, nk: int,
+                head_dim: int, eps: float) -> Tensor:
+    """x [B, Q, hidden]; keys, values, rows, write, start, kv_len: see _write_read; mask [B, 1, Q, K] additive,
+    already folded for Q > 1."""
     b, q = x.shape[0], x.shape[1]
     size = [x.shape[-1]]
     heads = _rows_linear(F.rms_norm(x, size, w_in, eps), qkv, reduce_range).view(b, q, -1, head_dim)
     half = head_dim // 2
     qk = heads[:, :, : nq + nk]
     qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-    ks, vs = qk[:, :, nq:].transpose(1, 2), heads[:, :, nq + nk:].transpose(1, 2)
-    if write is None:
-        keys[:, :, start:start + q] = ks
-        values[:, :, start:start + q] = vs
-    else:
-        keys.scatter_(2, write.expand_as(ks), ks)
-        values.scatter_(2, write.expand_as(vs), vs)
+    k_att, v_att = _write_read(keys, values, qk[:, :, nq:].transpose(1, 2), heads[:, :, nq + nk:].transpose(1, 2),
+                               rows, write, start, kv_len)
     query = qk[:, :, :nq].transpose(1, 2).contiguous().reshape(b, nk, (nq // nk) * q, head_dim)
-    att = F.scaled_dot_product_attention(query, keys[:, :, :kv_len], values[:, :, :kv_len], attn_mask=mask)
+    att = F.scaled_dot_product_attention(query, k_att, v_att, attn_mask=mask)
     att = att.reshape(b, nq, q, head_dim).transpose(1, 2).contiguous().reshape(b, q, -1)
     x = x + _rows_linear(att, o, reduce_range)
     gate, up = _rows_linear(F.rms_norm(x, size, w_post, eps), gate_up, reduce_range).chunk(2, -1)

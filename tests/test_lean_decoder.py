@@ -113,8 +113,8 @@ def test_scripted_multi_row_passes_are_the_eager_passes_bit_for_bit(tmp_path, mo
                                                                    monkeypatch):
     """Several rows or several tokens (batched drafting, catch-ups, prefill into a grown cache) run as
     starjar.lean_step's scripted multi-row layer: ragged rows (scattered writes, a padded row), rows that write
-    one span, a two-token catch-up. Logits and every layer's K/V must be exactly the eager forward's; a pass over
-    non-consecutive slots keeps the eager forward."""
+    one span, a two-token catch-up, rows of non-consecutive slots (written through the whole buffers, then
+    gathered). Logits and every layer's K/V must be exactly the eager forward's."""
     from starjar import lean_step
     from starjar.kv_cache import RaggedKVCache
 
@@ -137,12 +137,13 @@ def test_scripted_multi_row_passes_are_the_eager_passes_bit_for_bit(tmp_path, mo
         cache.truncate(c, cache.lengths[b])
         outs += draft.forward(cache, [a, b, c], [[70], [71], [72]], [[0]] * 3)  # one span for every row
         outs += draft.forward(cache, [a, c], [[80], [81]], [[0]] * 2)  # slots 0 and 2: not consecutive
+        outs += draft.forward(cache, [a, c], [[82, 83], [84]], [[0, 1], [0]])  # ragged, not consecutive
         kv = [t[s, :, :cache.lengths[s]] for s in (a, b, c) for t in cache._keys + cache._values]
         return torch.cat(outs), kv
 
     eager, eager_kv = run("0")
     assert not calls
     scripted, scripted_kv = run("1")
-    assert len(calls) == 6  # every pass but the first and the non-consecutive one
+    assert len(calls) == 8  # every pass but the first
     assert torch.equal(eager, scripted)
     assert all(torch.equal(x, y) for x, y in zip(eager_kv, scripted_kv, strict=True))
