@@ -3,7 +3,7 @@
 At batch 1 a draft step of the default pair is 30 layers of small ops: on a 2-core CPU about half of its
 time went to calling them (Hugging Face's module tree, seven int8 linears per layer each with a fixed cost
 of about 80 us in fbgemm, five ops per RMSNorm). This forward runs the same weights with q/k/v fused into
-one int8 linear, gate/up into another, torch's fused rms_norm, and the folded attention of
+one int8 linear, gate/up into another, RMSNorm spelled out (lean_step.rms_norm), and the folded attention of
 starjar.attention, over starjar's ragged KV cache.
 
 It is used for drafts only (proposals may differ in the last bits; verification decides), never for a
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from starjar import lean_step
 from starjar.attention import fold_mask, folded_attention
+from starjar.lean_step import rms_norm
 
 FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -83,13 +84,13 @@ class LeanDecoder(torch.nn.Module):
         cos, sin = base.rotary_emb(x, position_ids)  # [B, Q, D]
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, Q, 1, D]: broadcast over heads
         b, q = input_ids.shape
-        d, eps, size = self.head_dim, self.eps, (x.shape[-1],)
+        d, eps = self.head_dim, self.eps
         if self.scriptable and lean_step.enabled() and (b == 1 and q == 1 or self._rows_fused()):
             views = cache.pass_views(len(self.plan))
             if views is not None:
-                return F.rms_norm(self._scripted_layers(x, cos, sin, mask, *views), size, self.final_norm, eps)
+                return rms_norm(self._scripted_layers(x, cos, sin, mask, *views), self.final_norm, eps)
         for i, (w_in, qkv, att, nq, nk, o_proj, w_post, gate_up, mlp, down) in enumerate(self.plan):
-            h = F.rms_norm(x, size, w_in, eps)
+            h = rms_norm(x, w_in, eps)
             if qkv is not None:  # [B, Q, heads q+k+v, D]; q and k rotated in one go
                 heads = qkv(h).view(b, q, -1, d)
             else:
@@ -99,13 +100,13 @@ class LeanDecoder(torch.nn.Module):
             ks, vs = cache.update(ks, heads[:, :, nq + nk:].transpose(1, 2), i)
             a, _ = folded_attention(att, qs, ks, vs, mask)
             x = x + o_proj(a.reshape(b, q, -1))
-            h = F.rms_norm(x, size, w_post, eps)
+            h = rms_norm(x, w_post, eps)
             if gate_up is not None:
                 gate, up = gate_up(h).chunk(2, dim=-1)
             else:
                 gate, up = mlp.gate_proj(h), mlp.up_proj(h)
             x = x + down(F.silu(gate) * up)
-        return F.rms_norm(x, size, self.final_norm, eps)
+        return rms_norm(x, self.final_norm, eps)
 
     def _rows_fused(self) -> bool:
         """Every linear takes the fused kernel for several rows (the scripted multi-row layer's; a machine where

@@ -36,14 +36,20 @@ def enabled() -> bool:
     return os.environ.get("STARJAR_LEAN_SCRIPT", "1") != "0"
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Llama's RMSNorm spelled out (the same ops as Hugging Face's): 19 vs 27 us for F.rms_norm on one 576-wide row
+    (2-core AVX2 EPYC), whose CPU path is a composite of more ops; 61 norms a draft step. The eager lean forward
+    calls this same function, so the two paths stay bit-identical."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
 def _layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.classes.quantized.LinearPackedParamsBase,
            o: torch.classes.quantized.LinearPackedParamsBase, w_post: Tensor,
            gate_up: torch.classes.quantized.LinearPackedParamsBase,
            down: torch.classes.quantized.LinearPackedParamsBase, reduce_range: bool, keys: Tensor, values: Tensor,
            start: int, nq: int, nk: int, head_dim: int, eps: float) -> Tensor:
     """x [1, 1, hidden]; keys/values [1, Hkv, L, D] (the row's cache buffers, written at `start`)."""
-    size = [x.shape[-1]]
-    heads = torch.ops.quantized.linear_dynamic(F.rms_norm(x, size, w_in, eps), qkv, reduce_range)
+    heads = torch.ops.quantized.linear_dynamic(rms_norm(x, w_in, eps), qkv, reduce_range)
     heads = heads.view(1, 1, -1, head_dim)
     qk = heads[:, :, : nq + nk]
     half = head_dim // 2
@@ -55,7 +61,7 @@ def _layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.classes
     query = qk[:, :, :nq].transpose(1, 2).contiguous().reshape(1, nk, nq // nk, head_dim)
     att = F.scaled_dot_product_attention(query, keys[:, :, :start + 1], values[:, :, :start + 1])
     x = x + torch.ops.quantized.linear_dynamic(att.reshape(1, 1, -1), o, reduce_range)
-    gate, up = torch.ops.quantized.linear_dynamic(F.rms_norm(x, size, w_post, eps), gate_up, reduce_range).chunk(2, -1)
+    gate, up = torch.ops.quantized.linear_dynamic(rms_norm(x, w_post, eps), gate_up, reduce_range).chunk(2, -1)
     return x + torch.ops.quantized.linear_dynamic(F.silu(gate) * up, down, reduce_range)
 
 
@@ -106,8 +112,7 @@ def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.cl
     """x [B, Q, hidden]; keys, values, rows, write, start, kv_len: see _write_read; mask [B, 1, Q, K] additive,
     already folded for Q > 1."""
     b, q = x.shape[0], x.shape[1]
-    size = [x.shape[-1]]
-    heads = _rows_linear(F.rms_norm(x, size, w_in, eps), qkv, reduce_range).view(b, q, -1, head_dim)
+    heads = _rows_linear(rms_norm(x, w_in, eps), qkv, reduce_range).view(b, q, -1, head_dim)
     half = head_dim // 2
     qk = heads[:, :, : nq + nk]
     qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
@@ -117,7 +122,7 @@ def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.cl
     att = F.scaled_dot_product_attention(query, k_att, v_att, attn_mask=mask)
     att = att.reshape(b, nq, q, head_dim).transpose(1, 2).contiguous().reshape(b, q, -1)
     x = x + _rows_linear(att, o, reduce_range)
-    gate, up = _rows_linear(F.rms_norm(x, size, w_post, eps), gate_up, reduce_range).chunk(2, -1)
+    gate, up = _rows_linear(rms_norm(x, w_post, eps), gate_up, reduce_range).chunk(2, -1)
     return x + _rows_linear(F.silu(gate) * up, down, reduce_range)
 
 
