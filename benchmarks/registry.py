@@ -30,7 +30,8 @@ def run_bench(args) -> int:
     result = module.run(args)
     result["meta"] = {"benchmark": args.name, "quick": bool(args.quick), "wall_s": round(time.time() - t0, 1),
                       "torch_threads": torch.get_num_threads(),
-                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"), "machine": platform.machine(),
+                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
+                      "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "(default)"), "machine": platform.machine(),
                       "python": platform.python_version(), "torch": torch.__version__,
                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                       # Runnable processes on the machine (1 min) before and after: others' load shows here.

@@ -20,12 +20,13 @@ import os
 import ray
 
 from controller.cluster_spec import CONTROLLER, NAMESPACE, ClusterSpec
+from controller.omp_env import share_cores
 
 log = logging.getLogger(__name__)
 
 
 def _prepare_process(spec: ClusterSpec, threads: int | None = None) -> None:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # must precede the torch import
+    share_cores()  # must precede the torch import (the keeper set it for Ray's workers too)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -22,6 +22,7 @@ import sys
 from controller.demo import add_demo_parser
 from controller.generate_cmd import add_generate_parser
 from controller.models_cmd import add_models_parsers
+from controller.omp_env import share_cores
 from controller.serve_cmd import add_serve_parsers
 from controller.up_cmd import add_up_parsers
 from starjar.errors import InvalidArgument, StarjarError
@@ -45,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    share_cores()  # before torch loads: servers, benchmarks and the demo's processes take turns on the cores
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _quiet_libraries()
@@ -70,10 +72,6 @@ def _run(args) -> int:
         from controller.models_cmd import run_models_build
         return run_models_build(args)
     if args.cmd == "serve":
-        # Servers share cores with each other on one host: OpenMP threads that spin after
-        # each op steal them (a remote draft lost 8% of target speed that way). Must be
-        # set before torch loads.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         from controller.serve_cmd import run_serve
         return run_serve(args)
     if args.cmd == "profile":

@@ -30,8 +30,8 @@ def add_demo_parser(sub) -> None:
     d.add_argument("--threads", type=int, default=2, help="torch threads of the target worker (default 2: draft "
                    "and target take turns, so it can use both cores of a small machine)")
     d.add_argument("--draft-threads", type=int, default=2, help="torch threads of the draft server (default 2: "
-                   "at batch 1 the one target waits while its draft runs; OMP_WAIT_POLICY=PASSIVE keeps idle "
-                   "threads off the cores)")
+                   "at batch 1 the one target waits while its draft runs; a short OpenMP spin, controller.omp_env, "
+                   "keeps a waiting process's threads off the cores)")
     d.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     d.add_argument("--plot", default="starjar-demo.png", help="where to save the plot")
     d.add_argument("--keep", action="store_true", help="leave the cluster running afterwards")

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from controller.cluster_spec import CONTROLLER, NAMESPACE, READY_TIMEOUT_S, ClusterSpec, local_ray_env
+from controller.omp_env import share_cores
 
 
 def _say(**msg) -> None:
@@ -115,7 +116,7 @@ def _hold(spec: ClusterSpec, state_file: str, stop: threading.Event) -> None:
 def keeper_main(spec_path: str, state_file: str) -> int:
     """The keeper process: owns the local Ray cluster until SIGTERM."""
     local_ray_env()
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    share_cores()  # Ray's workers inherit it
     stop = threading.Event()
     _catch_stop(stop)
     spec = ClusterSpec.from_dict(json.loads(Path(spec_path).read_text()))

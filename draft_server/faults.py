@@ -4,6 +4,8 @@ The value is a comma-separated list of switches, e.g. "delay_ms=200,crash_after=
   delay_ms=N      every reply waits N ms (a slow network or a slow server)
   slow_step_ms=N  every draft pass takes N ms longer
   hang_after=N    after N rounds answered, the compute thread blocks for good (a hung server)
+  spell_from=N, spell_rounds=M, spell_ms=T
+                  rounds N..N+M-1 (counted from 0) each wait T ms before their reply: a slow spell, then well again
   crash_after=N   after N rounds answered, the process exits at once (exit code 86)
   corrupt=P       with probability P a reply is corrupted (more tokens than asked, outside the vocabulary)
   refuse=1        every Attach is refused UNAVAILABLE
@@ -31,6 +33,9 @@ class FaultPlan:
     delay_ms: float = 0.0
     slow_step_ms: float = 0.0
     hang_after: int = -1
+    spell_from: int = -1
+    spell_rounds: int = 0
+    spell_ms: float = 0.0
     crash_after: int = -1
     corrupt: float = 0.0
     refuse: int = 0
@@ -83,6 +88,8 @@ class Faults:
             self._hung.wait()  # until release() (server stop); a SIGSTOP without the signal
         if p.delay_ms:
             time.sleep(p.delay_ms / 1000)
+        if 0 <= p.spell_from <= self.replies < p.spell_from + p.spell_rounds:
+            time.sleep(p.spell_ms / 1000)
         self.replies += 1
         if p.corrupt and self._rng.random() < p.corrupt:
             return [[1 << 30, 0xFFFFFFFF] * 8 if r is not None else [7] for r in replies]

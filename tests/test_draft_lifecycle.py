@@ -158,3 +158,23 @@ def test_a_hung_draft_server_costs_a_few_deadlines_not_one_per_step(models, spec
         # The steps that waited are nobody's statistics: the policy saw only the ones that drafted.
         assert len(observed) == eng.stats.spec.steps + eng.stats.plain.steps and eng.stats.fallback.steps > 10
         rp.close()
+
+
+def test_speculation_resumes_after_a_slow_spell_of_the_draft_server(models, spec_prompts, reference, monkeypatch):
+    """Three rounds answered late open the breaker; the late answers arrive meanwhile, so its probes must find
+    no backlog and speculation must come back. (Before: late answers were read only while awaiting a round, so
+    the two unanswered rounds stayed counted and every probe failed as a backlog: no drafts ever again. In the
+    demo a 769-token prompt's first round, which carries the whole prompt, started exactly that.)"""
+    ref = reference("llama", 32)
+    monkeypatch.setenv("STARJAR_DRAFT_FAULTS", "spell_from=3,spell_rounds=3,spell_ms=700")
+    with BackgroundDraftServer(models["draft"]) as srv:
+        rp = RemoteProposer(srv.address, models["llama"].fingerprint, "t", deadline_s=0.3,
+                            breaker=Breaker(after=3, probe_s=0.3, max_probe_s=1.0))
+        assert rp.wait_attached(10)
+        eng = TargetEngine(models["llama"], rp, FixedGamma(3), EngineConfig(max_batch_size=1))
+        reqs = eng.generate(spec_prompts, SamplingParams(max_tokens=32))
+        assert [r.output_ids for r in reqs] == ref
+        assert rp.breaker.opened >= 1 and rp.stats.fallbacks["deadline"] >= 1
+        assert not rp.breaker.is_open  # the last probe was answered
+        assert rp.stats.rounds >= 3 + 20  # most rounds after the spell drafted again
+        rp.close()
