@@ -23,6 +23,7 @@ from draft_server.engine import DraftEngine, DraftJob
 from draft_server.faults import FaultPlan, Faults
 from draft_server.stats import ServerStats
 from draft_server.work_queue import ReleaseWork, RoundWork, WorkQueue
+from starjar.kernels import adopt_thread_count
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class ComputeLoop(threading.Thread):
         self._releases: list[ReleaseWork] = []  # releases waiting for in-flight jobs of their sequences
 
     def run(self) -> None:
+        adopt_thread_count()  # this thread computes: torch's thread count, not the environment's
         # StarSD's idle time is time with no round to serve: only the waits on an empty queue count.
         # Everything else the loop does (drafting, replies, bookkeeping) is busy time.
         idle = 0.0

@@ -12,6 +12,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
+from starjar.kernels import adopt_thread_count
 from starjar.sampling import SamplingParams
 from target_worker.engine import StepOutput, TargetEngine
 from target_worker.request import Request, Status
@@ -98,6 +99,7 @@ class EngineRunner(threading.Thread):
                 self._listeners.pop(id(out.request), None)
 
     def run(self) -> None:
+        adopt_thread_count()  # this thread computes: torch's thread count, not the environment's
         while True:
             with self._cv:
                 while not self._inbox and not self.engine.has_work() and not self._stop:

@@ -103,3 +103,38 @@ def test_a_folded_mask_lives_no_longer_than_its_pass_mask():
     del mask, folded
     gc.collect()
     assert ref() is None and 2 not in attention._folded
+
+
+ADOPT_SCRIPT = """
+import ctypes, glob, os, threading
+import torch
+from starjar.kernels import adopt_thread_count
+libs = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*"))
+if not libs:
+    print("no-libgomp"); raise SystemExit
+omp = ctypes.CDLL(libs[0])
+torch.set_num_threads(2)
+seen = {}
+def work(adopt):
+    if adopt:
+        adopt_thread_count()
+    seen[adopt] = omp.omp_get_max_threads()
+for adopt in (False, True):
+    t = threading.Thread(target=work, args=(adopt,)); t.start(); t.join()
+print(seen[False], seen[True], torch.get_num_threads())
+"""
+
+
+def test_a_computing_thread_adopts_torchs_thread_count_over_the_environments():
+    """Ray starts workers with OMP_NUM_THREADS=1: a thread started after torch.set_num_threads(2) still runs
+    OpenMP regions on one thread (while torch.get_num_threads() says 2) until it adopts the count."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", ADOPT_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    if out == ["no-libgomp"]:
+        pytest.skip("torch is not built with GNU OpenMP here")
+    assert out == ["1", "2", "2"]
