@@ -6,8 +6,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.registry import BENCHMARKS, run_bench
-from starjar.errors import InvalidArgument
+from controller.omp_env import share_cores
+
+share_cores()  # before the registry loads torch: `starjar-bench` spins as `starjar bench` does (controller.cli)
+
+from benchmarks.registry import BENCHMARKS, run_bench  # noqa: E402
+from starjar.errors import InvalidArgument  # noqa: E402
 
 
 def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:

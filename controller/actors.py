@@ -4,8 +4,9 @@ Each starts its gRPC server on a free port of its node and answers `info()`
 with where it listens; the controller reads that and publishes it. A restarted
 actor starts on a new port; the controller notices and republishes, and target
 workers find the draft server again by asking the controller (never a fixed
-address). Model actors pin their torch threads, and set OpenMP to passive
-waiting before torch loads, because they share cores with each other.
+address). Model actors set their torch threads (for every thread that
+computes) and a short OpenMP spin before torch loads, because they share
+cores with each other (controller.omp_env).
 
 Each also has `stop()`, which the controller calls before it kills the actor
 (after draining the targets, see Controller.drain), so that what a server has

@@ -6,7 +6,9 @@ for it, and a waiter's spinning threads take the cores the worker needs. OMP_WAI
 cures that but makes every op wake its threads through the kernel, which a draft pass of ~800 small ops pays
 for. Measured with `starjar bench tax --quick` (AMD EPYC, AVX2, 2 cores, gamma 2, draft server at 2 threads),
 co-located / remote tokens/s: default spin 22.6 / 19.8, PASSIVE 19.7 / 18.9, GOMP_SPINCOUNT=20000 22.5 / 21.1,
-2000 22.0 / 20.9. A short spin keeps op-to-op hand-offs fast and lets a waiting process's threads sleep soon.
+10000 22.3 / 21.1, 2000 22.0 / 20.9. A short spin keeps op-to-op hand-offs fast and lets a waiting process's
+threads sleep soon. GOMP_SPINCOUNT is GNU OpenMP's (the libgomp that torch's Linux wheels ship); a torch built with
+another OpenMP ignores it and spins by its own default.
 """
 
 from __future__ import annotations

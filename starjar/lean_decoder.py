@@ -49,6 +49,8 @@ class LeanDecoder(torch.nn.Module):
         self._linears = linears
         self.scriptable = all(hasattr(lin, "_packed") for lin in linears) and \
             len({lin._reduce_range for lin in linears}) == 1
+        # Per layer, the float biases of those four (RowInt8Linear keeps them beside its packed weights).
+        self._biases = [[p[i].bias for i in (1, 5, 7, 9)] for p in self.plan] if self.scriptable else []
         if self.scriptable and lean_step.enabled():
             lean_step.layer_fn()
             lean_step.rows_layer_fn()
@@ -127,13 +129,13 @@ class LeanDecoder(torch.nn.Module):
             return x
         layer = lean_step.rows_layer_fn()
         folded = {}  # the mask folded per group size once per pass, as starjar.attention does
-        for (w_in, qkv, _, nq, nk, o_proj, w_post, gate_up, _, down), k, v in zip(self.plan, keys, values,
-                                                                                     strict=True):
+        for (w_in, qkv, _, nq, nk, o_proj, w_post, gate_up, _, down), k, v, biases in zip(
+                self.plan, keys, values, self._biases, strict=True):
             g = nq // nk
             if g not in folded:
                 folded[g] = mask if q == 1 else fold_mask(mask, g)
             x = layer(x, cos, sin, w_in, qkv._packed, o_proj._packed, w_post, gate_up._packed, down._packed,
-                      qkv._reduce_range, k, v, rows, write, start, kv_len, folded[g], nq, nk, d, eps)
+                      qkv._reduce_range, k, v, rows, write, start, kv_len, folded[g], nq, nk, d, eps, biases)
         return x
 
 

@@ -14,8 +14,9 @@ a one-row 2-token catch-up 27.1 -> 16.4 ms, again bit-identical.
 
 The one-row one-token step runs torch's dynamic int8 kernel as is (one range per tensor is the row's own); the
 multi-row layer runs the `fused` per-row path only (a machine where starjar.kernels chose int_mm keeps the
-eager forward for several rows). Rows must be consecutive cache slots; tree passes and float drafts keep the
-eager forward. STARJAR_LEAN_SCRIPT=0 turns both off (to compare, or to force the eager path).
+eager forward for several rows). Rows on consecutive cache slots are written through views of their buffers,
+others through the whole buffers and then gathered, as RaggedKVCache.update does; tree passes and float drafts keep
+the eager forward. STARJAR_LEAN_SCRIPT=0 turns both off (to compare, or to force the eager path).
 """
 
 from __future__ import annotations
@@ -74,21 +75,25 @@ def layer_fn():
     return _scripted
 
 
-def _rows_linear(x: Tensor, packed: torch.classes.quantized.LinearPackedParamsBase, reduce_range: bool) -> Tensor:
-    """starjar.quantized.RowInt8Linear.fused_rows (no bias): each row scaled to an absolute maximum of 1 first, so
-    the kernel's one activation range is every row's own."""
+def _rows_linear(x: Tensor, packed: torch.classes.quantized.LinearPackedParamsBase, reduce_range: bool,
+                 bias: Tensor | None) -> Tensor:
+    """starjar.quantized.RowInt8Linear.fused_rows: each row scaled to an absolute maximum of 1 first, so the
+    kernel's one activation range is every row's own; the packed bias, scaled with the row, is put right."""
     rows = x.reshape(-1, x.shape[-1])
     peak = rows.abs().amax(-1, keepdim=True).clamp_min_(1e-12)  # as quantized._row_peak
-    y = torch.ops.quantized.linear_dynamic(rows / peak, packed, reduce_range) * peak
+    y = torch.ops.quantized.linear_dynamic(rows / peak, packed, reduce_range)
+    y = y * peak if bias is None else (y - bias) * peak + bias
     return y.reshape(x.shape[0], x.shape[1], -1)
 
 
 def _write_read(keys: Tensor, values: Tensor, ks: Tensor, vs: Tensor, rows: Tensor | None, write: Tensor | None,
                 start: int, kv_len: int) -> tuple[Tensor, Tensor]:
-    """As RaggedKVCache.update: write a pass's ks/vs [B, Hkv, Q, D], return the keys and values to attend. rows None:
-    keys/values are the rows' buffers [B, Hkv, L, D] (views), written at write [B, Q] or, when None, one span from
-    `start`. rows [B] (scattered slots): keys/values are the whole buffers, written at write, then gathered."""
-    if rows is not None and write is not None:
+    """As RaggedKVCache.update: write a pass's ks/vs [B, Hkv, Q, D], return the keys and values to attend. rows [B]
+    (scattered slots): keys/values are the whole buffers, written at write [B, Q], then gathered. rows None:
+    keys/values are the rows' buffers [B, Hkv, L, D] (views), written at write or, when None, one span from
+    `start`."""
+    if rows is not None:
+        assert write is not None  # scattered slots never share one span (RaggedKVCache.begin)
         slots = rows[:, None].expand_as(write)
         keys[slots, :, write] = ks.transpose(1, 2)
         values[slots, :, write] = vs.transpose(1, 2)
@@ -108,11 +113,11 @@ def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.cl
                 gate_up: torch.classes.quantized.LinearPackedParamsBase,
                 down: torch.classes.quantized.LinearPackedParamsBase, reduce_range: bool, keys: Tensor, values: Tensor,
                 rows: Tensor | None, write: Tensor | None, start: int, kv_len: int, mask: Tensor, nq: int, nk: int,
-                head_dim: int, eps: float) -> Tensor:
+                head_dim: int, eps: float, biases: list[Tensor | None]) -> Tensor:
     """x [B, Q, hidden]; keys, values, rows, write, start, kv_len: see _write_read; mask [B, 1, Q, K] additive,
-    already folded for Q > 1."""
+    already folded for Q > 1; biases: of qkv, o, gate_up and down (None where a linear has none)."""
     b, q = x.shape[0], x.shape[1]
-    heads = _rows_linear(rms_norm(x, w_in, eps), qkv, reduce_range).view(b, q, -1, head_dim)
+    heads = _rows_linear(rms_norm(x, w_in, eps), qkv, reduce_range, biases[0]).view(b, q, -1, head_dim)
     half = head_dim // 2
     qk = heads[:, :, : nq + nk]
     qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
@@ -121,9 +126,9 @@ def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.cl
     query = qk[:, :, :nq].transpose(1, 2).contiguous().reshape(b, nk, (nq // nk) * q, head_dim)
     att = F.scaled_dot_product_attention(query, k_att, v_att, attn_mask=mask)
     att = att.reshape(b, nq, q, head_dim).transpose(1, 2).contiguous().reshape(b, q, -1)
-    x = x + _rows_linear(att, o, reduce_range)
-    gate, up = _rows_linear(rms_norm(x, w_post, eps), gate_up, reduce_range).chunk(2, -1)
-    return x + _rows_linear(F.silu(gate) * up, down, reduce_range)
+    x = x + _rows_linear(att, o, reduce_range, biases[1])
+    gate, up = _rows_linear(rms_norm(x, w_post, eps), gate_up, reduce_range, biases[2]).chunk(2, -1)
+    return x + _rows_linear(F.silu(gate) * up, down, reduce_range, biases[3])
 
 
 def rows_layer_fn():

@@ -65,6 +65,7 @@ def test_scripted_one_token_steps_are_the_eager_steps_bit_for_bit(tmp_path, mode
     from starjar import lean_step
     from starjar.kv_cache import RaggedKVCache
 
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")  # a catch-up's kernel, whatever this machine chose
     draft = load_model(int8_draft_dir(tmp_path, model_dirs[family]))
     assert draft.lean.scriptable
     calls = []
@@ -107,6 +108,24 @@ def test_a_tree_pass_never_takes_the_scripted_layers():
     assert cache.pass_views(1) is None
 
 
+def with_random_biases(tmp_path, target_dir):
+    """A copy of a target whose biases (Qwen2's q/k/v) are not zero: a freshly made tiny model's are, which would
+    hide a bias handled wrongly."""
+    from transformers import AutoModelForCausalLM
+
+    d = tmp_path / "biased"
+    shutil.copytree(target_dir, d)
+    model = AutoModelForCausalLM.from_pretrained(d)
+    gen = torch.Generator().manual_seed(0)
+    biases = [p for name, p in model.named_parameters() if name.endswith(".bias")]
+    assert biases
+    with torch.no_grad():
+        for p in biases:
+            p.copy_(torch.randn(p.shape, generator=gen))
+    model.save_pretrained(d)
+    return d
+
+
 @pytest.mark.parametrize("family,cache_kw", [("llama", {}), ("qwen2", {"initial_capacity": 8}),
                                              ("llama", {"max_cells": 96})])
 def test_scripted_multi_row_passes_are_the_eager_passes_bit_for_bit(tmp_path, model_dirs, family, cache_kw,
@@ -118,7 +137,9 @@ def test_scripted_multi_row_passes_are_the_eager_passes_bit_for_bit(tmp_path, mo
     from starjar import lean_step
     from starjar.kv_cache import RaggedKVCache
 
-    draft = load_model(int8_draft_dir(tmp_path, model_dirs[family]))
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")  # the multi-row layer's kernel, whatever this machine chose
+    target = with_random_biases(tmp_path, model_dirs[family]) if family == "qwen2" else model_dirs[family]
+    draft = load_model(int8_draft_dir(tmp_path, target))
     calls = []
     real = lean_step.rows_layer_fn
     monkeypatch.setattr(lean_step, "rows_layer_fn", lambda: calls.append(1) or real())
