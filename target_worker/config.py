@@ -32,8 +32,7 @@ class TargetWorkerConfig:
     draft_server: str | Callable[[], str | None] | None = None
     host: str = "127.0.0.1"
     port: int = 0  # 0 = any free port
-    draft_deadline_s: float = 0.5  # how long a step waits for its drafts before decoding without them (plus an
-    # allowance for a round that carries a prompt's prefill, draft_client.CATCHUP_S_PER_TOKEN)
+    draft_deadline_s: float = 0.5  # how long one step waits for its drafts before decoding without them
     drain_timeout_s: float = 30.0  # on stop: how long generations in flight may take to finish
     max_waiting: int = DEFAULT_MAX_WAITING  # requests queued beyond a full batch; then queue_full
     # When the engine cannot go on, exit the process after a second of NOT_SERVING (so a supervisor, Ray or

@@ -37,11 +37,6 @@ _CLOSE = object()
 
 
 MAX_OUTSTANDING = 2  # rounds a stream may have unanswered (the server reads no more than this either)
-# A round's deadline grows with the prefill it carries (a new sequence's whole prompt: 1.25 s for 769 tokens of the
-# default int8 draft on 2 AVX2 cores, which always missed the bare deadline and opened the breaker). Only tokens
-# past gamma + 1 count, capped: the whole batch waits on a round.
-CATCHUP_S_PER_TOKEN = 0.004
-MAX_CATCHUP_ALLOWANCE = 3.0  # x deadline_s
 
 
 class DraftUnavailable(RuntimeError):
@@ -149,7 +144,7 @@ class RemoteProposer:
         t0 = time.perf_counter()
         self._outstanding.add(round_id)
         reqs_q.put(msg)
-        resp = self._await_reply(round_id, t0 + self._deadline_for(sent))
+        resp = self._await_reply(round_id, t0 + self.deadline_s)
         self.breaker.answered()
         elapsed = time.perf_counter() - t0
         if len(resp.sequences) != len(wire) or any(s.seq_id != w for s, w in zip(resp.sequences, wire, strict=True)):
@@ -267,11 +262,6 @@ class RemoteProposer:
         self.stats.fallbacks[reason] += 1
         return DraftUnavailable(reason, detail)
 
-    def _deadline_for(self, sent: Sequence[DraftRequest]) -> float:
-        """The bare deadline plus the round's prefill allowance (see CATCHUP_S_PER_TOKEN)."""
-        prefill = sum(max(0, len(r.tokens) - (r.gamma + 1)) for r in sent)
-        return self.deadline_s + min(CATCHUP_S_PER_TOKEN * prefill, MAX_CATCHUP_ALLOWANCE * self.deadline_s)
-
     def _drop_late_replies(self) -> None:
         """Answers to rounds given up on are no longer outstanding (read only by _await_reply before, they kept
         every breaker probe failing as a backlog: the stream never drafted again)."""
@@ -290,7 +280,7 @@ class RemoteProposer:
             left = deadline - time.perf_counter()
             if left <= 0:
                 self.breaker.missed()
-                raise self._no_drafts("deadline", "no drafts by the round's deadline")
+                raise self._no_drafts("deadline", f"no drafts within {self.deadline_s * 1000:.0f} ms")
             try:
                 resp = self._replies.get(timeout=left)
             except queue.Empty:
