@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-_scripted = None
-_rows_scripted = None
+_scripted: dict[str, torch.jit.ScriptFunction] = {}
 _compiling = threading.Lock()
 
 
@@ -66,13 +65,17 @@ def _layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.classes
     return x + torch.ops.quantized.linear_dynamic(F.silu(gate) * up, down, reduce_range)
 
 
-def layer_fn():
-    """The scripted layer, compiled once per process (about 0.2 s; LeanDecoder asks at load, not in a step)."""
-    global _scripted
+def _script(fn):
+    """fn compiled by TorchScript once per process (about 0.2 s; LeanDecoder asks at load, not in a step)."""
     with _compiling:
-        if _scripted is None:
-            _scripted = torch.jit.script(_layer)
-    return _scripted
+        if fn.__name__ not in _scripted:
+            _scripted[fn.__name__] = torch.jit.script(fn)
+    return _scripted[fn.__name__]
+
+
+def layer_fn():
+    """The scripted one-row one-token layer."""
+    return _script(_layer)
 
 
 def _rows_linear(x: Tensor, packed: torch.classes.quantized.LinearPackedParamsBase, reduce_range: bool,
@@ -132,9 +135,5 @@ def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.cl
 
 
 def rows_layer_fn():
-    """The scripted multi-row layer (several rows, or several tokens of one row), compiled once per process."""
-    global _rows_scripted
-    with _compiling:
-        if _rows_scripted is None:
-            _rows_scripted = torch.jit.script(_rows_layer)
-    return _rows_scripted
+    """The scripted multi-row layer (several rows, or several tokens of one row)."""
+    return _script(_rows_layer)
