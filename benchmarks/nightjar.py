@@ -62,7 +62,7 @@ def _trace(n: int) -> tuple[list[float], list[int], list[int]]:
     from datetime import datetime
 
     ts = [datetime.strptime(r["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f").timestamp() for r in rows]
-    gaps = [max(1e-3, b - a) for a, b in zip(ts, ts[1:], strict=True)]
+    gaps = [max(1e-3, b - a) for a, b in zip(ts[:-1], ts[1:], strict=True)]
     outs = [min(256, max(8, int(r["GeneratedTokens"]))) for r in rows[:n]]
     # Prompts are Spec-Bench's (chat template included: about 4 characters per token plus 30 template tokens).
     from starjar.workloads import spec_bench_mix

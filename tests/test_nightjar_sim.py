@@ -76,3 +76,13 @@ def test_offload_lends_the_draft_memory_under_pressure_in_the_simulator():
     bare = simulate(FixedGamma(0), reqs, cost, max_batch=16, memory=Memory(500, 600, draft_loaded=False))
     assert bare.peak_running == 16 and bare.preemptions < on.preemptions
     assert bare.tokens_per_s >= on.tokens_per_s
+
+
+def test_the_nightjar_bench_reads_its_trace():
+    """`starjar bench nightjar` starts from the Azure trace: n arrival gaps, outputs and prompt lengths. (A zip of
+    the timestamps with their own tail, made strict, once failed on every run before any figure.)"""
+    from benchmarks.nightjar import _trace
+
+    gaps, outs, prompts = _trace(20)
+    assert len(gaps) == len(outs) == len(prompts) == 20
+    assert all(g > 0 for g in gaps) and all(8 <= o <= 256 for o in outs) and all(p > 0 for p in prompts)
