@@ -46,11 +46,13 @@ class LeanDecoder(torch.nn.Module):
         # The scripted one-token step (starjar.lean_step) needs every layer's four linears in torch's int8 kernel,
         # all with one reduce_range (it passes one); compiled here so the first served step does not pay for it.
         linears = [lin for p in self.plan for lin in (p[1], p[5], p[7], p[9])]
-        self._linears = linears
         self.scriptable = all(hasattr(lin, "_packed") for lin in linears) and \
             len({lin._reduce_range for lin in linears}) == 1
         # Per layer, the float biases of those four (RowInt8Linear keeps them beside its packed weights).
         self._biases = [[p[i].bias for i in (1, 5, 7, 9)] for p in self.plan] if self.scriptable else []
+        # Several rows take the scripted layer only on the fused kernel (a machine where starjar.kernels chose
+        # int_mm keeps the eager forward, which calls it); a linear's path is fixed when it is quantized.
+        self.rows_fused = self.scriptable and all(lin.path == "fused" for lin in linears)
         if self.scriptable and lean_step.enabled():
             lean_step.layer_fn()
             lean_step.rows_layer_fn()
@@ -87,7 +89,7 @@ class LeanDecoder(torch.nn.Module):
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, Q, 1, D]: broadcast over heads
         b, q = input_ids.shape
         d, eps = self.head_dim, self.eps
-        if self.scriptable and lean_step.enabled() and (b == 1 and q == 1 or self._rows_fused()):
+        if self.scriptable and lean_step.enabled() and (b == 1 and q == 1 or self.rows_fused):
             views = cache.pass_views(len(self.plan))
             if views is not None:
                 return rms_norm(self._scripted_layers(x, cos, sin, mask, *views), self.final_norm, eps)
@@ -109,11 +111,6 @@ class LeanDecoder(torch.nn.Module):
                 gate, up = mlp.gate_proj(h), mlp.up_proj(h)
             x = x + down(F.silu(gate) * up)
         return rms_norm(x, self.final_norm, eps)
-
-    def _rows_fused(self) -> bool:
-        """Every linear takes the fused kernel for several rows (the scripted multi-row layer's; a machine where
-        starjar.kernels chose int_mm keeps the eager forward, which calls it)."""
-        return all(lin.path == "fused" for lin in self._linears)
 
     def _scripted_layers(self, x, cos, sin, mask, keys, values, rows, write, start: int, kv_len: int) -> torch.Tensor:
         """A pass through every layer as starjar.lean_step's scripted layer: the one-row one-token step, or the

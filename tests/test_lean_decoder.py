@@ -55,6 +55,16 @@ def test_greedy_output_with_a_lean_draft_is_the_targets(tmp_path, models, model_
     assert eng.stats.acceptance_rate > 0.5
 
 
+def counted(monkeypatch, name: str) -> list:
+    """starjar.lean_step's `name` (a scripted layer's getter) wrapped to record each pass that asks for it."""
+    from starjar import lean_step
+
+    calls = []
+    real = getattr(lean_step, name)
+    monkeypatch.setattr(lean_step, name, lambda: calls.append(1) or real())
+    return calls
+
+
 @pytest.mark.parametrize("family,cache_kw", [("llama", {}), ("qwen2", {}),
                                              ("llama", {"initial_capacity": 8}), ("llama", {"max_cells": 64})])
 def test_scripted_one_token_steps_are_the_eager_steps_bit_for_bit(tmp_path, model_dirs, family, cache_kw,
@@ -62,15 +72,12 @@ def test_scripted_one_token_steps_are_the_eager_steps_bit_for_bit(tmp_path, mode
     """starjar.lean_step runs a one-row, one-token pass as one scripted function per layer: the logits and the
     K/V it writes must be exactly the eager lean forward's, step after step, on the second slot of a cache that
     grows (or is budgeted) between steps."""
-    from starjar import lean_step
     from starjar.kv_cache import RaggedKVCache
 
     monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")  # a catch-up's kernel, whatever this machine chose
     draft = load_model(int8_draft_dir(tmp_path, model_dirs[family]))
     assert draft.lean.scriptable
-    calls = []
-    real = lean_step.layer_fn
-    monkeypatch.setattr(lean_step, "layer_fn", lambda: calls.append(1) or real())
+    calls = counted(monkeypatch, "layer_fn")
 
     def run(env: str):
         monkeypatch.setenv("STARJAR_LEAN_SCRIPT", env)
@@ -134,15 +141,12 @@ def test_scripted_multi_row_passes_are_the_eager_passes_bit_for_bit(tmp_path, mo
     starjar.lean_step's scripted multi-row layer: ragged rows (scattered writes, a padded row), rows that write
     one span, a two-token catch-up, rows of non-consecutive slots (written through the whole buffers, then
     gathered). Logits and every layer's K/V must be exactly the eager forward's."""
-    from starjar import lean_step
     from starjar.kv_cache import RaggedKVCache
 
     monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")  # the multi-row layer's kernel, whatever this machine chose
     target = with_random_biases(tmp_path, model_dirs[family]) if family == "qwen2" else model_dirs[family]
     draft = load_model(int8_draft_dir(tmp_path, target))
-    calls = []
-    real = lean_step.rows_layer_fn
-    monkeypatch.setattr(lean_step, "rows_layer_fn", lambda: calls.append(1) or real())
+    calls = counted(monkeypatch, "rows_layer_fn")
 
     def run(env: str):
         monkeypatch.setenv("STARJAR_LEAN_SCRIPT", env)
