@@ -95,6 +95,9 @@ class DecodePlan:
     rounds: list[SeqRound]
     started_s: float = field(default_factory=time.perf_counter)  # the step's time counts from here
     scored_s: float = 0.0  # when the score phase began
+    # The draft saw some sequence's prompt for the first time this step (a new request, a resync): its prefill
+    # is a cost of the request, paid once whatever gamma is, so the policy does not charge it to this gamma.
+    draft_prefill: bool = False
 
     @property
     def drafted(self) -> int:
@@ -265,6 +268,7 @@ class TargetEngine:
         shape = self.trees.shape if self.trees is not None else lambda n, g: (g, 0)  # (depth, width) for n
         reqs = [DraftRequest(r.req.draft_key, r.req.draft_synced, r.req.all_ids()[r.req.draft_synced:],
                              *shape(len(want), r.gamma)) for r in want]
+        plan.draft_prefill = any(d.start == 0 for d in reqs)
         replies = self._ask_proposer(reqs)
         if replies is None:
             for r in want:
@@ -338,8 +342,11 @@ class TargetEngine:
                                        any(r.gamma for r in plan.rounds))
         # The policy sees the whole step, drafting included: that is what gamma trades off. A step whose
         # drafts failed (a missed deadline, a broken stream) is neither: it would make plain decoding look
-        # as slow as the wait, so it is kept out of the policy's statistics.
-        if kind != "fallback":
+        # as slow as the wait, so it is kept out of the policy's statistics; so is a step that carried a
+        # draft prefill (a 700-token prompt's is over a second, and it would land on whichever gamma was on).
+        if kind != "fallback" and plan.draft_prefill:
+            self.stats.draft_prefill_steps += 1
+        elif kind != "fallback":
             self.policy.observe(len(plan.rounds), plan.gamma if drafted else 0, now - plan.started_s, tokens,
                                 accepted, drafted)
         if self.trees is not None:

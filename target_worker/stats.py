@@ -35,6 +35,7 @@ class EngineStats:
     proposer_failures: int = 0
     resyncs: int = 0
     preemptions: int = 0
+    draft_prefill_steps: int = 0  # decode steps kept out of the policy's statistics: the draft prefilled a prompt
     tree_rounds: int = 0  # sequence-rounds that verified a token tree (branching, not a chain)
     tree_nodes: int = 0  # their nodes, after selection
     accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_GAMMA)

@@ -194,3 +194,42 @@ def test_buckets_are_configurable_and_checked():
             parse_buckets(bad)
     p = serving_policy("nightjar", 3, None, True, parse_buckets("1,4,16"))
     assert p.inner.buckets == (1, 4, 16) and p.inner.bucket(7) == 4 and p.inner.bucket(100) == 16
+
+
+def test_a_step_that_carries_a_draft_prefill_is_kept_from_the_policy(models, spec_prompts, reference):
+    """A new request's first drafting round makes the draft prefill its whole prompt: a cost of the request,
+    paid once whatever gamma is. Charged to the gamma that happened to be on, a long prompt's prefill (over a
+    second for 700 tokens on the default pair) swamped that arm's mean and the planner drifted off it."""
+    from controller.colocated import colocated_engine
+    from starjar.policy import FixedGamma
+    from starjar.sampling import SamplingParams
+
+    events = []
+
+    class Recording(FixedGamma):
+        def observe(self, batch_size, gamma, step_s, tokens, accepted, drafted):
+            events.append(("observe", gamma))
+
+    engine = colocated_engine(models["llama"], models["draft"], 0, 4, policy=Recording(3))
+    draft = engine.proposer
+    ask = draft.propose
+
+    def propose(reqs):
+        events.append(("propose", any(r.start == 0 for r in reqs)))
+        return ask(reqs)
+
+    draft.propose = propose
+    reqs = engine.generate(spec_prompts[:10], SamplingParams(max_tokens=24))
+    assert [r.output_ids for r in reqs] == [r[:24] for r in reference("llama", 64)[:10]]
+    proposals = [e for e in events if e[0] == "propose"]
+    assert sum(p[1] for p in proposals) >= 3  # rounds that carried prompts happened (10 requests, batch 4)
+    last = None
+    for kind, value in events:
+        if kind == "propose":
+            last = value
+        else:
+            assert last is False  # every step the policy saw drafted from a draft that already had the prompt
+    observed = sum(1 for e in events if e[0] == "observe")
+    st = engine.stats
+    assert st.draft_prefill_steps == sum(p[1] for p in proposals)
+    assert observed == st.spec.steps + st.plain.steps - st.draft_prefill_steps > 0
