@@ -114,7 +114,9 @@ class ComputeLoop(threading.Thread):
         for w in starting:
             self.last_round_s = now
             try:
+                catchup0 = self.engine.stats.catchup_tokens
                 replies, jobs = self.engine.start(w.requests)
+                self.faults.after_start(self.engine.stats.catchup_tokens - catchup0)
             except Exception:  # this round only: its sequences are dropped and it is answered resync
                 log.exception("a round could not start; it gets resync answers")
                 self._answer_resync(w)

@@ -3,6 +3,9 @@
 The value is a comma-separated list of switches, e.g. "delay_ms=200,crash_after=5":
   delay_ms=N      every reply waits N ms (a slow network or a slow server)
   slow_step_ms=N  every draft pass takes N ms longer
+  catchup_ms_per_token=N
+                  every token a round makes the draft compute (a prompt, a catch-up) costs N ms more: a draft slow
+                  to prefill long prompts
   hang_after=N    after N rounds answered, the compute thread blocks for good (a hung server)
   spell_from=N, spell_rounds=M, spell_ms=T
                   rounds N..N+M-1 (counted from 0) each wait T ms before their reply: a slow spell, then well again
@@ -32,6 +35,7 @@ CRASH_EXIT_CODE = 86
 class FaultPlan:
     delay_ms: float = 0.0
     slow_step_ms: float = 0.0
+    catchup_ms_per_token: float = 0.0
     hang_after: int = -1
     spell_from: int = -1
     spell_rounds: int = 0
@@ -74,6 +78,10 @@ class Faults:
     def after_pass(self) -> None:
         if self.active and self.plan.slow_step_ms:
             time.sleep(self.plan.slow_step_ms / 1000)
+
+    def after_start(self, catchup_tokens: int) -> None:
+        if self.active and self.plan.catchup_ms_per_token:
+            time.sleep(self.plan.catchup_ms_per_token * catchup_tokens / 1000)
 
     def before_reply(self, replies: list) -> list:
         """Called on the compute thread before each round's reply; may delay, hang, crash or corrupt."""

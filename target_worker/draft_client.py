@@ -2,10 +2,9 @@
 
 The engine calls `propose()` synchronously once per speculative step. Every
 failure (refused at admission, not attached yet, a missed deadline, a broken
-stream, a malformed reply) raises `DraftUnavailable`, which the engine turns
-into a speculation-free step; sequences answered with `resync` are resent
-from position 0 next time. Meanwhile a background thread reattaches with
-exponential backoff. Nothing here can fail or change a request.
+stream, a malformed reply) raises `DraftUnavailable`, which the engine turns into a speculation-free
+step; sequences answered with `resync` are resent from position 0 next time. Meanwhile a background
+thread reattaches with exponential backoff. Nothing here can fail or change a request.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from starjar.token_tree import TokenTree
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 from target_worker.breaker import Breaker
+from target_worker.prefill_rounds import PrefillRounds
 
 log = logging.getLogger(__name__)
 TAG_METADATA = "starjar-tag"
@@ -78,6 +78,7 @@ class RemoteProposer:
         self._auth = self.security.metadata()
         self._keepalive_s = keepalive_s
         self._outstanding: set[int] = set()  # rounds sent and not answered yet (at most MAX_OUTSTANDING)
+        self._prefills = PrefillRounds(deadline_s)  # rounds that carry a prompt: a busy server, not a failing one
         self._resolve = address if callable(address) else None
         self.address = "" if callable(address) else address
         self.worker_id = worker_id
@@ -129,6 +130,8 @@ class RemoteProposer:
         if not self.breaker.allow():
             raise self._no_drafts("breaker_open")
         self._drop_late_replies()
+        if self._prefills.in_flight:  # it would queue behind a prompt the server is still prefilling
+            raise self._no_drafts("draft_prefill", "a prompt's prefill is unanswered")
         if len(self._outstanding) >= MAX_OUTSTANDING:  # the server has not answered the last ones: no more
             self.breaker.missed()
             raise self._no_drafts("backlog", f"{len(self._outstanding)} rounds unanswered")
@@ -143,7 +146,10 @@ class RemoteProposer:
             msg.sequences.add(seq_id=wid, start=r.start, tokens=r.tokens, gamma=r.gamma, tree_width=r.tree_width)
         t0 = time.perf_counter()
         self._outstanding.add(round_id)
+        prompt = self._prefills.sent(round_id, sent)
         reqs_q.put(msg)
+        if self._prefills.wont_make_it(prompt):  # sent, so the draft starts on it; nobody waits for it
+            raise self._no_drafts("draft_prefill", f"{prompt} prompt tokens")
         resp = self._await_reply(round_id, t0 + self.deadline_s)
         self.breaker.answered()
         elapsed = time.perf_counter() - t0
@@ -187,6 +193,7 @@ class RemoteProposer:
         return sent, index
 
     def release(self, seq_ids: Sequence[Hashable]) -> None:
+        self._prefills.release(seq_ids)
         wire = [w for w in (self._wire_ids.pop(s, None) for s in seq_ids) if w is not None]
         tag = self._tag
         if not wire or tag is None or not self._attached.is_set() or self._stub is None:
@@ -274,12 +281,14 @@ class RemoteProposer:
                 self._replies.put(resp)
                 return
             self._outstanding.discard(resp.round_id)
+            self._prefills.answered(resp.round_id, resp)
 
     def _await_reply(self, round_id: int, deadline: float) -> pb.SpeculateResponse:
         while True:
             left = deadline - time.perf_counter()
             if left <= 0:
-                self.breaker.missed()
+                if not self._prefills.is_prefill(round_id):  # a prompt's prefill is the server busy, not failing
+                    self.breaker.missed()
                 raise self._no_drafts("deadline", f"no drafts within {self.deadline_s * 1000:.0f} ms")
             try:
                 resp = self._replies.get(timeout=left)
@@ -288,9 +297,9 @@ class RemoteProposer:
             if resp is _CLOSE:
                 raise self._no_drafts("stream_broken")
             self._outstanding.discard(resp.round_id)
-            if resp.round_id == round_id:
+            self._prefills.answered(resp.round_id, resp)
+            if resp.round_id == round_id:  # else a late answer to a round given up on: dropped
                 return resp
-            # else: a late answer to a round we gave up on; drop it
 
     def _attach_loop(self) -> None:
         delay = self._backoff[0]
@@ -342,6 +351,7 @@ class RemoteProposer:
         while not self._replies.empty():  # a stale close marker from the previous stream
             self._replies.get_nowait()
         self._outstanding.clear()
+        self._prefills.forget()
         self._wire_ids.clear()  # a new tag knows no sequence: ids restart, the server asks for resyncs
         threading.Thread(target=self._read, args=(stream, requests), name="draft-reader", daemon=True).start()
         self.attached_at = time.time()

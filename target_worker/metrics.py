@@ -18,7 +18,7 @@ from starjar.metrics import E2E_BUCKETS, FAST_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 
 P = "starjar_target_"
 # The remote proposer's fallback reasons, exported at 0 until they happen.
-FALLBACK_REASONS = ("deadline", "detached", "malformed", "resync", "stream_broken")
+FALLBACK_REASONS = ("deadline", "detached", "draft_prefill", "malformed", "resync", "stream_broken")
 
 
 class TargetMetrics:

@@ -156,7 +156,8 @@ def test_a_hung_draft_server_costs_a_few_deadlines_not_one_per_step(models, spec
         assert rp.stats.fallbacks["deadline"] <= 4 and rp.breaker.opened >= 1
         assert rp.stats.fallbacks["breaker_open"] + rp.stats.fallbacks["backlog"] > 10
         # The steps that waited are nobody's statistics: the policy saw only the ones that drafted.
-        assert len(observed) == eng.stats.spec.steps + eng.stats.plain.steps - eng.stats.draft_prefill_steps and eng.stats.fallback.steps > 10
+        st = eng.stats
+        assert len(observed) == st.spec.steps + st.plain.steps - st.draft_prefill_steps and st.fallback.steps > 10
         rp.close()
 
 

@@ -1,0 +1,67 @@
+"""A round that makes the draft server prefill a long prompt is a busy server, not a failing one."""
+
+from draft_server.background import BackgroundDraftServer
+from starjar.policy import FixedGamma
+from starjar.proposer import DraftRequest
+from starjar.sampling import SamplingParams
+from target_worker.breaker import Breaker
+from target_worker.draft_client import RemoteProposer
+from target_worker.engine import EngineConfig, TargetEngine
+from target_worker.prefill_rounds import MIN_PROMPT_TOKENS, PrefillRounds
+
+
+def test_long_prompts_neither_wait_out_deadlines_nor_open_the_breaker(models, spec_prompts, reference, monkeypatch):
+    """Each token the draft prefills costs 5 ms here, so a 160-token prompt takes 0.8 s against a 0.4 s deadline.
+    Before: such a prompt's round missed the deadline, its resend missed it again, the next was a backlog, and
+    the breaker opened (the demo's 769-token prompts: 78 steps without drafts behind it). Now the server's own
+    timings predict the miss: the round is sent, nobody waits for it, and later rounds wait for its answer
+    without counting against the breaker."""
+    ref = reference("llama", 32)
+    order = sorted(range(len(spec_prompts)), key=lambda i: len(spec_prompts[i]))
+    teach = [i for i in order if 64 <= len(spec_prompts[i]) <= 72][:1]  # a prefill that fits the deadline
+    long = [i for i in order if len(spec_prompts[i]) >= 150][-3:]
+    short = [i for i in order if len(spec_prompts[i]) < MIN_PROMPT_TOKENS][:3]  # ordinary first rounds
+    picked = teach + [i for pair in zip(long, short, strict=True) for i in pair]
+    assert len(teach) == 1 and len(picked) == 7
+    monkeypatch.setenv("STARJAR_DRAFT_FAULTS", "catchup_ms_per_token=5")
+    with BackgroundDraftServer(models["draft"]) as srv:
+        rp = RemoteProposer(srv.address, models["llama"].fingerprint, "t", deadline_s=0.4,
+                            breaker=Breaker(after=3, probe_s=1.0, max_probe_s=4.0))
+        assert rp.wait_attached(10)
+        eng = TargetEngine(models["llama"], rp, FixedGamma(3), EngineConfig(max_batch_size=1))
+        reqs = eng.generate([spec_prompts[i] for i in picked], SamplingParams(max_tokens=32))
+        assert [r.output_ids for r in reqs] == [ref[i] for i in picked]
+        assert rp.breaker.opened == 0
+        assert rp.stats.fallbacks["deadline"] == 0  # the teaching prompt gave the rate before the first long one
+        assert rp.stats.fallbacks["draft_prefill"] >= 3  # each long prompt: sent, not waited on
+        assert rp._prefills.s_per_token is not None and rp._prefills.s_per_token >= 0.004
+        assert eng.stats.accepted_tokens > 0
+        rp.close()
+
+
+class _Reply:
+    def __init__(self, n, compute_s, resync=()):
+        self.sequences = [type("S", (), {"resync": k in resync})() for k in range(n)]
+        self.timings = type("T", (), {"compute_s": compute_s})()
+
+
+def test_a_prompt_the_server_holds_is_no_new_prefill():
+    pr = PrefillRounds(deadline_s=0.5)
+    prompt = list(range(200))
+    first = [DraftRequest("a", 0, prompt, 3), DraftRequest("b", 0, prompt[:10], 3)]
+    assert pr.sent(1, first) == 210 and pr.in_flight and pr.is_prefill(1)
+    assert not pr.wont_make_it(210)  # no rate yet: the round is waited on
+    pr.answered(1, _Reply(2, compute_s=1.05))
+    assert pr.s_per_token == 1.05 / 210 and not pr.in_flight
+    # The step after a failed one resends "a" from 0: the server holds its 200 tokens, so 3 are new.
+    assert pr.prompt_tokens([DraftRequest("a", 0, prompt + [5, 6, 7], 3)]) == 0
+    assert pr.prompt_tokens([DraftRequest("c", 0, prompt, 3)]) == 200 and pr.wont_make_it(200)
+    assert pr.prompt_tokens([DraftRequest("c", 0, prompt[:MIN_PROMPT_TOKENS - 1], 3)]) == 0
+    pr.sent(2, [DraftRequest("a", 0, prompt, 3)])
+    pr.answered(2, _Reply(1, compute_s=0.01, resync={0}))  # the server dropped "a": a resend is a prefill again
+    assert pr.prompt_tokens([DraftRequest("a", 0, prompt, 3)]) == 200
+    pr.release(["b"])
+    pr.sent(3, [DraftRequest("b", 0, prompt[:100], 3)])
+    assert pr.in_flight
+    pr.forget()
+    assert not pr.in_flight and pr.prompt_tokens([DraftRequest("b", 0, prompt[:100], 3)]) == 100
