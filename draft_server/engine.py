@@ -42,6 +42,12 @@ class _DraftSeq:
     seq_id: Hashable = None  # (tag, wire id) on the draft server: how a hidden-state tap names the sequence
     verified: list[int] = field(default_factory=list)
     cached: list[int] = field(default_factory=list)  # tokens whose KV is in the cache, in order
+    skip: int = 0  # leading verified tokens the draft never reads (past the model's prompt_window)
+
+    @property
+    def read(self) -> list[int]:
+        """The verified tokens the draft reads: cached is a prefix of these, at cache positions from 0."""
+        return self.verified[self.skip:]
 
 
 @dataclass(eq=False)
@@ -198,13 +204,14 @@ class DraftEngine:
             gamma = min(req.gamma, self.model.max_context - len(seq.verified))
             if gamma > 0 and seq.verified:
                 # Catch-up: roll back to the common prefix (at least one token must be fed to get logits).
-                keep = min(common_prefix(seq.cached, seq.verified), len(seq.verified) - 1)
+                read = seq.read
+                keep = min(common_prefix(seq.cached, read), len(read) - 1)
                 self.cache.truncate(seq.slot, keep)
                 del seq.cached[keep:]
                 width = fit_width(gamma, req.tree_width) if req.tree_width > 1 else 1
                 beam = BeamTree(gamma, width) if width > 1 else None
-                jobs.append((i, DraftJob(req.seq_id, seq, gamma, seq.verified[keep:], beam=beam)))
-                self.stats.catchup_tokens += len(seq.verified) - keep
+                jobs.append((i, DraftJob(req.seq_id, seq, gamma, read[keep:], beam=beam)))
+                self.stats.catchup_tokens += len(read) - keep
         return replies, jobs
 
     def advance(self, jobs: Sequence[DraftJob]) -> None:
@@ -288,14 +295,25 @@ class DraftEngine:
             self.cache.allocate(seq)
             self._seqs[req.seq_id] = seq
         self._count(req.seq_id, new_len - len(seq.verified))
+        skipped = seq.verified[req.start:seq.skip]  # a delta that rewrites what the draft skipped starts it over
         del seq.verified[req.start:]
         seq.verified.extend(int(t) for t in req.tokens)
+        if not seq.cached or seq.verified[req.start:seq.skip] != skipped:
+            self._window(seq)
         if len(seq.verified) > self.model.max_context or (
                 first_out_of_range(req.tokens, self.model.vocab_size) is not None):
             self.release([req.seq_id])
             return None
         self._longest = max(self._longest, len(seq.verified))
         return seq
+
+    def _window(self, seq: _DraftSeq) -> None:
+        """Where the draft starts reading a sequence it holds nothing of yet: the prompt's last prompt_window
+        tokens (positions restart at 0 there: rotary attention depends only on distances)."""
+        window = self.model.prompt_window
+        seq.skip = max(0, len(seq.verified) - window) if window else 0
+        seq.cached.clear()
+        self.cache.truncate(seq.slot, 0)
 
     def _fits(self, req: DraftRequest, seq: _DraftSeq | None, new_len: int) -> bool:
         """Whether the cache stays within the budgets once this sequence holds new_len tokens + its drafts."""

@@ -68,6 +68,11 @@ class LoadedModel:
     adapter: torch.nn.Module | None = None  # a draft's learned logit correction (TIDE); never on a target
     # A draft's training-signal tap (TIDE): told (cache, slots, counts, hidden [B, Q, hidden]) after each pass.
     hidden_tap: Callable | None = None
+    # A draft that reads at most this many trailing tokens of a prompt (recipe key prompt_window; None: all).
+    # Its prefill of a long prompt is then bounded: an int8 copy of the target prefills at 0.8x the target's
+    # cost, so a 700-token prompt cost it over a second (AMD EPYC, AVX2). The target verifies every draft, so
+    # what the draft reads changes its acceptance, never the output.
+    prompt_window: int | None = None
 
     def new_cache(self) -> RaggedKVCache:
         return RaggedKVCache(self.device, self.dtype)
@@ -160,8 +165,11 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
         eos = gen_cfg.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     log.info("loaded %s from %s (%s, %s, vocab %d, context %d)", what, p, dev, dt, vocab, max_ctx)
+    window = recipe.get("prompt_window")
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise InvalidArgument(what, "prompt_window in starjar.json must be a positive integer", window)
     return LoadedModel(str(p), model, tokenizer, dev, dt, vocab, int(max_ctx), eos_ids,
-                       tokenizer_fingerprint(tokenizer), lean)
+                       tokenizer_fingerprint(tokenizer), lean, prompt_window=window)
 
 
 def _recipe(p: Path) -> dict:

@@ -76,3 +76,35 @@ def test_passes_split_for_the_gather_cap_draft_the_same(models, spec_prompts):
     capped.max_gather_cells, free.max_gather_cells = 1, None
     assert rounds(capped) == rounds(free)
     assert capped.stats.passes > free.stats.passes
+
+
+def test_a_prompt_window_drafts_exactly_as_the_draft_would_on_the_prompts_tail(models, spec_prompts, reference):
+    """A draft with prompt_window W reads a long prompt's last W tokens only (positions restart there): its drafts
+    are the draft's greedy chain over that tail, its prefill is W tokens, and output through it stays the
+    target's own, token for token."""
+    import dataclasses
+
+    from controller.colocated import colocated_engine
+    from starjar.sampling import SamplingParams
+
+    w = 24
+    windowed = dataclasses.replace(models["draft"], prompt_window=w)
+    eng = DraftEngine(windowed)
+    prompt = spec_prompts[3]
+    assert len(prompt) > 3 * w
+    first = eng.propose([DraftRequest("a", 0, prompt, 4)])[0]
+    assert first == greedy_chain(models["draft"], prompt[-w:], 4)
+    assert eng.stats.catchup_tokens == w
+    # The target accepted one draft and chose 99; the window keeps its start, the draft its KV.
+    second = eng.propose([DraftRequest("a", len(prompt), first[:1] + [99], 3)])[0]
+    assert second == greedy_chain(models["draft"], prompt[-w:] + first[:1] + [99], 3)
+    assert eng.stats.catchup_tokens == w + 1  # 99 only: the accepted draft's KV was kept
+    # A resend from 0 of the same tokens (after a failed step) costs nothing new; a changed prefix starts over.
+    eng.propose([DraftRequest("a", 0, prompt + first[:1] + [99], 1)])
+    assert eng.stats.catchup_tokens == w + 2  # the last token again (logits need one fed)
+    changed = [7] + prompt[1:] + first[:1] + [99]
+    assert eng.propose([DraftRequest("a", 0, changed, 2)])[0] == greedy_chain(models["draft"], changed[-w:], 2)
+    engine = colocated_engine(models["llama"], windowed, 3, 4)
+    reqs = engine.generate(spec_prompts[:12], SamplingParams(max_tokens=32))
+    assert [r.output_ids for r in reqs] == reference("llama", 32)[:12]
+    assert engine.stats.accepted_tokens > 0
