@@ -94,6 +94,14 @@ def test_the_pair_check_measures_once_per_machine_and_keeps_the_choice(tmp_path,
     (draft_dir / "starjar.json").write_text(json.dumps(recipe))
     with pytest.raises(TypeError):
         pair_check.measured_acceptance(model_dirs["llama"], str(draft_dir))
+    # Back and forth between two machines (or thread counts): each one's measurement is taken back, not redone.
+    theirs = {**first, "machine": other, "gamma": 0, "chosen": {"int8_kernel": "int_mm", "head_vocab": None}}
+    recipe = {**recipe, "measured": theirs, "int8_kernel": "int_mm", "measured_elsewhere": [first]}
+    (draft_dir / "starjar.json").write_text(json.dumps(recipe))
+    assert pair_check.measured_acceptance(model_dirs["llama"], str(draft_dir)) == first
+    saved = json.loads((draft_dir / "starjar.json").read_text())
+    assert saved["measured"] == first and saved.get("int8_kernel") == first["chosen"]["int8_kernel"]
+    assert [m["machine"] for m in saved["measured_elsewhere"]] == [other]  # theirs kept for their turn
 
 
 def test_the_speedup_model_turns_speculation_off_when_drafts_cost_too_much():
