@@ -32,7 +32,7 @@ from starjar.token_tree import TokenTree
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 from target_worker.breaker import Breaker
-from target_worker.wire_loop import LOOP_ERRORS, SpeculateCall, WireLoop, refusal_reason, unary
+from target_worker.wire_loop import LOOP_ERRORS, SpeculateCall, WireLoop, channel_options, refusal_reason, unary
 
 log = logging.getLogger(__name__)
 TAG_METADATA = "starjar-tag"
@@ -213,20 +213,13 @@ class RemoteProposer:
     def close(self) -> None:
         self._closed = True
         self._wake.set()
-        tag = self._tag
+        tag, stub, channel = self._tag, self._stub, self._channel
         self._drop_stream()
-        channel, stub = self._channel, self._stub
-        try:
-            if tag is not None and stub is not None:
-                self._wire.call(unary(stub.Release, pb.ReleaseRequest(tag=tag, detach=True), timeout=1.0,
+        if tag is not None and stub is not None:
+            self._wire.try_call(unary(stub.Release, pb.ReleaseRequest(tag=tag, detach=True), timeout=1.0,
                                       metadata=self._auth), timeout=2.0)
-        except (grpc.RpcError, *LOOP_ERRORS):
-            pass
-        try:
-            if channel is not None:
-                self._wire.call(channel.close(), timeout=2.0)
-        except LOOP_ERRORS:
-            pass
+        if channel is not None:
+            self._wire.try_call(channel.close(), timeout=2.0)
         self._wire.close()
 
     # ---- internals ------------------------------------------------------------------------
@@ -240,7 +233,8 @@ class RemoteProposer:
     def _connect(self, address: str) -> None:
         """A channel to `address` on the loop (grpc.aio binds a channel to the loop it is made on)."""
         async def make() -> grpc.aio.Channel:
-            return self._new_channel(address)
+            return self.security.channel(address, aio=True, options=channel_options(
+                self._max_message_bytes, self._backoff[1], self._keepalive_s))
 
         old = self._channel
         self._channel = self._wire.call(make(), timeout=5.0)
@@ -248,19 +242,6 @@ class RemoteProposer:
         self.address = address
         if old is not None:
             self._wire.spawn(old.close())
-
-    def _new_channel(self, address: str) -> grpc.aio.Channel:
-        return self.security.channel(address, aio=True, options=[
-            ("grpc.max_send_message_length", self._max_message_bytes),
-            ("grpc.max_receive_message_length", self._max_message_bytes),
-            # Reconnect soon after a draft server restarts (gRPC's default backoff grows to 120 s).
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", int(self._backoff[1] * 1000)),
-            # A hung or vanished server: an unanswered ping breaks the stream instead of TCP staying open.
-            ("grpc.keepalive_time_ms", int(self._keepalive_s * 1000)),
-            ("grpc.keepalive_timeout_ms", int(self._keepalive_s * 1000)),
-            ("grpc.http2.ping_timeout_ms", int(self._keepalive_s * 1000)),  # what newer cores time pings by
-            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)])
 
     def _follow_address(self) -> bool:
         """Before an attach try: move to the draft server's current address. False if none is known."""
@@ -273,7 +254,10 @@ class RemoteProposer:
             address = None
         if address and address != self.address:
             log.info("draft server is now at %s", address)
-            self._connect(address)
+            try:
+                self._connect(address)
+            except LOOP_ERRORS:  # closing: the attach loop ends
+                return False
         return self._stub is not None
 
     def _no_drafts(self, reason: str, detail: str = "") -> DraftUnavailable:

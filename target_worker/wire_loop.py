@@ -58,6 +58,14 @@ class WireLoop:
             fut.cancel()
             raise
 
+    def try_call(self, coro: Awaitable, timeout: float) -> bool:
+        """`call` for what may fail unnoticed (a goodbye to a server that may be gone); False if it failed."""
+        try:
+            self.call(coro, timeout)
+        except (grpc.RpcError, *LOOP_ERRORS):
+            return False
+        return True
+
     def soon(self, fn: Callable, *args) -> None:
         """fn(*args) on the loop, without waiting (dropped once the loop is closed)."""
         try:
@@ -84,6 +92,20 @@ class WireLoop:
         self._thread.join(timeout)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+def channel_options(max_message_bytes: int, max_backoff_s: float, keepalive_s: float) -> list[tuple[str, int]]:
+    """A draft channel's options: message limits, quick reconnects, keepalive pings."""
+    keepalive_ms = int(keepalive_s * 1000)
+    return [("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # Reconnect soon after a draft server restarts (gRPC's default backoff grows to 120 s).
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", int(max_backoff_s * 1000)),
+            # A hung or vanished server: an unanswered ping breaks the stream instead of TCP staying open.
+            ("grpc.keepalive_time_ms", keepalive_ms), ("grpc.keepalive_timeout_ms", keepalive_ms),
+            ("grpc.http2.ping_timeout_ms", keepalive_ms),  # what newer cores time pings by
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 
 
 def refusal_reason(exc: grpc.RpcError) -> str:
