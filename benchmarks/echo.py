@@ -1,7 +1,11 @@
 """A bare grpc.aio bidirectional echo: the floor of Python gRPC round trips on this machine.
 
   python -m benchmarks.echo            serve on a free port; prints {"address": ...}
-  measure_echo(address, size, n)       p50 round trip of `size`-byte messages, in ms
+  measure_echo(address, size, n)       p50 round trip of `size`-byte messages, back to back, in ms
+  measure_idle_echo(address, size, n, gap_s)
+                                       the same from a loop thread, as the remote proposer sends, with
+                                       gap_s of idle time before each round (a draft round's compute):
+                                       the floor a round with that gap can reach
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import asyncio
 import json
 import statistics
 import sys
+import threading
 import time
 
 import grpc
@@ -49,6 +54,36 @@ async def _measure(address: str, size: int, n: int) -> list[float]:
 
 def measure_echo(address: str, size: int, n: int = 500) -> float:
     times = asyncio.run(_measure(address, size, n))
+    return 1000 * statistics.median(times)
+
+
+def measure_idle_echo(address: str, size: int, n: int, gap_s: float) -> float:
+    """Back to back, every thread on the path is still awake; a target worker's rounds come one target step
+    apart and every thread (the caller, the client's loop, gRPC's own, the server's) has gone to sleep."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="echo-loop", daemon=True)
+    thread.start()
+
+    async def open_call():
+        channel = grpc.aio.insecure_channel(address)
+        return channel, channel.stream_stream(METHOD)()
+
+    async def one(call, payload):
+        await call.write(payload)
+        return await call.read()
+
+    channel, call = asyncio.run_coroutine_threadsafe(open_call(), loop).result(10)
+    payload, times = b"x" * size, []
+    for i in range(n + 5):
+        time.sleep(gap_s)
+        t0 = time.perf_counter()
+        asyncio.run_coroutine_threadsafe(one(call, payload), loop).result(10)
+        if i >= 5:  # warm-up rounds excluded
+            times.append(time.perf_counter() - t0)
+    asyncio.run_coroutine_threadsafe(channel.close(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
     return 1000 * statistics.median(times)
 
 

@@ -4,7 +4,9 @@ Co-located (draft engine in the target's process) vs remote (a `starjar serve
 draft` process on loopback, N = 1), same prompts, greedy, batch 1, in one run.
 The wire overhead per round is the round time the target sees minus the
 server's queue wait and compute; next to it, a bare grpc.aio bidirectional
-echo of the same message size between two processes, the floor of Python gRPC.
+echo of the same message size between two processes, the floor of Python gRPC:
+back to back, and with the remote rounds' median draft time idle before each
+round (the threads on the path have gone to sleep, as between real rounds).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 from tqdm import tqdm
 
 from benchmarks.common import p50, pair_dirs, prompt_ids
-from benchmarks.echo import measure_echo
+from benchmarks.echo import measure_echo, measure_idle_echo
 from controller.colocated import colocated_engine, load_pair, remote_engine
 from controller.launch import ServerProcess
 from starjar.sampling import SamplingParams
@@ -42,7 +44,7 @@ def run(args) -> dict:
     server = ServerProcess("draft", "--model", draft_dir, "--port", "0", threads=2)
     try:
         # Alternate the two modes twice so drift on the machine hits both alike.
-        co_rates, re_rates, co_out, re_out, wire = [], [], None, None, []
+        co_rates, re_rates, co_out, re_out, wire, draft_s = [], [], None, None, [], []
         for rep in range(2):
             reqs, rate = _timed(colocated_engine(target, draft, gamma, 1), prompts, params, f"co-located #{rep}")
             co_rates.append(rate)
@@ -52,6 +54,8 @@ def run(args) -> dict:
             re_rates.append(rate)
             re_out = [r.output_ids for r in reqs]
             wire.extend(eng.proposer.stats.wire_overhead_s())
+            cs = eng.proposer.stats
+            draft_s.extend(q + c for q, c in zip(cs.server_queue_s, cs.server_compute_s, strict=True))
             eng.proposer.close()
     finally:
         server.kill()
@@ -63,6 +67,7 @@ def run(args) -> dict:
     echo = ServerProcess(module="benchmarks.echo")
     try:
         echo_ms = measure_echo(echo.address, msg.ByteSize(), 500)
+        idle_echo_ms = measure_idle_echo(echo.address, msg.ByteSize(), 60, p50(draft_s))
     finally:
         echo.kill()
     colocated, remote = sum(co_rates) / 2, sum(re_rates) / 2
@@ -72,5 +77,6 @@ def run(args) -> dict:
             "ratio": round(remote / colocated, 4),
             "wire_overhead_ms_p50": round(1000 * p50(wire), 4), "echo_ms_p50": round(echo_ms, 4),
             "wire_vs_echo": round(1000 * p50(wire) / echo_ms, 3) if echo_ms else None,
+            "echo_idle_ms_p50": round(idle_echo_ms, 4), "echo_idle_gap_ms": round(1000 * p50(draft_s), 3),
             "message_bytes": msg.ByteSize(), "rounds_measured": len(wire),
             "outputs_identical": co_out == re_out}

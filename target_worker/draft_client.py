@@ -2,9 +2,13 @@
 
 The engine calls `propose()` synchronously once per speculative step. Every
 failure (refused at admission, not attached yet, a missed deadline, a broken
-stream, a malformed reply) raises `DraftUnavailable`, which the engine turns into a speculation-free
-step; sequences answered with `resync` are resent from position 0 next time. Meanwhile a background
-thread reattaches with exponential backoff. Nothing here can fail or change a request.
+stream, a malformed reply) raises `DraftUnavailable`, which the engine turns
+into a speculation-free step; sequences answered with `resync` are resent
+from position 0 next time. Meanwhile a background thread reattaches with
+exponential backoff. Nothing here can fail or change a request.
+
+All gRPC runs on the proposer's own event loop (target_worker.wire_loop): a
+round goes to the loop in one hand-off and its reply comes back on a queue.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 from target_worker.breaker import Breaker
 from target_worker.prefill_rounds import PrefillRounds
+from target_worker.wire_loop import LOOP_ERRORS, SpeculateCall, WireLoop, channel_options, refusal_reason, unary
 
 log = logging.getLogger(__name__)
 TAG_METADATA = "starjar-tag"
@@ -87,7 +92,8 @@ class RemoteProposer:
         self._fingerprint = pb.ModelFingerprint(vocab_size=int(vocab), tokenizer_hash=tok_hash)
         self._backoff = backoff_s
         self._max_message_bytes = max_message_bytes
-        self._channel: grpc.Channel | None = None
+        self._wire = WireLoop()  # owns the channel: every call below runs on it
+        self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.DraftServiceStub | None = None
         if self.address:
             self._connect(self.address)
@@ -97,8 +103,8 @@ class RemoteProposer:
         self._closed = False
         self._tag: bytes | None = None
         self.limits: pb.Limits | None = None
-        self._requests: queue.Queue | None = None
-        self._replies: queue.Queue = queue.Queue()
+        self._stream: SpeculateCall | None = None
+        self._replies: queue.Queue = queue.Queue()  # filled by the loop: replies, and _CLOSE when a stream ends
         self._round_ids = itertools.count(1)
         self._wire_ids: dict[Hashable, int] = {}
         self._next_wire_id = itertools.count(1)
@@ -121,8 +127,8 @@ class RemoteProposer:
         if not self._attached.is_set():
             raise self._no_drafts("detached")
         with self._lock:
-            reqs_q, limits = self._requests, self.limits
-        if reqs_q is None:
+            stream, limits = self._stream, self.limits
+        if stream is None:
             raise self._no_drafts("detached")
         sent, index = self._within_limits(requests, limits)  # index[k]: which request sent[k] stands for
         if not sent:
@@ -147,7 +153,7 @@ class RemoteProposer:
         t0 = time.perf_counter()
         self._outstanding.add(round_id)
         prompt = self._prefills.sent(round_id, sent)
-        reqs_q.put(msg)
+        stream.send(msg)
         if self._prefills.wont_make_it(prompt):  # sent, so the draft starts on it; nobody waits for it
             raise self._no_drafts("draft_prefill", f"{prompt} prompt tokens")
         resp = self._await_reply(round_id, t0 + self.deadline_s)
@@ -198,9 +204,7 @@ class RemoteProposer:
         tag = self._tag
         if not wire or tag is None or not self._attached.is_set() or self._stub is None:
             return  # the server frees them with the stream or the lease
-        fut = self._stub.Release.future(pb.ReleaseRequest(tag=tag, seq_ids=wire), timeout=2.0,
-                                        metadata=self._auth)
-        fut.add_done_callback(lambda f: f.exception() and log.debug("release failed: %s", f.exception()))
+        self._in_background(self._stub, pb.ReleaseRequest(tag=tag, seq_ids=wire), "release")
 
     def follow(self) -> None:
         """Leave the current draft server and ask the resolver where to attach (the controller moved this
@@ -211,43 +215,41 @@ class RemoteProposer:
         tag, stub = self._tag, self._stub
         self._drop_stream()
         if tag is not None and stub is not None:
-            fut = stub.Release.future(pb.ReleaseRequest(tag=tag, detach=True), timeout=2.0, metadata=self._auth)
-            fut.add_done_callback(lambda f: f.exception() and log.debug("detach failed: %s", f.exception()))
+            self._in_background(stub, pb.ReleaseRequest(tag=tag, detach=True), "detach")
         self._wake.set()
 
     def close(self) -> None:
         self._closed = True
         self._wake.set()
-        tag = self._tag
+        tag, stub, channel = self._tag, self._stub, self._channel
         self._drop_stream()
-        if self._channel is None:
-            return
-        if tag is not None:
-            try:
-                self._stub.Release(pb.ReleaseRequest(tag=tag, detach=True), timeout=1.0, metadata=self._auth)
-            except grpc.RpcError:
-                pass
-        self._channel.close()
+        if tag is not None and stub is not None:
+            self._wire.try_call(unary(stub.Release, pb.ReleaseRequest(tag=tag, detach=True), timeout=1.0,
+                                      metadata=self._auth), timeout=2.0)
+        if channel is not None:
+            self._wire.try_call(channel.close(), timeout=2.0)
+        self._wire.close()
 
     # ---- internals ------------------------------------------------------------------------
 
+    def _in_background(self, stub, request: pb.ReleaseRequest, what: str) -> None:
+        """A Release nobody waits for (the server frees the sequences with the stream or the lease anyway)."""
+        fut = self._wire.spawn(unary(stub.Release, request, timeout=2.0, metadata=self._auth))
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
+                              or log.debug("%s failed: %s", what, f.exception()))
+
     def _connect(self, address: str) -> None:
+        """A channel to `address` on the loop (grpc.aio binds a channel to the loop it is made on)."""
+        async def make() -> grpc.aio.Channel:
+            return self.security.channel(address, aio=True, options=channel_options(
+                self._max_message_bytes, self._backoff[1], self._keepalive_s))
+
         old = self._channel
-        self._channel = self.security.channel(address, options=[
-            ("grpc.max_send_message_length", self._max_message_bytes),
-            ("grpc.max_receive_message_length", self._max_message_bytes),
-            # Reconnect soon after a draft server restarts (gRPC's default backoff grows to 120 s).
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", int(self._backoff[1] * 1000)),
-            # A hung or vanished server: an unanswered ping breaks the stream instead of TCP staying open.
-            ("grpc.keepalive_time_ms", int(self._keepalive_s * 1000)),
-            ("grpc.keepalive_timeout_ms", int(self._keepalive_s * 1000)),
-            ("grpc.http2.ping_timeout_ms", int(self._keepalive_s * 1000)),  # what newer cores time pings by
-            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)])
+        self._channel = self._wire.call(make(), timeout=5.0)
         self._stub = pb_grpc.DraftServiceStub(self._channel)
         self.address = address
         if old is not None:
-            old.close()
+            self._wire.spawn(old.close())
 
     def _follow_address(self) -> bool:
         """Before an attach try: move to the draft server's current address. False if none is known."""
@@ -260,7 +262,10 @@ class RemoteProposer:
             address = None
         if address and address != self.address:
             log.info("draft server is now at %s", address)
-            self._connect(address)
+            try:
+                self._connect(address)
+            except LOOP_ERRORS:  # closing: the attach loop ends
+                return False
         return self._stub is not None
 
     def _no_drafts(self, reason: str, detail: str = "") -> DraftUnavailable:
@@ -313,20 +318,21 @@ class RemoteProposer:
                 delay = min(self._backoff[1], delay * 2)
                 continue
             try:
-                resp = self._stub.Attach(pb.AttachRequest(worker_id=self.worker_id, fingerprint=self._fingerprint,
-                                                            no_training=self.no_training),
-                                         metadata=self._auth,
-                                         timeout=5.0)
-                self._open_stream(resp)
-                self.stats.attaches += 1
-                delay = self._backoff[0]
-                log.info("attached to draft server %s", self.address)
-                continue
+                resp = self._wire.call(unary(self._stub.Attach, pb.AttachRequest(
+                    worker_id=self.worker_id, fingerprint=self._fingerprint, no_training=self.no_training),
+                    metadata=self._auth, timeout=5.0), timeout=6.0)
+                if self._open_stream(resp):
+                    self.stats.attaches += 1
+                    delay = self._backoff[0]
+                    log.info("attached to draft server %s", self.address)
+                    continue
             except grpc.RpcError as exc:
-                reason = _reason(exc)
+                reason = refusal_reason(exc)
                 self.stats.refusals[reason] += 1
                 log.info("draft server %s: %s (%s); retrying in %.2fs", self.address, exc.code().name, reason,
                          delay)
+            except LOOP_ERRORS as exc:  # the proposer is closing, or the loop did not answer in time
+                log.debug("attach to %s did not finish: %s", self.address, type(exc).__name__)
             self._pause(delay)
             delay = min(self._backoff[1], delay * 2)
 
@@ -335,40 +341,36 @@ class RemoteProposer:
         if self._wake.wait(delay * (0.5 + random.random())):
             self._wake.clear()
 
-    def _open_stream(self, resp: pb.AttachResponse) -> None:
-        requests: queue.Queue = queue.Queue()
-
-        def gen():
-            while True:
-                item = requests.get()
-                if item is _CLOSE:
-                    return
-                yield item
-
-        stream = self._stub.Speculate(gen(), metadata=((TAG_METADATA, resp.tag.hex()), *self._auth))
+    def _open_stream(self, resp: pb.AttachResponse) -> bool:
+        """Open the Speculate stream of a new tag; False if it ended before it could be used."""
+        stream = SpeculateCall(self._wire, self._replies.put, self._stream_ended)
         with self._lock:
-            self._tag, self.limits, self._requests = resp.tag, resp.limits, requests
-        while not self._replies.empty():  # a stale close marker from the previous stream
-            self._replies.get_nowait()
-        self._outstanding.clear()
-        self._prefills.forget()
-        self._wire_ids.clear()  # a new tag knows no sequence: ids restart, the server asks for resyncs
-        threading.Thread(target=self._read, args=(stream, requests), name="draft-reader", daemon=True).start()
-        self.attached_at = time.time()
-        self._attached.set()
+            self._tag, self.limits, self._stream = resp.tag, resp.limits, stream
+            while not self._replies.empty():  # a stale close marker from the previous stream
+                self._replies.get_nowait()
+            self._outstanding.clear()
+            self._prefills.forget()
+            self._wire_ids.clear()  # a new tag knows no sequence: ids restart, the server asks for resyncs
+        self._wire.call(stream.open(self._stub, ((TAG_METADATA, resp.tag.hex()), *self._auth)), timeout=5.0)
+        with self._lock:
+            if self._stream is not stream:  # it ended already (refused, or the server went away)
+                return False
+            self.attached_at = time.time()
+            self._attached.set()
+        return True
 
-    def _read(self, stream, requests: queue.Queue) -> None:
-        try:
-            for resp in stream:
-                self._replies.put(resp)
+    def _stream_ended(self, stream: SpeculateCall, error: BaseException | None) -> None:
+        """On the loop, when a stream ends: steps fall back at once, the attach loop tries again."""
+        if error is None:
             log.info("draft stream ended by the server")
-        except grpc.RpcError as exc:
-            if not self._closed:
-                log.info("draft stream broken: %s", exc.code().name)
+        elif isinstance(error, grpc.RpcError) and not self._closed:
+            log.info("draft stream broken: %s", error.code().name)
         with self._lock:
-            if self._requests is requests:
+            current = self._stream is stream
+            if current:
                 self._drop_stream_locked()
-        self._replies.put(_CLOSE)
+        if current or self._stream is None:  # a round may wait on it (never told to a newer stream's rounds)
+            self._replies.put(_CLOSE)
         self._wake.set()
 
     def _drop_stream(self) -> None:
@@ -377,16 +379,9 @@ class RemoteProposer:
 
     def _drop_stream_locked(self) -> None:
         self._attached.clear()
-        if self._requests is not None:
-            self._requests.put(_CLOSE)
-        self._requests, self._tag = None, None
-
-
-def _reason(exc: grpc.RpcError) -> str:
-    for key, value in (exc.trailing_metadata() or ()) if hasattr(exc, "trailing_metadata") else ():
-        if key == "starjar-reason":
-            return value
-    return exc.code().name.lower() if hasattr(exc, "code") else "error"
+        if self._stream is not None:
+            self._stream.finish()
+        self._stream, self._tag = None, None
 
 
 def reply_of(seq_draft: pb.SequenceDraft, gamma: int) -> DraftReply:

@@ -156,3 +156,32 @@ def test_the_client_clamps_to_the_servers_advertised_limits(models, spec_prompts
         assert eng.stats.drafted_tokens <= 2 * eng.stats.spec_rounds and eng.stats.accepted_tokens > 0
         assert srv.server.stats.snapshot()["bad_sequences"] == 0
         rp.close()
+
+
+def test_close_ends_the_proposers_own_threads(models, spec_prompts, reference):
+    """Each proposer drives its stream from an event loop thread of its own: close() ends that loop and the
+    attach thread, and a closed proposer answers every step without drafts (never hangs)."""
+    from starjar.proposer import DraftRequest
+    from target_worker.draft_client import DraftUnavailable
+
+    with BackgroundDraftServer(models["draft"]) as srv:
+        before = set(threading.enumerate())
+        pairs = [engine_for(models, srv.address, f"closer{k}", batch=2) for k in range(3)]
+        assert all(rp.wait_attached(10) for _, rp in pairs)
+        eng, rp = pairs[0]
+        outs = eng.generate(spec_prompts[:2], GREEDY)
+        assert [r.output_ids for r in outs] == reference("llama", 48)[:2] and rp.stats.rounds > 0
+        assert {t.name for t in set(threading.enumerate()) - before} >= {"draft-wire", "draft-attach"}
+        for _, p in pairs:
+            p.close()
+        deadline = time.time() + 5
+        while set(threading.enumerate()) - before and time.time() < deadline:
+            time.sleep(0.05)
+        assert not set(threading.enumerate()) - before
+        t0 = time.perf_counter()
+        try:
+            rp.propose([DraftRequest("x", 0, [5, 6, 7], 2)])
+            raise AssertionError("a closed proposer proposed")
+        except DraftUnavailable as exc:
+            assert exc.reason == "detached"
+        assert time.perf_counter() - t0 < 0.1
