@@ -65,9 +65,11 @@ def measured_acceptance(target_dir: str, draft_dir: str, force: bool = False, ma
     result = earlier or measure_pair(target_dir, draft_dir, max_new, int8_draft=recipe.get("kind") == "dynamic-int8")
     result.pop("key", None)
     result["machine"] = machine
-    kept = [m for m in recipe.get(EARLIER, []) if m is not earlier]
-    if key in recipe:
-        kept.insert(0, {**recipe[key], "key": key})
+    replaced = recipe.get(key)
+    kept = [m for m in recipe.get(EARLIER, []) if m is not earlier and not (  # one entry per key and machine
+        replaced and m.get("key", KEY) == key and m.get("machine") == replaced.get("machine"))]
+    if replaced and replaced.get("machine") != machine:  # a forced re-measurement here replaces, not keeps
+        kept.insert(0, {**replaced, "key": key})
     recipe[EARLIER] = kept[:KEEP_EARLIER]
     recipe[key] = result
     if key == KEY:

@@ -310,7 +310,8 @@ class DraftEngine:
     def _window(self, seq: _DraftSeq) -> None:
         """Where the draft starts reading a sequence it holds nothing of yet: the prompt's last prompt_window
         tokens (positions restart at 0 there: rotary attention depends only on distances)."""
-        window = self.model.prompt_window
+        # TIDE's tap reports cache positions as sequence positions: a windowed sequence would misalign them.
+        window = self.model.prompt_window if self.model.hidden_tap is None else None
         seq.skip = max(0, len(seq.verified) - window) if window else 0
         seq.cached.clear()
         self.cache.truncate(seq.slot, 0)

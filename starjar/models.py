@@ -166,7 +166,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     log.info("loaded %s from %s (%s, %s, vocab %d, context %d)", what, p, dev, dt, vocab, max_ctx)
     window = recipe.get("prompt_window")
-    if window is not None and (not isinstance(window, int) or window < 1):
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise InvalidArgument(what, "prompt_window in starjar.json must be a positive integer", window)
     return LoadedModel(str(p), model, tokenizer, dev, dt, vocab, int(max_ctx), eos_ids,
                        tokenizer_fingerprint(tokenizer), lean, prompt_window=window)

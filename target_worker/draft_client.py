@@ -151,8 +151,11 @@ class RemoteProposer:
             wire.append(wid)
             msg.sequences.add(seq_id=wid, start=r.start, tokens=r.tokens, gamma=r.gamma, tree_width=r.tree_width)
         t0 = time.perf_counter()
-        self._outstanding.add(round_id)
-        prompt = self._prefills.sent(round_id, sent)
+        with self._lock:  # a stream that ended meanwhile would never answer: an orphan holding the next rounds
+            if self._stream is not stream:
+                raise self._no_drafts("detached")
+            self._outstanding.add(round_id)
+            prompt = self._prefills.sent(round_id, sent)
         stream.send(msg)
         if self._prefills.wont_make_it(prompt):  # sent, so the draft starts on it; nobody waits for it
             raise self._no_drafts("draft_prefill", f"{prompt} prompt tokens")

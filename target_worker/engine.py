@@ -268,13 +268,14 @@ class TargetEngine:
         shape = self.trees.shape if self.trees is not None else lambda n, g: (g, 0)  # (depth, width) for n
         reqs = [DraftRequest(r.req.draft_key, r.req.draft_synced, r.req.all_ids()[r.req.draft_synced:],
                              *shape(len(want), r.gamma)) for r in want]
-        plan.draft_prefill = any(d.start == 0 for d in reqs)
         replies = self._ask_proposer(reqs)
         if replies is None:
             for r in want:
                 r.req.draft_synced = 0
             return
         vocab = self.model.vocab_size
+        # Only a prompt the draft took (not one held back or answered resync, every step again) was prefilled.
+        plan.draft_prefill = any(d.start == 0 and reply is not None for d, reply in zip(reqs, replies, strict=True))
         for r, dreq, reply in zip(want, reqs, replies, strict=True):
             if reply is None:
                 self.stats.resyncs += 1

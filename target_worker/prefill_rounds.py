@@ -15,19 +15,22 @@ A hung server still breaks the stream (keepalive), and no step waits past the de
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 
 from starjar.proposer import DraftRequest
 
 MIN_PROMPT_TOKENS = 64  # shorter first rounds are ordinary rounds: their prefill fits the deadline
 EMA = 0.3  # weight of the newest measurement of the draft's prefill seconds per prompt token
+STALE_S = 30.0  # a prompt round unanswered this long (and 3x its prediction) holds nothing back any more
 
 
 class PrefillRounds:
     def __init__(self, deadline_s: float):
         self.deadline_s = deadline_s
         self.s_per_token: float | None = None  # the draft server's compute per prompt token, as it reported
-        self._rounds: dict[int, tuple[int, list[tuple[Hashable, int]]]] = {}  # unanswered: prompt tokens, ends
+        # Unanswered rounds: prompt tokens, (sequence, tokens it will hold) per sequence, when sent.
+        self._rounds: dict[int, tuple[int, list[tuple[Hashable, int]], float]] = {}
         # Per sequence, how many leading tokens the server is known to hold (an answered round carried them): a
         # sequence resent from 0 after a failed step is then no new prefill (the server reuses what it holds).
         self._held: dict[Hashable, int] = {}
@@ -39,7 +42,14 @@ class PrefillRounds:
 
     @property
     def in_flight(self) -> bool:
-        return any(tokens for tokens, _ in list(self._rounds.values()))  # list: forget() runs on another thread
+        """A prompt round is unanswered. One lost without the stream breaking stops counting after a while."""
+        now = time.monotonic()
+        for round_id, (tokens, _, sent_s) in list(self._rounds.items()):  # list: forget() runs on another thread
+            if tokens and now - sent_s < max(STALE_S, 3 * (self.predicted_s(tokens) or 0.0)):
+                return True
+            if tokens:
+                self._rounds.pop(round_id, None)
+        return False
 
     def predicted_s(self, tokens: int) -> float | None:
         return None if self.s_per_token is None or not tokens else self.s_per_token * tokens
@@ -52,7 +62,7 @@ class PrefillRounds:
     def sent(self, round_id: int, sent: Sequence[DraftRequest]) -> int:
         """A round went out; returns the prompt tokens it makes the draft prefill (0: an ordinary round)."""
         tokens = self.prompt_tokens(sent)
-        self._rounds[round_id] = (tokens, [(r.seq_id, r.start + len(r.tokens)) for r in sent])
+        self._rounds[round_id] = (tokens, [(r.seq_id, r.start + len(r.tokens)) for r in sent], time.monotonic())
         return tokens
 
     def is_prefill(self, round_id: int) -> bool:
@@ -61,8 +71,10 @@ class PrefillRounds:
     def answered(self, round_id: int, resp) -> None:
         """An answer (in time or late; a pb.SpeculateResponse): what the server now holds, and its prefill rate
         from the rounds that carried prompts."""
-        tokens, ends = self._rounds.pop(round_id, (0, []))
+        tokens, ends, _ = self._rounds.pop(round_id, (0, [], 0.0))
         for (seq_id, end), seq in zip(ends, resp.sequences, strict=False):
+            if seq_id is None:  # released meanwhile: its late answer must not hold it again
+                continue
             if seq.resync:
                 self._held.pop(seq_id, None)
             else:
@@ -73,8 +85,12 @@ class PrefillRounds:
             self.s_per_token = rate if self.s_per_token is None else (1 - EMA) * self.s_per_token + EMA * rate
 
     def release(self, seq_ids: Sequence[Hashable]) -> None:
-        for seq_id in seq_ids:
+        gone = set(seq_ids)
+        for seq_id in gone:
             self._held.pop(seq_id, None)
+        for round_id, (tokens, ends, sent_s) in list(self._rounds.items()):
+            if any(s in gone for s, _ in ends):
+                self._rounds[round_id] = (tokens, [(None if s in gone else s, e) for s, e in ends], sent_s)
 
     def forget(self) -> None:
         """A new stream: the old one's rounds will never be answered, and the server holds no sequence."""

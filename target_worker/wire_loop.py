@@ -130,13 +130,14 @@ class SpeculateCall:
         self.on_reply = on_reply
         self.on_end = on_end
         self._call = None
-        self._outbox: asyncio.Queue | None = None
+        # Made here, not in open(): a close or follow between _open_stream and open() may finish() it already
+        # (a queue binds to its loop at first use).
+        self._outbox: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
 
     async def open(self, stub, metadata) -> None:
         """On the loop: start the call, its writer and its reader."""
         self._call = stub.Speculate(metadata=metadata)
-        self._outbox = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._write()), asyncio.create_task(self._read())]
 
     def send(self, msg) -> None:

@@ -104,6 +104,7 @@ def test_a_prompt_window_drafts_exactly_as_the_draft_would_on_the_prompts_tail(m
     assert eng.stats.catchup_tokens == w + 2  # the last token again (logits need one fed)
     changed = [7] + prompt[1:] + first[:1] + [99]
     assert eng.propose([DraftRequest("a", 0, changed, 2)])[0] == greedy_chain(models["draft"], changed[-w:], 2)
+    assert eng.stats.catchup_tokens == w + 2 + w  # the window again, from scratch
     engine = colocated_engine(models["llama"], windowed, 3, 4)
     reqs = engine.generate(spec_prompts[:12], SamplingParams(max_tokens=32))
     assert [r.output_ids for r in reqs] == reference("llama", 32)[:12]
