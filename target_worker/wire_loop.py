@@ -125,7 +125,8 @@ class SpeculateCall:
     """One Speculate stream on a WireLoop. `send` and `finish` may be called from any thread; the replies and
     then the end (None, or the RpcError that ended it) go to the callbacks, on the loop thread."""
 
-    def __init__(self, wire: WireLoop, on_reply: Callable, on_end: Callable[[SpeculateCall, Exception | None], None]):
+    def __init__(self, wire: WireLoop, on_reply: Callable,
+                 on_end: Callable[[SpeculateCall, BaseException | None], None]):
         self.wire = wire
         self.on_reply = on_reply
         self.on_end = on_end
@@ -154,17 +155,20 @@ class SpeculateCall:
             while (msg := await outbox.get()) is not None:
                 await call.write(msg)
             await call.done_writing()
-        except (grpc.RpcError, asyncio.InvalidStateError) as exc:  # the call ended: the reader reports it
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the call ended, or a write failed: end it, so the reader reports the end
             log.debug("draft stream write stopped: %s", type(exc).__name__)
+            call.cancel()
 
     async def _read(self) -> None:
-        error: Exception | None = None
+        error: BaseException | None = None
         try:
             while (resp := await self._call.read()) is not grpc.aio.EOF:
                 self.on_reply(resp)
         except grpc.RpcError as exc:
             error = exc
-        except asyncio.CancelledError:  # the channel or the loop is closing
+        except asyncio.CancelledError:  # cancelled: the proposer is closing, or the writer ended the call
             error = asyncio.CancelledError()
             raise
         finally:
