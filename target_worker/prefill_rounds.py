@@ -10,7 +10,8 @@ without drafts behind the open breaker). Here such a round:
   - does not count as a miss for the breaker when it does miss: the server is busy, not failing;
   - holds the stream's later rounds back while it is unanswered (they would queue behind it), again
     without counting against the breaker, until its late answer is read.
-A hung server still breaks the stream (keepalive), and no step waits past the deadline.
+No step waits past the deadline. A prompt round unanswered for STALE_S (and 3x its prediction) stops
+holding rounds back: a hung compute thread then shows as deadline misses and the breaker again.
 """
 
 from __future__ import annotations
