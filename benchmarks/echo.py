@@ -14,7 +14,6 @@ import asyncio
 import json
 import statistics
 import sys
-import threading
 import time
 
 import grpc
@@ -59,10 +58,11 @@ def measure_echo(address: str, size: int, n: int = 500) -> float:
 
 def measure_idle_echo(address: str, size: int, n: int, gap_s: float) -> float:
     """Back to back, every thread on the path is still awake; a target worker's rounds come one target step
-    apart and every thread (the caller, the client's loop, gRPC's own, the server's) has gone to sleep."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="echo-loop", daemon=True)
-    thread.start()
+    apart and every thread (the caller, the client's loop, gRPC's own, the server's) has gone to sleep. Sent
+    through the remote proposer's own loop thread (target_worker.wire_loop.WireLoop)."""
+    from target_worker.wire_loop import WireLoop
+
+    wire = WireLoop("echo-loop")
 
     async def open_call():
         channel = grpc.aio.insecure_channel(address)
@@ -72,19 +72,16 @@ def measure_idle_echo(address: str, size: int, n: int, gap_s: float) -> float:
         await call.write(payload)
         return await call.read()
 
-    channel, call = asyncio.run_coroutine_threadsafe(open_call(), loop).result(10)
+    channel, call = wire.call(open_call(), 10)
     payload, times = b"x" * size, []
     for i in range(n + 5):
         time.sleep(gap_s)
         t0 = time.perf_counter()
-        asyncio.run_coroutine_threadsafe(one(call, payload), loop).result(10)
+        wire.call(one(call, payload), 10)
         if i >= 5:  # warm-up rounds excluded
             times.append(time.perf_counter() - t0)
-    asyncio.run_coroutine_threadsafe(channel.close(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    # Not closed: gRPC's poller may still hand this loop a late completion of the closed channel; a stopped loop
-    # queues it, a closed one raised "Event loop is closed" into the bench's log.
+    wire.call(channel.close(), 10)
+    wire.close()
     return 1000 * statistics.median(times)
 
 

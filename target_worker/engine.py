@@ -345,9 +345,11 @@ class TargetEngine:
         # drafts failed (a missed deadline, a broken stream) is neither: it would make plain decoding look
         # as slow as the wait, so it is kept out of the policy's statistics; so is a step that carried a
         # draft prefill (a 700-token prompt's is over a second, and it would land on whichever gamma was on).
-        if kind != "fallback" and plan.draft_prefill:
+        if kind == "fallback":
+            pass
+        elif plan.draft_prefill:
             self.stats.draft_prefill_steps += 1
-        elif kind != "fallback":
+        else:
             self.policy.observe(len(plan.rounds), plan.gamma if drafted else 0, now - plan.started_s, tokens,
                                 accepted, drafted)
         if self.trees is not None:
