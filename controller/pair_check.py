@@ -43,6 +43,8 @@ MAX_GAMMA = 6
 # Bumped when the draft's forward gets cheaper or dearer, so that measurements taken before are taken again
 # (2: the scripted multi-row draft layer, starjar.lean_step).
 DRAFT_FORWARD_REVISION = 2
+# The same for the target's passes (2: few-row products chosen by measurement, starjar.skinny_linear).
+TARGET_FORWARD_REVISION = 2
 PAYS = 1.05  # a predicted batch-1 speedup below this is not worth a draft's memory and risk
 
 
@@ -91,12 +93,13 @@ def measurement_key() -> str:
 def _machine(info: dict) -> dict:
     """What a measurement holds for: this CPU and torch, a kernel path forced by STARJAR_INT8_KERNEL, and the
     draft forward that was timed (a measurement of another revision of it, or of the eager path, is stale)."""
-    from starjar import lean_step
+    from starjar import lean_step, skinny_linear
     from starjar.kernels import forced_path
 
     return {**{k: info[k] for k in ("cpu_model", "cpu_capability", "torch", "threads")},
             "int8_kernel_forced": forced_path(),
-            "draft_forward": f"{DRAFT_FORWARD_REVISION}{'' if lean_step.enabled() else '-eager'}"}
+            "draft_forward": f"{DRAFT_FORWARD_REVISION}{'' if lean_step.enabled() else '-eager'}",
+            "target_forward": f"{TARGET_FORWARD_REVISION}{'-' + skinny_linear.forced() if skinny_linear.forced() else ''}"}
 
 
 def _say(msg: str) -> None:

@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -49,7 +50,19 @@ def machine_info() -> dict:
     """What every benchmark JSON and README figure names: the CPU, its capability, torch and threads."""
     return {"cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "quantized_engine": torch.backends.quantized.engine, "int8_kernel": chosen_path()}
+            "quantized_engine": torch.backends.quantized.engine, "int8_kernel": chosen_path(),
+            "fp32_few_rows": fp32_few_rows()}
+
+
+def fp32_few_rows() -> dict:
+    """The few-rows fp32 linear paths this process chose (starjar.skinny_linear), by model shapes; forced or
+    not chosen yet when empty."""
+    from starjar import skinny_linear
+
+    if skinny_linear.forced():
+        return {"forced": skinny_linear.forced()}
+    return {name.rsplit("|", 1)[-1]: {k: e["paths"][k] for k in ("body", "head")}
+            for name, e in _entries.items() if f"|{skinny_linear.KIND}|" in name and "paths" in e}
 
 
 def machine_label() -> str:
@@ -67,6 +80,7 @@ def forced_path() -> str | None:
 
 
 _chosen: dict[tuple, str] = {}
+_entries: dict[str, dict] = {}  # cached_entry's, by name, for this process
 
 
 def chosen_path(shapes: tuple[tuple[int, int], ...] = ((576, 1536), (1536, 576))) -> str:
@@ -92,6 +106,23 @@ def chosen_path(shapes: tuple[tuple[int, int], ...] = ((576, 1536), (1536, 576))
     log.info("int8 kernel for multi-row passes: %s (%s; %s)", best,
              ", ".join(f"{k} {v:.3f} ms" for k, v in timings.items()), machine_label())
     return best
+
+
+def cached_entry(kind: str, shapes: tuple[tuple[int, int], ...], measure: Callable[[], dict]) -> dict:
+    """A per-machine measurement of `kind` for these layer shapes, kept in the kernel cache: read when there,
+    else measured now (measure() returns a JSON-able dict) and saved."""
+    name = f"{_machine_key()}|{kind}|" + ",".join(f"{k}x{n}" for k, n in shapes)
+    if name in _entries:
+        return _entries[name]
+    cache = _cache_file()
+    entry = _read(cache).get(name)
+    if not isinstance(entry, dict):
+        entry = {**measure(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        stored = _read(cache)  # read again: another process may have saved its own entry meanwhile
+        stored[name] = entry
+        _write(cache, stored)
+    _entries[name] = entry
+    return entry
 
 
 def time_paths(shapes, rows: tuple[int, ...] = PROBE_ROWS, reps: int = 5) -> dict[str, float]:

@@ -154,8 +154,8 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
         model = quantized.quantize_int8(model, recipe.get("int8_kernel"))
         if leaner:
             lean = LeanDecoder(model)
-    elif dev.type == "cpu" and dt == torch.float32:
-        skinny_linear.install(model)
+    elif dev.type == "cpu" and dt == torch.float32 and skinny_linear.install(model):
+        skinny_linear.choose(model)  # this machine's fastest few-row products (measured once, cached)
     attention.install(model)  # grouped-query heads folded onto their KV head: no K/V copies per pass
     cfg = model.config
     max_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
