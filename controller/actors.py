@@ -68,11 +68,13 @@ class DraftServerActor:
         _prepare_process(self.spec, self.spec.draft_threads)
         from draft_server.background import BackgroundDraftServer
         from draft_server.config import DraftServerConfig
+        from starjar.kernels import hand_threads_to_compute
         from starjar.models import load_model
 
         self.host = ray.util.get_node_ip_address()
         model = load_model(self.spec.draft, _device(self.spec), self.spec.dtype, what="draft")
         self.fingerprint = model.fingerprint  # the controller gives it only targets with this tokenizer
+        hand_threads_to_compute()  # the draft compute thread owns the cores from here
         cfg = DraftServerConfig(host=self.host, port=0, mode=self.spec.draft_mode, max_targets=self.spec.max_targets)
         self.server = BackgroundDraftServer(model, cfg, _security(self.spec)).start()
         self.metrics = _start_metrics(self.server.server.metrics.registry, self.host) if self.spec.metrics else None
@@ -114,6 +116,7 @@ class TargetWorkerActor:
         self.spec = ClusterSpec.from_dict(spec)
         self.name = name
         _prepare_process(self.spec)
+        from starjar.kernels import hand_threads_to_compute
         from starjar.models import load_model
         from starjar.policies import parse_buckets, serving_policy
         from starjar.serving import BackgroundLoop
@@ -130,6 +133,7 @@ class TargetWorkerActor:
         tree, tree_note = tree_config(self.spec.tree, self.spec.tree_width, self.spec.tree_cap, self.spec.tree_budget,
                                       self.spec.profile, model)
         log.info("%s: %s", name, tree_note)
+        hand_threads_to_compute()  # the engine thread owns the cores from here
         cfg = TargetWorkerConfig(worker_id=name, draft_server=draft, host=self.host, port=0,
                                  draft_deadline_s=self.spec.draft_deadline_s,
                                  drain_timeout_s=self.spec.drain_timeout_s, max_waiting=self.spec.max_waiting,

@@ -163,11 +163,13 @@ def _tide_config(args):
 def _run_draft(args) -> int:
     from draft_server.server import DraftServer
     from starjar.default_pair import build_default_pair
+    from starjar.kernels import hand_threads_to_compute
     from starjar.models import load_model
     from starjar.serving import run_until_signalled
 
     cfg = _draft_config(args)
     model = load_model(args.model or build_default_pair()["draft"], args.device, args.dtype, what="model")
+    hand_threads_to_compute()  # the draft compute thread owns the cores from here
     server = DraftServer(model, cfg, security_from(args))
     run_until_signalled(server.start, server.stop,
                         _announce("draft", args.host, server.metrics.registry, args.metrics_port))
@@ -200,6 +202,7 @@ def _target_config(args, gamma: int, tree=None):
 def _run_target(args) -> int:
     from controller.spec_defaults import speculation_defaults
     from starjar.default_pair import build_default_pair
+    from starjar.kernels import hand_threads_to_compute
     from starjar.models import load_model
     from starjar.policies import parse_buckets, serving_policy
     from target_worker.server import TargetServer, serve_forever
@@ -218,6 +221,7 @@ def _run_target(args) -> int:
     tree, tree_note = tree_config(args.tree, args.tree_width, args.tree_cap, args.tree_budget, args.profile, model)
     cfg = _target_config(args, chosen.gamma, tree)
     log.info("speculation: %s; %s", chosen.note, tree_note)
+    hand_threads_to_compute()  # the engine thread owns the cores from here
     policy = serving_policy(chosen.policy, chosen.gamma, args.profile, bool(args.draft_server),
                             parse_buckets(args.buckets))
     server = TargetServer(model, cfg, policy, security_from(args))

@@ -49,7 +49,7 @@ def cpu_model() -> str:
 def machine_info() -> dict:
     """What every benchmark JSON and README figure names: the CPU, its capability, torch and threads."""
     return {"cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "threads": compute_threads(),
             "quantized_engine": torch.backends.quantized.engine, "int8_kernel": chosen_path(),
             "fp32_few_rows": fp32_few_rows()}
 
@@ -66,7 +66,7 @@ def fp32_few_rows() -> dict:
 
 
 def machine_label() -> str:
-    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads"
+    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}, {compute_threads()} threads"
 
 
 def forced_path() -> str | None:
@@ -149,7 +149,7 @@ def time_paths(shapes, rows: tuple[int, ...] = PROBE_ROWS, reps: int = 5) -> dic
 
 def _machine_key() -> str:
     return f"{cpu_model()}|{torch.backends.cpu.get_cpu_capability()}|torch {torch.__version__}|" \
-           f"{torch.get_num_threads()} threads|{torch.backends.quantized.engine}"
+           f"{compute_threads()} threads|{torch.backends.quantized.engine}"
 
 
 def _entry_name(key: tuple) -> str:
@@ -179,10 +179,58 @@ def _write(path: Path, data: dict) -> None:
         log.warning("could not save the kernel choice to %s: %s", path, exc)
 
 
+_compute_threads: int | None = None  # set when a process's main thread hands its threads to compute threads
+
+
+def compute_threads() -> int:
+    """The thread count this process computes with: what the main thread had before handing it over."""
+    return _compute_threads or torch.get_num_threads()
+
+
 def adopt_thread_count() -> None:
     """Give the calling thread torch's thread count. OpenMP keeps the count per thread: torch.set_num_threads()
     holds for the thread that called it, and a thread started later takes OMP_NUM_THREADS from the environment
     (Ray sets 1 in its workers), while torch.get_num_threads() still reports the set count. Measured on a
     2-core AMD EPYC with OMP_NUM_THREADS=1: a 2000 x 2000 matmul 92 ms on the main thread, 173 ms on a new one,
     92 ms there after this call. Engine and draft compute threads call it first."""
-    torch.set_num_threads(torch.get_num_threads())
+    torch.set_num_threads(compute_threads())
+
+
+def hand_threads_to_compute() -> bool:
+    """For a process that computes on threads of its own (a server's engine or draft compute thread), called on
+    the thread that loaded the models: it releases its OpenMP team and runs torch ops on one thread from now on;
+    compute threads adopt the count it had. Returns whether the team was released.
+
+    Why: GNU OpenMP lets a team's idle threads spin between parallel regions only while it manages no more
+    threads than there are CPUs; past that it sleeps them at once, and every op of the next pass pays a
+    futex wake-up. The loading thread's idle team counted: on a 2-core Intel Xeon (AVX-512, AMX), a draft
+    round (catch-up and one step, gamma 2) took 48.9 ms on a compute thread next to it and 17.8 ms without it
+    (18.5 ms on the main thread alone); a batch-1 draft server's rounds took 44 ms against 19.6 ms in-process.
+    """
+    global _compute_threads
+    if _compute_threads is None:
+        _compute_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    pause = _omp_pause_resource_all()
+    if pause is None:
+        log.info("no GNU OpenMP runtime found to release the loading thread's team (its threads stay idle)")
+        return False
+    return pause(1) == 0  # omp_pause_soft: frees the calling thread's idle team
+
+
+def _omp_pause_resource_all():
+    """libgomp's omp_pause_resource_all from the copy this process loaded (torch's), or None."""
+    import ctypes
+
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    for path in dict.fromkeys(line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]):
+        try:
+            fn = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        return fn
+    return None

@@ -138,3 +138,42 @@ def test_a_computing_thread_adopts_torchs_thread_count_over_the_environments():
     if out == ["no-libgomp"]:
         pytest.skip("torch is not built with GNU OpenMP here")
     assert out == ["1", "2", "2"]
+
+
+_HAND_OVER = """
+import os, threading, torch
+from starjar import kernels
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+torch.ones(1 << 22).sum()  # a parallel op: the main thread's OpenMP team starts
+before = tasks()
+released = kernels.hand_threads_to_compute()
+after = tasks()
+seen = {}
+def compute():
+    kernels.adopt_thread_count()
+    seen["threads"] = torch.get_num_threads()
+t = threading.Thread(target=compute)
+t.start()
+t.join()
+torch.ones(1 << 22).sum()  # the main thread's later ops run on one thread: no team again
+print(released, before - after, torch.get_num_threads(), seen["threads"], kernels.machine_info()["threads"],
+      tasks() - after)
+"""
+
+
+def test_the_loading_thread_hands_its_openmp_team_to_the_compute_threads():
+    """A server's loading thread releases its idle OpenMP team (libgomp sleeps idle teams at once while it
+    manages more threads than CPUs, which made every op of a compute thread's pass pay a wake-up) and keeps to
+    one thread; compute threads adopt the count it had."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    out = subprocess.run([sys.executable, "-c", _HAND_OVER], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    released, gone, main_threads, compute_threads, reported, regrown = out.stdout.split()
+    assert released == "True" and int(gone) == 1  # the team's one worker thread exited
+    assert (main_threads, compute_threads, reported) == ("1", "2", "2")
+    assert int(regrown) == 0
