@@ -6,6 +6,8 @@ The value is a comma-separated list of switches, e.g. "delay_ms=200,crash_after=
   catchup_ms_per_token=N
                   every token a round makes the draft compute (a prompt, a catch-up) costs N ms more: a draft slow
                   to prefill long prompts
+  catchup_busy=1  that cost is spent computing (a loop that holds the CPU and the GIL), not asleep: a draft
+                  that prefills on the target's own cores
   hang_after=N    after N rounds answered, the compute thread blocks for good (a hung server)
   spell_from=N, spell_rounds=M, spell_ms=T
                   rounds N..N+M-1 (counted from 0) each wait T ms before their reply: a slow spell, then well again
@@ -36,6 +38,7 @@ class FaultPlan:
     delay_ms: float = 0.0
     slow_step_ms: float = 0.0
     catchup_ms_per_token: float = 0.0
+    catchup_busy: int = 0
     hang_after: int = -1
     spell_from: int = -1
     spell_rounds: int = 0
@@ -81,7 +84,13 @@ class Faults:
 
     def after_start(self, catchup_tokens: int) -> None:
         if self.active and self.plan.catchup_ms_per_token:
-            time.sleep(self.plan.catchup_ms_per_token * catchup_tokens / 1000)
+            cost = self.plan.catchup_ms_per_token * catchup_tokens / 1000
+            if not self.plan.catchup_busy:
+                time.sleep(cost)
+                return
+            until = time.perf_counter() + cost
+            while time.perf_counter() < until:
+                sum(range(200))
 
     def before_reply(self, replies: list) -> list:
         """Called on the compute thread before each round's reply; may delay, hang, crash or corrupt."""

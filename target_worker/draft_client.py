@@ -124,6 +124,19 @@ class RemoteProposer:
         return self._attached.wait(timeout)
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[DraftReply]:
+        self._prefills.call_began(requests)
+        kind = None
+        try:
+            replies = self._propose(requests)
+            kind = "drafts"
+            return replies
+        except DraftUnavailable as exc:
+            kind = "alone" if exc.reason == "draft_prefill" else None
+            raise
+        finally:
+            self._prefills.call_ended(requests, kind)
+
+    def _propose(self, requests: Sequence[DraftRequest]) -> list[DraftReply]:
         if not self._attached.is_set():
             raise self._no_drafts("detached")
         with self._lock:
@@ -136,7 +149,8 @@ class RemoteProposer:
         if not self.breaker.allow():
             raise self._no_drafts("breaker_open")
         self._drop_late_replies()
-        if self._prefills.in_flight:  # it would queue behind a prompt the server is still prefilling
+        if self._prefills.in_flight and not self._await_prefills(self._prefills.in_flight_wait_s()):
+            # It would queue behind a prompt the server is still prefilling: decode alone meanwhile.
             raise self._no_drafts("draft_prefill", "a prompt's prefill is unanswered")
         if len(self._outstanding) >= MAX_OUTSTANDING:  # the server has not answered the last ones: no more
             self.breaker.missed()
@@ -157,9 +171,12 @@ class RemoteProposer:
             self._outstanding.add(round_id)
             prompt = self._prefills.sent(round_id, sent)
         stream.send(msg)
-        if self._prefills.wont_make_it(prompt):  # sent, so the draft starts on it; nobody waits for it
-            raise self._no_drafts("draft_prefill", f"{prompt} prompt tokens")
-        resp = self._await_reply(round_id, t0 + self.deadline_s)
+        extra_s = 0.0
+        if self._prefills.wont_make_it(prompt):
+            extra_s = self._prefills.wait_s(prompt)  # where the draft shares our cores, waiting is faster
+            if not extra_s:  # sent, so the draft starts on it; nobody waits for it
+                raise self._no_drafts("draft_prefill", f"{prompt} prompt tokens")
+        resp = self._await_reply(round_id, t0 + self.deadline_s + extra_s)
         self.breaker.answered()
         elapsed = time.perf_counter() - t0
         if len(resp.sequences) != len(wire) or any(s.seq_id != w for s, w in zip(resp.sequences, wire, strict=True)):
@@ -290,6 +307,23 @@ class RemoteProposer:
                 return
             self._outstanding.discard(resp.round_id)
             self._prefills.answered(resp.round_id, resp)
+
+    def _await_prefills(self, wait_s: float) -> bool:
+        """Read answers for up to wait_s until no prompt round is unanswered; whether none is."""
+        until = time.perf_counter() + wait_s
+        while self._prefills.in_flight:
+            left = until - time.perf_counter()
+            if left <= 0:
+                return False
+            try:
+                resp = self._replies.get(timeout=left)
+            except queue.Empty:
+                return False
+            if resp is _CLOSE:
+                raise self._no_drafts("stream_broken")
+            self._outstanding.discard(resp.round_id)
+            self._prefills.answered(resp.round_id, resp)
+        return True
 
     def _await_reply(self, round_id: int, deadline: float) -> pb.SpeculateResponse:
         while True:

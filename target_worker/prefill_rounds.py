@@ -12,6 +12,15 @@ without drafts behind the open breaker). Here such a round:
     without counting against the breaker, until its late answer is read.
 No step waits past the deadline. A prompt round unanswered for STALE_S (and 3x its prediction) stops
 holding rounds back: a hung compute thread then shows as deadline misses and the breaker again.
+
+Decoding alone while the draft prefills pays only where the two do not share cores. Where they do (a local
+cluster on one machine), both compute at once on oversubscribed OpenMP teams: on a 2-core Intel Xeon the
+target's steps decoded alone then took 100-580 ms (by the OpenMP spin setting) against ~37 ms between
+rounds (8 such steps cost 4.7 s of a 26.6 s run that took 20.6 s co-located). So the steps are timed: the target's step between rounds with drafts, and its step
+decoded alone while a prompt prefills (the time from one call to the next on the same sequences). Once the
+latter is SHARED_SLOWDOWN times the former, the cores are shared, and a prompt round is waited on, as a
+co-located draft's prefill would be, for up to its predicted time (x 2) past the deadline; a step that finds
+one unanswered waits for it the same way instead of decoding alone beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +33,10 @@ from starjar.proposer import DraftRequest
 MIN_PROMPT_TOKENS = 64  # shorter first rounds are ordinary rounds: their prefill fits the deadline
 EMA = 0.3  # weight of the newest measurement of the draft's prefill seconds per prompt token
 STALE_S = 30.0  # a prompt round unanswered this long (and 3x its prediction) holds nothing back any more
+# Steps decoded alone during a prefill this much slower than steps between rounds (which verify more tokens and
+# are, uncontended, about 1.1x a step alone): the cores are shared, and waiting for the prefill is faster.
+SHARED_SLOWDOWN = 1.5
+SHARED_MIN_S = 0.01  # and at least this much slower (jitter on steps of a few ms is no evidence)
 
 
 class PrefillRounds:
@@ -35,6 +48,11 @@ class PrefillRounds:
         # Per sequence, how many leading tokens the server is known to hold (an answered round carried them): a
         # sequence resent from 0 after a failed step is then no new prefill (the server reuses what it holds).
         self._held: dict[Hashable, int] = {}
+        # The target's steps as seen from here (EMA seconds): between rounds with drafts, and decoded alone while
+        # a prompt prefilled; the last call's end, its sequences and which kind of step followed it.
+        self.step_s: float | None = None
+        self.alone_step_s: float | None = None
+        self._last_call: tuple[float, frozenset, str | None] | None = None
 
     def prompt_tokens(self, sent: Sequence[DraftRequest]) -> int:
         """Tokens this round makes the draft prefill that it does not hold yet (0 for an ordinary round)."""
@@ -52,6 +70,19 @@ class PrefillRounds:
                 self._rounds.pop(round_id, None)
         return False
 
+    def in_flight_wait_s(self) -> float:
+        """Where the cores are shared, how long a step waits for the unanswered prompt rounds rather than decode
+        alone beside them: what is left of twice their predicted time (4 deadlines while no rate is known)."""
+        if not self.cores_shared:
+            return 0.0
+        now, left = time.monotonic(), 0.0
+        for tokens, _, sent_s in list(self._rounds.values()):
+            if tokens:
+                predicted = self.predicted_s(tokens)
+                budget = 2 * predicted if predicted is not None else 4 * self.deadline_s
+                left = max(left, budget - (now - sent_s))
+        return left
+
     def predicted_s(self, tokens: int) -> float | None:
         return None if self.s_per_token is None or not tokens else self.s_per_token * tokens
 
@@ -59,6 +90,36 @@ class PrefillRounds:
         """Whether the server's past prefills say this one will miss the deadline (then nobody waits for it)."""
         predicted = self.predicted_s(tokens)
         return predicted is not None and predicted > self.deadline_s
+
+    def call_began(self, requests: Sequence[DraftRequest]) -> None:
+        """A step asks for drafts: the time since the last call on the same sequences was the target's step."""
+        last, self._last_call = self._last_call, None
+        if last is None:
+            return
+        ended, seqs, kind = last
+        if kind is None or not seqs & {r.seq_id for r in requests}:
+            return  # another kind of step, or other sequences (the gap was idle time, not a step)
+        gap = time.monotonic() - ended
+        if kind == "alone":
+            self.alone_step_s = gap if self.alone_step_s is None else (1 - EMA) * self.alone_step_s + EMA * gap
+        else:
+            self.step_s = gap if self.step_s is None else (1 - EMA) * self.step_s + EMA * gap
+
+    def call_ended(self, requests: Sequence[DraftRequest], kind: str | None) -> None:
+        """kind: "drafts" (a round answered), "alone" (decoding without waiting for a prompt's prefill), or None."""
+        self._last_call = (time.monotonic(), frozenset(r.seq_id for r in requests), kind)
+
+    @property
+    def cores_shared(self) -> bool:
+        """Steps decoded alone during a prefill were far slower than usual: the draft computes on our cores."""
+        return (self.step_s is not None and self.alone_step_s is not None
+                and self.alone_step_s > max(SHARED_SLOWDOWN * self.step_s, self.step_s + SHARED_MIN_S))
+
+    def wait_s(self, tokens: int) -> float:
+        """How long past the deadline a prompt round is waited on: its predicted time (x 2) where the cores are
+        shared, none elsewhere (the step decodes alone meanwhile)."""
+        predicted = self.predicted_s(tokens)
+        return 2 * predicted if predicted is not None and self.cores_shared else 0.0
 
     def sent(self, round_id: int, sent: Sequence[DraftRequest]) -> int:
         """A round went out; returns the prompt tokens it makes the draft prefill (0: an ordinary round)."""
@@ -94,6 +155,9 @@ class PrefillRounds:
                 self._rounds[round_id] = (tokens, [(None if s in gone else s, e) for s, e in ends], sent_s)
 
     def forget(self) -> None:
-        """A new stream: the old one's rounds will never be answered, and the server holds no sequence."""
+        """A new stream: the old one's rounds will never be answered, and the server holds no sequence. It may be
+        another server, on other cores: whether they are shared is learnt again."""
         self._rounds.clear()
         self._held.clear()
+        self.alone_step_s = None
+        self._last_call = None

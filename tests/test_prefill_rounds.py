@@ -1,5 +1,7 @@
 """A round that makes the draft server prefill a long prompt is a busy server, not a failing one."""
 
+import pytest
+
 from draft_server.background import BackgroundDraftServer
 from starjar.policy import FixedGamma
 from starjar.proposer import DraftRequest
@@ -10,6 +12,18 @@ from target_worker.engine import EngineConfig, TargetEngine
 from target_worker.prefill_rounds import MIN_PROMPT_TOKENS, PrefillRounds
 
 
+def _pick(spec_prompts):
+    """A prompt whose prefill fits the deadline (it teaches the rate), then three long ones, each followed by a
+    short one (an ordinary first round)."""
+    order = sorted(range(len(spec_prompts)), key=lambda i: len(spec_prompts[i]))
+    teach = [i for i in order if 64 <= len(spec_prompts[i]) <= 72][:1]
+    long = [i for i in order if len(spec_prompts[i]) >= 150][-3:]
+    short = [i for i in order if len(spec_prompts[i]) < MIN_PROMPT_TOKENS][:3]
+    picked = teach + [i for pair in zip(long, short, strict=True) for i in pair]
+    assert len(teach) == 1 and len(picked) == 7
+    return picked
+
+
 def test_long_prompts_neither_wait_out_deadlines_nor_open_the_breaker(models, spec_prompts, reference, monkeypatch):
     """Each token the draft prefills costs 5 ms here, so a 160-token prompt takes 0.8 s against a 0.4 s deadline.
     Before: such a prompt's round missed the deadline, its resend missed it again, the next was a backlog, and
@@ -17,12 +31,7 @@ def test_long_prompts_neither_wait_out_deadlines_nor_open_the_breaker(models, sp
     timings predict the miss: the round is sent, nobody waits for it, and later rounds wait for its answer
     without counting against the breaker."""
     ref = reference("llama", 32)
-    order = sorted(range(len(spec_prompts)), key=lambda i: len(spec_prompts[i]))
-    teach = [i for i in order if 64 <= len(spec_prompts[i]) <= 72][:1]  # a prefill that fits the deadline
-    long = [i for i in order if len(spec_prompts[i]) >= 150][-3:]
-    short = [i for i in order if len(spec_prompts[i]) < MIN_PROMPT_TOKENS][:3]  # ordinary first rounds
-    picked = teach + [i for pair in zip(long, short, strict=True) for i in pair]
-    assert len(teach) == 1 and len(picked) == 7
+    picked = _pick(spec_prompts)
     monkeypatch.setenv("STARJAR_DRAFT_FAULTS", "catchup_ms_per_token=5")
     with BackgroundDraftServer(models["draft"]) as srv:
         rp = RemoteProposer(srv.address, models["llama"].fingerprint, "t", deadline_s=0.4,
@@ -37,6 +46,7 @@ def test_long_prompts_neither_wait_out_deadlines_nor_open_the_breaker(models, sp
             assert rp.stats.fallbacks["deadline"] <= 1
             assert rp.stats.fallbacks["draft_prefill"] >= 3  # each long prompt: sent, not waited on
             assert rp._prefills.s_per_token is not None and rp._prefills.s_per_token >= 0.004
+            assert not rp._prefills.cores_shared  # a prefill that sleeps does not slow the steps beside it
             assert eng.stats.accepted_tokens > 0
         finally:
             rp.close()
@@ -84,3 +94,70 @@ def test_a_released_sequence_is_not_held_again_by_a_late_answer_and_a_lost_round
     assert lost.in_flight
     monkeypatch.setattr(prefill_rounds, "STALE_S", 0.0)
     assert not lost.in_flight and not lost._rounds
+
+
+def test_where_the_draft_prefills_on_our_cores_steps_wait_for_it_instead_of_decoding_beside_it(
+        models, spec_prompts, reference, monkeypatch):
+    """The draft's prefill here computes (a busy loop holding the CPU and the GIL), as a draft server on the
+    target's own cores does: a step decoded beside it is far slower than a step between rounds. After the
+    first such step, prompt rounds are waited on for their predicted time instead: few steps decode alone,
+    the breaker stays shut, the output is the target's own."""
+    ref = reference("llama", 32)
+    picked = _pick(spec_prompts)
+    monkeypatch.setenv("STARJAR_DRAFT_FAULTS", "catchup_ms_per_token=5,catchup_busy=1")
+    with BackgroundDraftServer(models["draft"]) as srv:
+        rp = RemoteProposer(srv.address, models["llama"].fingerprint, "t", deadline_s=0.4,
+                            breaker=Breaker(after=3, probe_s=1.0, max_probe_s=4.0))
+        try:
+            assert rp.wait_attached(10)
+            eng = TargetEngine(models["llama"], rp, FixedGamma(3), EngineConfig(max_batch_size=1))
+            reqs = eng.generate([spec_prompts[i] for i in picked], SamplingParams(max_tokens=32))
+            assert [r.output_ids for r in reqs] == [ref[i] for i in picked]
+            pr = rp._prefills
+            assert pr.cores_shared, (pr.step_s, pr.alone_step_s)
+            assert rp.breaker.opened == 0
+            assert rp.stats.fallbacks["draft_prefill"] <= 2  # learnt on the first long prompt, then waited on
+            assert eng.stats.accepted_tokens > 0
+        finally:
+            rp.close()
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_steps_slowed_beside_a_prefill_mean_shared_cores(monkeypatch):
+    from target_worker import prefill_rounds
+
+    clock = _Clock()
+    monkeypatch.setattr(prefill_rounds.time, "monotonic", clock)
+    pr = PrefillRounds(deadline_s=0.5)
+    a, b = [DraftRequest("a", 0, [1], 3)], [DraftRequest("b", 0, [1], 3)]
+    for kind, gap in (("drafts", 0.040), ("drafts", 0.040), ("alone", 0.050)):
+        pr.call_began(a)
+        pr.call_ended(a, kind)
+        clock.t += gap
+    pr.call_began(a)
+    assert not pr.cores_shared and pr.wait_s(400) == 0.0  # 50 ms beside a prefill, 40 ms between rounds: fine
+    pr.call_ended(b, "alone")
+    clock.t += 5.0
+    pr.call_began(a)  # other sequences after an idle gap: no step was timed
+    assert pr.alone_step_s == pytest.approx(0.050)
+    pr.call_ended(a, "alone")
+    clock.t += 0.600
+    pr.call_began(a)
+    assert pr.cores_shared
+    assert pr.wait_s(400) == 0.0  # no prefill rate known yet: nothing to wait for
+    pr.sent(1, [DraftRequest("c", 0, list(range(100)), 3)])
+    assert pr.in_flight_wait_s() == 4 * 0.5  # unanswered and no rate: up to four deadlines
+    pr.answered(1, _Reply(1, compute_s=0.5))
+    assert pr.wait_s(400) == pytest.approx(2 * 400 * 0.005)
+    pr.sent(2, [DraftRequest("d", 0, list(range(100)), 3)])
+    clock.t += 0.3
+    assert pr.in_flight_wait_s() == pytest.approx(2 * 0.5 - 0.3)
+    pr.forget()  # another stream, maybe another server on other cores: learnt again
+    assert not pr.cores_shared and pr.in_flight_wait_s() == 0.0
