@@ -99,7 +99,8 @@ def _machine(info: dict) -> dict:
     return {**{k: info[k] for k in ("cpu_model", "cpu_capability", "torch", "threads")},
             "int8_kernel_forced": forced_path(),
             "draft_forward": f"{DRAFT_FORWARD_REVISION}{'' if lean_step.enabled() else '-eager'}",
-            "target_forward": f"{TARGET_FORWARD_REVISION}{'-' + skinny_linear.forced() if skinny_linear.forced() else ''}"}
+            "target_forward": f"{TARGET_FORWARD_REVISION}"
+                              f"{'-' + skinny_linear.forced() if skinny_linear.forced() else ''}"}
 
 
 def _say(msg: str) -> None:

@@ -108,15 +108,16 @@ def chosen_path(shapes: tuple[tuple[int, int], ...] = ((576, 1536), (1536, 576))
     return best
 
 
-def cached_entry(kind: str, shapes: tuple[tuple[int, int], ...], measure: Callable[[], dict]) -> dict:
-    """A per-machine measurement of `kind` for these layer shapes, kept in the kernel cache: read when there,
-    else measured now (measure() returns a JSON-able dict) and saved."""
+def cached_entry(kind: str, shapes: tuple[tuple[int, int], ...], measure: Callable[[], dict],
+                 usable: Callable[[dict], bool] = lambda entry: True) -> dict:
+    """A per-machine measurement of `kind` for these layer shapes, kept in the kernel cache: read when there
+    (and usable), else measured now (measure() returns a JSON-able dict) and saved."""
     name = f"{_machine_key()}|{kind}|" + ",".join(f"{k}x{n}" for k, n in shapes)
     if name in _entries:
         return _entries[name]
     cache = _cache_file()
     entry = _read(cache).get(name)
-    if not isinstance(entry, dict):
+    if not isinstance(entry, dict) or not usable(entry):
         entry = {**measure(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
         stored = _read(cache)  # read again: another process may have saved its own entry meanwhile
         stored[name] = entry
@@ -226,7 +227,10 @@ def _omp_pause_resource_all():
         maps = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
         return None
-    for path in dict.fromkeys(line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]):
+    paths = list(dict.fromkeys(line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]))
+    torch_dir = str(Path(torch.__file__).parent)
+    paths.sort(key=lambda p: not p.startswith(torch_dir))  # torch's own copy first: the one its ops run on
+    for path in paths:
         try:
             fn = ctypes.CDLL(path).omp_pause_resource_all
         except (OSError, AttributeError):

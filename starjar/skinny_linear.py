@@ -13,7 +13,7 @@ one over 4 positions 69.0 against 48.0 ms, so a verification of any gamma cost 2
 
 So the path is chosen per row bucket (BUCKETS), separately for the layers of the model's body and for its
 output layer (a vocabulary-wide product is another shape), by timing the model's own passes once per machine
-(`starjar.kernels.cached_choice`, about a second for the default target); STARJAR_FP32_LINEAR=linear|wxt
+(`starjar.kernels.cached_entry`, a few seconds for the default target); STARJAR_FP32_LINEAR=linear|wxt
 forces one path for every bucket (tests force each). One row always keeps F.linear's GEMV.
 
 The function computed is the same; only floating-point summation order can differ, as it does between any two
@@ -41,6 +41,7 @@ ENV = "STARJAR_FP32_LINEAR"
 BUCKETS = (2, 4, 8, 16, 32, 64)  # rows up to each; more than 64 rows take the last bucket's path
 WIDE = 8192  # output features from which a layer counts as an output layer (a vocabulary-wide product)
 DEFAULT = "wxt"  # before a measurement: what the first machine measured
+NOISE = 0.10  # the other path must be this much faster to replace DEFAULT in a bucket
 
 
 class RowPaths:
@@ -150,7 +151,7 @@ def measure(model: torch.nn.Module, reps: int = 3) -> dict:
                     body_only(input_ids=ids, use_cache=False)
                 return run
             times = _interleaved([whole(p) for p in PATHS], reps)
-            body.append(PATHS[times.index(min(times))])
+            body.append(_faster(times))
             ms["body"].append([round(t * 1000, 3) for t in times])
             shared.body[i] = body[-1]
             if heads:
@@ -162,7 +163,7 @@ def measure(model: torch.nn.Module, reps: int = 3) -> dict:
                         heads[0](x)
                     return run
                 times = _interleaved([alone(p) for p in PATHS], reps)
-                head.append(PATHS[times.index(min(times))])
+                head.append(_faster(times))
                 ms["head"].append([round(t * 1000, 3) for t in times])
             else:
                 head.append(DEFAULT)
@@ -183,15 +184,27 @@ def choose(model: torch.nn.Module) -> RowPaths | None:
     def run() -> dict:
         fresh.append(True)
         return measure(model)
-    entry = kernels.cached_entry(KIND, shapes(model), run)
-    try:
-        shared.set(RowPaths.from_dict(entry["paths"]))
-    except (KeyError, TypeError, ValueError):  # an entry of another layout: measured again, not trusted
-        entry = measure(model)
+    entry = kernels.cached_entry(KIND, shapes(model), run, usable=_usable)
+    shared.set(RowPaths.from_dict(entry["paths"]))
     if fresh:
         log.info("fp32 linear paths for 2..%d rows (%s): body %s, output layer %s (measured: %s ms)", BUCKETS[-1],
                  kernels.machine_label(), "/".join(shared.body), "/".join(shared.head), entry.get("ms"))
     return shared
+
+
+def _usable(entry: dict) -> bool:
+    """An entry of another layout (other buckets, a damaged file) is measured again and replaced."""
+    try:
+        RowPaths.from_dict(entry["paths"])
+        return True
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def _faster(times: list[float]) -> str:
+    """The faster path, but DEFAULT unless the other wins by more than NOISE (a close call is noise)."""
+    best = PATHS[times.index(min(times))]
+    return best if times[PATHS.index(DEFAULT)] > (1 + NOISE) * min(times) else DEFAULT
 
 
 def _interleaved(fns: list[Callable[[], None]], reps: int) -> list[float]:

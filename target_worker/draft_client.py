@@ -128,7 +128,7 @@ class RemoteProposer:
         kind = None
         try:
             replies = self._propose(requests)
-            kind = "drafts"
+            kind = "drafts" if any(r is not None for r in replies) else None
             return replies
         except DraftUnavailable as exc:
             kind = "alone" if exc.reason == "draft_prefill" else None

@@ -10,33 +10,41 @@ without drafts behind the open breaker). Here such a round:
   - does not count as a miss for the breaker when it does miss: the server is busy, not failing;
   - holds the stream's later rounds back while it is unanswered (they would queue behind it), again
     without counting against the breaker, until its late answer is read.
-No step waits past the deadline. A prompt round unanswered for STALE_S (and 3x its prediction) stops
-holding rounds back: a hung compute thread then shows as deadline misses and the breaker again.
+Where the cores are not shared, no step waits past the deadline. A prompt round unanswered for STALE_S
+(and 3x its prediction) stops holding rounds back: a hung compute thread then shows as deadline misses and
+the breaker again.
 
 Decoding alone while the draft prefills pays only where the two do not share cores. Where they do (a local
 cluster on one machine), both compute at once on oversubscribed OpenMP teams: on a 2-core Intel Xeon the
 target's steps decoded alone then took 100-580 ms (by the OpenMP spin setting) against ~37 ms between
-rounds (8 such steps cost 4.7 s of a 26.6 s run that took 20.6 s co-located). So the steps are timed: the target's step between rounds with drafts, and its step
-decoded alone while a prompt prefills (the time from one call to the next on the same sequences). Once the
-latter is SHARED_SLOWDOWN times the former, the cores are shared, and a prompt round is waited on, as a
-co-located draft's prefill would be, for up to its predicted time (x 2) past the deadline; a step that finds
-one unanswered waits for it the same way instead of decoding alone beside it.
+rounds (8 such steps cost 4.7 s of a 26.6 s run that took 20.6 s co-located). So the steps are timed, as
+the time from one call to the next on the same sequences: between rounds with drafts, and decoded alone
+while a prompt prefills (a gap after which a sequence joined is not a step: it held the target's own
+prefill). When the last ALONE_SAMPLES alone steps (two at least) were all SHARED_SLOWDOWN times slower, the
+cores are shared: a prompt round is then waited on, as a co-located draft's prefill would be, for up to
+twice its predicted time past the deadline (at most MAX_WAIT_DEADLINES deadlines), and a step that finds
+one unanswered waits for it the same way. Every PROBE_EVERY prompt rounds one is not waited on, so a draft
+that moved off our cores is noticed.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Hashable, Sequence
 
 from starjar.proposer import DraftRequest
 
 MIN_PROMPT_TOKENS = 64  # shorter first rounds are ordinary rounds: their prefill fits the deadline
-EMA = 0.3  # weight of the newest measurement of the draft's prefill seconds per prompt token
+EMA = 0.3  # weight of the newest measurement of the draft's prefill seconds per prompt token, and of a step
 STALE_S = 30.0  # a prompt round unanswered this long (and 3x its prediction) holds nothing back any more
 # Steps decoded alone during a prefill this much slower than steps between rounds (which verify more tokens and
 # are, uncontended, about 1.1x a step alone): the cores are shared, and waiting for the prefill is faster.
 SHARED_SLOWDOWN = 1.5
 SHARED_MIN_S = 0.01  # and at least this much slower (jitter on steps of a few ms is no evidence)
+ALONE_SAMPLES = 3  # the alone steps the verdict looks at (the fastest of them decides)
+MAX_WAIT_DEADLINES = 10  # a prompt round is never waited on for longer than this many deadlines
+PROBE_EVERY = 8  # where the cores are shared, every 8th prompt round decodes alone beside it: a fresh sample
 
 
 class PrefillRounds:
@@ -51,8 +59,9 @@ class PrefillRounds:
         # The target's steps as seen from here (EMA seconds): between rounds with drafts, and decoded alone while
         # a prompt prefilled; the last call's end, its sequences and which kind of step followed it.
         self.step_s: float | None = None
-        self.alone_step_s: float | None = None
+        self.alone_steps: deque[float] = deque(maxlen=ALONE_SAMPLES)
         self._last_call: tuple[float, frozenset, str | None] | None = None
+        self._prompt_rounds = 0  # waited-on candidates seen where the cores are shared (for the probes)
 
     def prompt_tokens(self, sent: Sequence[DraftRequest]) -> int:
         """Tokens this round makes the draft prefill that it does not hold yet (0 for an ordinary round)."""
@@ -70,19 +79,6 @@ class PrefillRounds:
                 self._rounds.pop(round_id, None)
         return False
 
-    def in_flight_wait_s(self) -> float:
-        """Where the cores are shared, how long a step waits for the unanswered prompt rounds rather than decode
-        alone beside them: what is left of twice their predicted time (4 deadlines while no rate is known)."""
-        if not self.cores_shared:
-            return 0.0
-        now, left = time.monotonic(), 0.0
-        for tokens, _, sent_s in list(self._rounds.values()):
-            if tokens:
-                predicted = self.predicted_s(tokens)
-                budget = 2 * predicted if predicted is not None else 4 * self.deadline_s
-                left = max(left, budget - (now - sent_s))
-        return left
-
     def predicted_s(self, tokens: int) -> float | None:
         return None if self.s_per_token is None or not tokens else self.s_per_token * tokens
 
@@ -92,34 +88,63 @@ class PrefillRounds:
         return predicted is not None and predicted > self.deadline_s
 
     def call_began(self, requests: Sequence[DraftRequest]) -> None:
-        """A step asks for drafts: the time since the last call on the same sequences was the target's step."""
+        """A step asks for drafts: the time since the last call on the same sequences was the target's step,
+        unless a sequence joined (the gap held the target's prefill of it)."""
         last, self._last_call = self._last_call, None
         if last is None:
             return
         ended, seqs, kind = last
-        if kind is None or not seqs & {r.seq_id for r in requests}:
-            return  # another kind of step, or other sequences (the gap was idle time, not a step)
+        now_seqs = {r.seq_id for r in requests}
+        if kind is None or not seqs & now_seqs or now_seqs - seqs:
+            return  # another kind of step, idle time, or a prefill inside the gap
         gap = time.monotonic() - ended
         if kind == "alone":
-            self.alone_step_s = gap if self.alone_step_s is None else (1 - EMA) * self.alone_step_s + EMA * gap
+            self.alone_steps.append(gap)
         else:
             self.step_s = gap if self.step_s is None else (1 - EMA) * self.step_s + EMA * gap
 
     def call_ended(self, requests: Sequence[DraftRequest], kind: str | None) -> None:
-        """kind: "drafts" (a round answered), "alone" (decoding without waiting for a prompt's prefill), or None."""
+        """kind: "drafts" (a round answered with drafts), "alone" (decoding without waiting for a prompt's
+        prefill), or None."""
         self._last_call = (time.monotonic(), frozenset(r.seq_id for r in requests), kind)
+
+    @property
+    def alone_step_s(self) -> float | None:
+        """The fastest of the last alone steps (one inflated by something else decides nothing)."""
+        return min(self.alone_steps) if len(self.alone_steps) >= 2 else None
 
     @property
     def cores_shared(self) -> bool:
         """Steps decoded alone during a prefill were far slower than usual: the draft computes on our cores."""
-        return (self.step_s is not None and self.alone_step_s is not None
-                and self.alone_step_s > max(SHARED_SLOWDOWN * self.step_s, self.step_s + SHARED_MIN_S))
+        alone = self.alone_step_s
+        return (self.step_s is not None and alone is not None
+                and alone > max(SHARED_SLOWDOWN * self.step_s, self.step_s + SHARED_MIN_S))
 
     def wait_s(self, tokens: int) -> float:
-        """How long past the deadline a prompt round is waited on: its predicted time (x 2) where the cores are
-        shared, none elsewhere (the step decodes alone meanwhile)."""
+        """How long past the deadline a prompt round is waited on: twice its predicted time where the cores are
+        shared (capped; every PROBE_EVERY-th is not waited on, to measure again), none elsewhere (the step
+        decodes alone meanwhile)."""
         predicted = self.predicted_s(tokens)
-        return 2 * predicted if predicted is not None and self.cores_shared else 0.0
+        if predicted is None or not self.cores_shared:
+            return 0.0
+        self._prompt_rounds += 1
+        if self._prompt_rounds % PROBE_EVERY == 0:
+            return 0.0
+        return min(2 * predicted, MAX_WAIT_DEADLINES * self.deadline_s)
+
+    def in_flight_wait_s(self) -> float:
+        """Where the cores are shared, how long a step waits for the unanswered prompt rounds rather than decode
+        alone beside them: what is left of twice their predicted time (4 deadlines while no rate is known),
+        capped as wait_s is."""
+        if not self.cores_shared:
+            return 0.0
+        now, left = time.monotonic(), 0.0
+        for tokens, _, sent_s in list(self._rounds.values()):
+            if tokens:
+                predicted = self.predicted_s(tokens)
+                budget = 2 * predicted if predicted is not None else 4 * self.deadline_s
+                left = max(left, min(budget, MAX_WAIT_DEADLINES * self.deadline_s) - (now - sent_s))
+        return left
 
     def sent(self, round_id: int, sent: Sequence[DraftRequest]) -> int:
         """A round went out; returns the prompt tokens it makes the draft prefill (0: an ordinary round)."""
@@ -159,5 +184,5 @@ class PrefillRounds:
         another server, on other cores: whether they are shared is learnt again."""
         self._rounds.clear()
         self._held.clear()
-        self.alone_step_s = None
+        self.alone_steps.clear()
         self._last_call = None

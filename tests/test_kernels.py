@@ -145,6 +145,9 @@ import os, threading, torch
 from starjar import kernels
 def tasks():
     return len(os.listdir("/proc/self/task"))
+if kernels._omp_pause_resource_all() is None:
+    print("no-libgomp")
+    raise SystemExit(0)
 torch.ones(1 << 22).sum()  # a parallel op: the main thread's OpenMP team starts
 before = tasks()
 released = kernels.hand_threads_to_compute()
@@ -173,6 +176,8 @@ def test_the_loading_thread_hands_its_openmp_team_to_the_compute_threads():
     env = dict(os.environ, OMP_NUM_THREADS="2")
     out = subprocess.run([sys.executable, "-c", _HAND_OVER], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "no-libgomp":
+        pytest.skip("torch runs another OpenMP runtime here: nothing to release")
     released, gone, main_threads, compute_threads, reported, regrown = out.stdout.split()
     assert released == "True" and int(gone) == 1  # the team's one worker thread exited
     assert (main_threads, compute_threads, reported) == ("1", "2", "2")

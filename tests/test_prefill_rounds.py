@@ -136,28 +136,43 @@ def test_steps_slowed_beside_a_prefill_mean_shared_cores(monkeypatch):
     clock = _Clock()
     monkeypatch.setattr(prefill_rounds.time, "monotonic", clock)
     pr = PrefillRounds(deadline_s=0.5)
-    a, b = [DraftRequest("a", 0, [1], 3)], [DraftRequest("b", 0, [1], 3)]
-    for kind, gap in (("drafts", 0.040), ("drafts", 0.040), ("alone", 0.050)):
-        pr.call_began(a)
+    a, b = [DraftRequest("a", 0, [1] * 80, 3)], [DraftRequest("b", 5, [1], 3)]  # a resent from 0 after a failure
+
+    def step(kind, gap, then=a):
         pr.call_ended(a, kind)
         clock.t += gap
-    pr.call_began(a)
-    assert not pr.cores_shared and pr.wait_s(400) == 0.0  # 50 ms beside a prefill, 40 ms between rounds: fine
-    pr.call_ended(b, "alone")
-    clock.t += 5.0
-    pr.call_began(a)  # other sequences after an idle gap: no step was timed
+        pr.call_began(then)
+
+    step("drafts", 0.040)
+    step("drafts", 0.040)
+    step("alone", 0.050)
+    step("alone", 0.050)
     assert pr.alone_step_s == pytest.approx(0.050)
-    pr.call_ended(a, "alone")
-    clock.t += 0.600
-    pr.call_began(a)
+    assert not pr.cores_shared and pr.wait_s(400) == 0.0  # 50 ms beside a prefill, 40 ms between rounds: fine
+    step("alone", 5.0, then=b)  # other sequences after an idle gap: no step was timed
+    step("alone", 3.0, then=[DraftRequest("a", 7, [1], 3), DraftRequest("c", 0, [1] * 80, 3)])  # c's prefill inside
+    assert list(pr.alone_steps) == pytest.approx([0.050, 0.050])
+    step("alone", 0.600)
+    assert not pr.cores_shared  # the fastest of the last steps decides: one slow step is no evidence
+    step("alone", 0.500)
+    step("alone", 0.700)
     assert pr.cores_shared
     assert pr.wait_s(400) == 0.0  # no prefill rate known yet: nothing to wait for
     pr.sent(1, [DraftRequest("c", 0, list(range(100)), 3)])
     assert pr.in_flight_wait_s() == 4 * 0.5  # unanswered and no rate: up to four deadlines
     pr.answered(1, _Reply(1, compute_s=0.5))
-    assert pr.wait_s(400) == pytest.approx(2 * 400 * 0.005)
+    waits = [pr.wait_s(400) for _ in range(prefill_rounds.PROBE_EVERY)]
+    assert waits[:-1] == pytest.approx([2 * 400 * 0.005] * (prefill_rounds.PROBE_EVERY - 1))
+    assert waits[-1] == 0.0  # a probe: decoded alone beside it, to measure again
+    assert pr.wait_s(100_000) == prefill_rounds.MAX_WAIT_DEADLINES * 0.5  # capped
     pr.sent(2, [DraftRequest("d", 0, list(range(100)), 3)])
     clock.t += 0.3
     assert pr.in_flight_wait_s() == pytest.approx(2 * 0.5 - 0.3)
+    step("alone", 0.045)  # the draft moved off our cores: one fast step beside a prefill says so
+    assert not pr.cores_shared
+    step("alone", 0.600)
+    step("alone", 0.600)
+    step("alone", 0.600)
+    assert pr.cores_shared
     pr.forget()  # another stream, maybe another server on other cores: learnt again
     assert not pr.cores_shared and pr.in_flight_wait_s() == 0.0
