@@ -25,14 +25,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from starjar.errors import StarjarError
 from starjar.proposer import DraftReply, DraftRequest
 from starjar.security import Security
-from starjar.token_tree import TokenTree
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 from target_worker.breaker import Breaker
 from target_worker.prefill_rounds import PrefillRounds
+from target_worker.round_wire import replies_of, within_limits
 from target_worker.wire_loop import LOOP_ERRORS, SpeculateCall, WireLoop, channel_options, refusal_reason, unary
 
 log = logging.getLogger(__name__)
@@ -143,7 +142,7 @@ class RemoteProposer:
             stream, limits = self._stream, self.limits
         if stream is None:
             raise self._no_drafts("detached")
-        sent, index = self._within_limits(requests, limits)  # index[k]: which request sent[k] stands for
+        sent, index = within_limits(requests, limits, self.stats.fallbacks)  # index[k]: what sent[k] stands for
         if not sent:
             return [None for _ in requests]
         if not self.breaker.allow():
@@ -187,36 +186,7 @@ class RemoteProposer:
         self.stats.server_compute_s.append(resp.timings.compute_s)
         if self.on_round is not None:
             self.on_round(elapsed, resp.timings.queue_wait_s, resp.timings.compute_s)
-        # A sequence held back by the limits gets None: the server never saw these tokens, so the engine must
-        # not count them as sent (it resends from position 0 when the sequence fits again).
-        out: list[DraftReply] = [None for _ in requests]
-        for s, r, i in zip(resp.sequences, sent, index, strict=True):
-            if s.resync:
-                self.stats.fallbacks["resync"] += 1
-                out[i] = None
-            else:
-                out[i] = reply_of(s, r.gamma)
-        return out
-
-    def _within_limits(self, requests: Sequence[DraftRequest], limits) -> tuple[list[DraftRequest], list[int]]:
-        """The server's advertised limits, applied here (a round past them would be answered resync): gamma
-        clamped, sequences over the token limit or past the per-round count held back. Returns the requests to
-        send and, for each, its index in `requests`."""
-        sent, index = [], []
-        for i, r in enumerate(requests):
-            if limits is not None:
-                too_long = (limits.max_tokens_per_sequence
-                            and r.start + len(r.tokens) > limits.max_tokens_per_sequence)
-                if too_long or (limits.max_sequences and len(sent) >= limits.max_sequences):
-                    self.stats.fallbacks["over_limit"] += 1
-                    continue
-                if limits.max_gamma and r.gamma > limits.max_gamma:
-                    r = DraftRequest(r.seq_id, r.start, r.tokens, limits.max_gamma, r.tree_width)
-                if r.tree_width > max(1, limits.max_tree_width):  # an older server: chains only
-                    r = DraftRequest(r.seq_id, r.start, r.tokens, r.gamma, limits.max_tree_width)
-            sent.append(r)
-            index.append(i)
-        return sent, index
+        return replies_of(resp, sent, index, len(requests), self.stats.fallbacks)
 
     def release(self, seq_ids: Sequence[Hashable]) -> None:
         self._prefills.release(seq_ids)
@@ -420,13 +390,3 @@ class RemoteProposer:
             self._stream.finish()
         self._stream, self._tag = None, None
 
-
-def reply_of(seq_draft: pb.SequenceDraft, gamma: int) -> DraftReply:
-    """One sequence's drafts from the wire: a chain (at most gamma tokens) or, with parents, a token tree
-    (one the target cannot read, malformed, is no drafts this step)."""
-    if not seq_draft.parents:
-        return list(seq_draft.tokens)[:gamma]
-    try:
-        return TokenTree(tuple(seq_draft.tokens), tuple(seq_draft.parents), tuple(seq_draft.path_probs))
-    except StarjarError:
-        return []
