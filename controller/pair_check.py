@@ -22,7 +22,6 @@ settings too, so every later load uses them); another machine measures again.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -220,19 +219,6 @@ def _agreement(draft, prompts, outputs) -> float:
     return hits / max(total, 1)
 
 
-def interleaved_medians(fns: list, reps: int) -> list[float]:
-    """Median time of each function, run in turns so that a slow spell hits all of them."""
-    times = [[] for _ in fns]
-    for fn in fns:
-        fn()
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
-
-
 def _pass(model, batch: int, positions: int, context: int = 96):
     """A callable that runs one pass of `positions` new tokens for `batch` sequences at `context` tokens."""
     cache = model.new_cache()
@@ -248,6 +234,8 @@ def _pass(model, batch: int, positions: int, context: int = 96):
 
 def _verify_costs(target) -> list[float]:
     """v[g] = the target's pass over g+1 positions at batch 1, over its one-position step."""
+    from starjar.kernels import interleaved_medians
+
     times = interleaved_medians([_pass(target, 1, g + 1) for g in range(MAX_GAMMA + 1)], reps=7)
     return [t / times[0] for t in times]
 
@@ -255,6 +243,8 @@ def _verify_costs(target) -> list[float]:
 def _cost_ratios(target, draft) -> tuple[float, float, float]:
     """Draft passes over the target's one-position step: a one-token draft step and a 3-position catch-up at
     batch 1, and a 4-sequence pass over the target's 4-sequence step (batched drafting)."""
+    from starjar.kernels import interleaved_medians
+
     t1, d1, d3, t4, d4 = interleaved_medians([_pass(target, 1, 1), _pass(draft, 1, 1), _pass(draft, 1, 3),
                                        _pass(target, 4, 1), _pass(draft, 4, 1)], reps=7)
     return d1 / t1, d3 / t1, d4 / t4

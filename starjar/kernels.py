@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from functools import lru_cache
@@ -124,6 +125,19 @@ def cached_entry(kind: str, shapes: tuple[tuple[int, int], ...], measure: Callab
         _write(cache, stored)
     _entries[name] = entry
     return entry
+
+
+def interleaved_medians(fns: list[Callable[[], object]], reps: int) -> list[float]:
+    """Median seconds of each function (each run once first), run in turns so that a slow spell hits all."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def time_paths(shapes, rows: tuple[int, ...] = PROBE_ROWS, reps: int = 5) -> dict[str, float]:

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
-import time
 import types
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from starjar.kernels import interleaved_medians
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def measure(model: torch.nn.Module, reps: int = 3) -> dict:
                     shared.body[i] = path
                     body_only(input_ids=ids, use_cache=False)
                 return run
-            times = _interleaved([whole(p) for p in PATHS], reps)
+            times = interleaved_medians([whole(p) for p in PATHS], reps)
             body.append(_faster(times))
             ms["body"].append([round(t * 1000, 3) for t in times])
             shared.body[i] = body[-1]
@@ -162,7 +162,7 @@ def measure(model: torch.nn.Module, reps: int = 3) -> dict:
                         shared.head[i] = path
                         heads[0](x)
                     return run
-                times = _interleaved([alone(p) for p in PATHS], reps)
+                times = interleaved_medians([alone(p) for p in PATHS], reps)
                 head.append(_faster(times))
                 ms["head"].append([round(t * 1000, 3) for t in times])
             else:
@@ -205,16 +205,3 @@ def _faster(times: list[float]) -> str:
     """The faster path, but DEFAULT unless the other wins by more than NOISE (a close call is noise)."""
     best = PATHS[times.index(min(times))]
     return best if times[PATHS.index(DEFAULT)] > (1 + NOISE) * min(times) else DEFAULT
-
-
-def _interleaved(fns: list[Callable[[], None]], reps: int) -> list[float]:
-    """Median seconds of each function, run in turns so that a slow spell hits all of them."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]

@@ -24,15 +24,12 @@ def _pick(spec_prompts):
     return picked
 
 
-def test_long_prompts_neither_wait_out_deadlines_nor_open_the_breaker(models, spec_prompts, reference, monkeypatch):
-    """Each token the draft prefills costs 5 ms here, so a 160-token prompt takes 0.8 s against a 0.4 s deadline.
-    Before: such a prompt's round missed the deadline, its resend missed it again, the next was a backlog, and
-    the breaker opened (the demo's 769-token prompts: 78 steps without drafts behind it). Now the server's own
-    timings predict the miss: the round is sent, nobody waits for it, and later rounds wait for its answer
-    without counting against the breaker."""
+def _serve_picked(models, spec_prompts, reference, monkeypatch, faults: str):
+    """The picked prompts through a target engine whose proposer is a real draft server with these faults;
+    checks the output is the target's own and returns (proposer stats, prefill state, breaker, engine)."""
     ref = reference("llama", 32)
     picked = _pick(spec_prompts)
-    monkeypatch.setenv("STARJAR_DRAFT_FAULTS", "catchup_ms_per_token=5")
+    monkeypatch.setenv("STARJAR_DRAFT_FAULTS", faults)
     with BackgroundDraftServer(models["draft"]) as srv:
         rp = RemoteProposer(srv.address, models["llama"].fingerprint, "t", deadline_s=0.4,
                             breaker=Breaker(after=3, probe_s=1.0, max_probe_s=4.0))
@@ -41,15 +38,26 @@ def test_long_prompts_neither_wait_out_deadlines_nor_open_the_breaker(models, sp
             eng = TargetEngine(models["llama"], rp, FixedGamma(3), EngineConfig(max_batch_size=1))
             reqs = eng.generate([spec_prompts[i] for i in picked], SamplingParams(max_tokens=32))
             assert [r.output_ids for r in reqs] == [ref[i] for i in picked]
-            assert rp.breaker.opened == 0
-            # The teaching prompt gives the rate before the first long one (one miss allowed: a busy machine).
-            assert rp.stats.fallbacks["deadline"] <= 1
-            assert rp.stats.fallbacks["draft_prefill"] >= 3  # each long prompt: sent, not waited on
-            assert rp._prefills.s_per_token is not None and rp._prefills.s_per_token >= 0.004
-            assert not rp._prefills.cores_shared  # a prefill that sleeps does not slow the steps beside it
-            assert eng.stats.accepted_tokens > 0
+            return rp.stats, rp._prefills, rp.breaker, eng
         finally:
             rp.close()
+
+
+def test_long_prompts_neither_wait_out_deadlines_nor_open_the_breaker(models, spec_prompts, reference, monkeypatch):
+    """Each token the draft prefills costs 5 ms here, so a 160-token prompt takes 0.8 s against a 0.4 s deadline.
+    Before: such a prompt's round missed the deadline, its resend missed it again, the next was a backlog, and
+    the breaker opened (the demo's 769-token prompts: 78 steps without drafts behind it). Now the server's own
+    timings predict the miss: the round is sent, nobody waits for it, and later rounds wait for its answer
+    without counting against the breaker."""
+    stats, prefills, breaker, eng = _serve_picked(models, spec_prompts, reference, monkeypatch,
+                                                  "catchup_ms_per_token=5")
+    assert breaker.opened == 0
+    # The teaching prompt gives the rate before the first long one (one miss allowed: a busy machine).
+    assert stats.fallbacks["deadline"] <= 1
+    assert stats.fallbacks["draft_prefill"] >= 3  # each long prompt: sent, not waited on
+    assert prefills.s_per_token is not None and prefills.s_per_token >= 0.004
+    assert not prefills.cores_shared  # a prefill that sleeps does not slow the steps beside it
+    assert eng.stats.accepted_tokens > 0
 
 
 class _Reply:
@@ -102,24 +110,12 @@ def test_where_the_draft_prefills_on_our_cores_steps_wait_for_it_instead_of_deco
     target's own cores does: a step decoded beside it is far slower than a step between rounds. After the
     first such step, prompt rounds are waited on for their predicted time instead: few steps decode alone,
     the breaker stays shut, the output is the target's own."""
-    ref = reference("llama", 32)
-    picked = _pick(spec_prompts)
-    monkeypatch.setenv("STARJAR_DRAFT_FAULTS", "catchup_ms_per_token=5,catchup_busy=1")
-    with BackgroundDraftServer(models["draft"]) as srv:
-        rp = RemoteProposer(srv.address, models["llama"].fingerprint, "t", deadline_s=0.4,
-                            breaker=Breaker(after=3, probe_s=1.0, max_probe_s=4.0))
-        try:
-            assert rp.wait_attached(10)
-            eng = TargetEngine(models["llama"], rp, FixedGamma(3), EngineConfig(max_batch_size=1))
-            reqs = eng.generate([spec_prompts[i] for i in picked], SamplingParams(max_tokens=32))
-            assert [r.output_ids for r in reqs] == [ref[i] for i in picked]
-            pr = rp._prefills
-            assert pr.cores_shared, (pr.step_s, pr.alone_step_s)
-            assert rp.breaker.opened == 0
-            assert rp.stats.fallbacks["draft_prefill"] <= 2  # learnt on the first long prompt, then waited on
-            assert eng.stats.accepted_tokens > 0
-        finally:
-            rp.close()
+    stats, prefills, breaker, eng = _serve_picked(models, spec_prompts, reference, monkeypatch,
+                                                  "catchup_ms_per_token=5,catchup_busy=1")
+    assert prefills.cores_shared, (prefills.step_s, prefills.alone_step_s)
+    assert breaker.opened == 0
+    assert stats.fallbacks["draft_prefill"] <= 2  # learnt on the first long prompt, then waited on
+    assert eng.stats.accepted_tokens > 0
 
 
 class _Clock:
