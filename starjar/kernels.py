@@ -72,11 +72,16 @@ def machine_label() -> str:
 
 def forced_path() -> str | None:
     """The path named by STARJAR_INT8_KERNEL, or None for measurement (auto)."""
-    name = os.environ.get(ENV, "auto").strip().lower()
+    return forced_choice(ENV, INT8_PATHS)
+
+
+def forced_choice(env: str, choices: tuple[str, ...]) -> str | None:
+    """The kernel path an environment variable forces, or None for measurement (unset or auto)."""
+    name = os.environ.get(env, "auto").strip().lower()
     if name in ("", "auto"):
         return None
-    if name not in INT8_PATHS:
-        raise ValueError(f"{ENV} must be auto or one of {INT8_PATHS}, got {name!r}")
+    if name not in choices:
+        raise ValueError(f"{env} must be auto or one of {choices}, got {name!r}")
     return name
 
 

@@ -24,14 +24,13 @@ engines and HF `generate()` alike) uses the same kernels for the same shapes.
 from __future__ import annotations
 
 import logging
-import os
 import types
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from starjar.kernels import interleaved_medians
+from starjar import kernels
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +73,7 @@ class RowPaths:
 
 def forced() -> str | None:
     """The path named by STARJAR_FP32_LINEAR, or None for measurement (auto)."""
-    name = os.environ.get(ENV, "auto").strip().lower()
-    if name in ("", "auto"):
-        return None
-    if name not in PATHS:
-        raise ValueError(f"{ENV} must be auto or one of {PATHS}, got {name!r}")
-    return name
+    return kernels.forced_choice(ENV, PATHS)
 
 
 def _bucket(rows: int) -> int:
@@ -140,55 +134,30 @@ def measure(model: torch.nn.Module, reps: int = 3) -> dict:
     heads = [m for m in model.modules() if type(m) is torch.nn.Linear and m.out_features >= WIDE]
     param = next(model.parameters())
     body_only = getattr(model, "base_model", model)  # a causal LM's decoder without its output layer
-    body, head, ms = [], [], {"body": [], "head": []}
+    ms: dict[str, list] = {"body": [], "head": []}
     with torch.inference_mode():
         for i, rows in enumerate(BUCKETS):
             ids = torch.full((1, rows), 7, dtype=torch.long, device=param.device)
-
-            def whole(path: str, i: int = i, ids: torch.Tensor = ids) -> Callable[[], None]:
-                def run():
-                    shared.body[i] = path
-                    body_only(input_ids=ids, use_cache=False)
-                return run
-            times = interleaved_medians([whole(p) for p in PATHS], reps)
-            body.append(_faster(times))
-            ms["body"].append([round(t * 1000, 3) for t in times])
-            shared.body[i] = body[-1]
+            ms["body"].append(_time_bucket(shared.body, i,
+                                           lambda ids=ids: body_only(input_ids=ids, use_cache=False), reps))
             if heads:
                 x = torch.randn(rows, heads[0].in_features, device=param.device)
-
-                def alone(path: str, i: int = i, x: torch.Tensor = x) -> Callable[[], None]:
-                    def run():
-                        shared.head[i] = path
-                        heads[0](x)
-                    return run
-                times = interleaved_medians([alone(p) for p in PATHS], reps)
-                head.append(_faster(times))
-                ms["head"].append([round(t * 1000, 3) for t in times])
+                ms["head"].append(_time_bucket(shared.head, i, lambda x=x: heads[0](x), reps))
             else:
-                head.append(DEFAULT)
-    shared.set(RowPaths(body, head))
+                shared.head[i] = DEFAULT
+    log.info("fp32 linear paths for 2..%d rows (%s): body %s, output layer %s (measured: %s ms)", BUCKETS[-1],
+             kernels.machine_label(), "/".join(shared.body), "/".join(shared.head), ms)
     return {"paths": shared.as_dict(), "ms": ms}
 
 
 def choose(model: torch.nn.Module) -> RowPaths | None:
     """Give an installed model this machine's paths for its shapes: forced, cached, or measured now (once per
-    machine, thread count and set of shapes; logged)."""
-    from starjar import kernels
-
+    machine, thread count and set of shapes)."""
     shared = installed(model)
     if shared is None or forced():
         return shared
-    fresh = []
-
-    def run() -> dict:
-        fresh.append(True)
-        return measure(model)
-    entry = kernels.cached_entry(KIND, shapes(model), run, usable=_usable)
+    entry = kernels.cached_entry(KIND, shapes(model), lambda: measure(model), usable=_usable)
     shared.set(RowPaths.from_dict(entry["paths"]))
-    if fresh:
-        log.info("fp32 linear paths for 2..%d rows (%s): body %s, output layer %s (measured: %s ms)", BUCKETS[-1],
-                 kernels.machine_label(), "/".join(shared.body), "/".join(shared.head), entry.get("ms"))
     return shared
 
 
@@ -199,6 +168,18 @@ def _usable(entry: dict) -> bool:
         return True
     except (KeyError, TypeError, ValueError):
         return False
+
+
+def _time_bucket(slots: list[str], i: int, run: Callable[[], object], reps: int) -> list[float]:
+    """Time `run` with bucket i of `slots` on each path, in turns; the bucket keeps the faster. Returns ms."""
+    def on(path: str) -> Callable[[], object]:
+        def timed():
+            slots[i] = path
+            return run()
+        return timed
+    times = kernels.interleaved_medians([on(p) for p in PATHS], reps)
+    slots[i] = _faster(times)
+    return [round(t * 1000, 3) for t in times]
 
 
 def _faster(times: list[float]) -> str:

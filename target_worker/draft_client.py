@@ -278,21 +278,26 @@ class RemoteProposer:
             self._outstanding.discard(resp.round_id)
             self._prefills.answered(resp.round_id, resp)
 
+    def _read_reply(self, timeout: float) -> pb.SpeculateResponse | None:
+        """The next answer within timeout (None if none came), booked: no longer outstanding, what it tells of
+        the server's prefills noted. A broken stream raises stream_broken."""
+        try:
+            resp = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if resp is _CLOSE:
+            raise self._no_drafts("stream_broken")
+        self._outstanding.discard(resp.round_id)
+        self._prefills.answered(resp.round_id, resp)
+        return resp
+
     def _await_prefills(self, wait_s: float) -> bool:
         """Read answers for up to wait_s until no prompt round is unanswered; whether none is."""
         until = time.perf_counter() + wait_s
         while self._prefills.in_flight:
             left = until - time.perf_counter()
-            if left <= 0:
+            if left <= 0 or self._read_reply(left) is None:
                 return False
-            try:
-                resp = self._replies.get(timeout=left)
-            except queue.Empty:
-                return False
-            if resp is _CLOSE:
-                raise self._no_drafts("stream_broken")
-            self._outstanding.discard(resp.round_id)
-            self._prefills.answered(resp.round_id, resp)
         return True
 
     def _await_reply(self, round_id: int, deadline: float) -> pb.SpeculateResponse:
@@ -302,15 +307,8 @@ class RemoteProposer:
                 if not self._prefills.is_prefill(round_id):  # a prompt's prefill is the server busy, not failing
                     self.breaker.missed()
                 raise self._no_drafts("deadline", f"no drafts within {self.deadline_s * 1000:.0f} ms")
-            try:
-                resp = self._replies.get(timeout=left)
-            except queue.Empty:
-                continue
-            if resp is _CLOSE:
-                raise self._no_drafts("stream_broken")
-            self._outstanding.discard(resp.round_id)
-            self._prefills.answered(resp.round_id, resp)
-            if resp.round_id == round_id:  # else a late answer to a round given up on: dropped
+            resp = self._read_reply(left)
+            if resp is not None and resp.round_id == round_id:  # else a late answer to a round given up on
                 return resp
 
     def _attach_loop(self) -> None:
