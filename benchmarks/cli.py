@@ -43,6 +43,10 @@ def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
                     "this machine (default: benchmarks/results/profile-default-pair.json)")
     ap.add_argument("--adapt-train", default="",
                     help="bench tide: the adapting draft server's --adapt-train (e.g. rank=64,lr=0.003)")
+    ap.add_argument("--gamma", type=int, default=None,
+                    help="bench breakdown: the gamma of the runs with drafts (default: the measured one)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="bench breakdown: torch threads of every process (default 2)")
     ap.add_argument("--out", required=True, help="results JSON path")
     ap.add_argument("--target", help="target model directory (default: the default pair)")
     ap.add_argument("--draft", help="draft model directory (default: the default pair)")

@@ -19,7 +19,8 @@ BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "bench
               "cluster": "benchmarks.cluster", "draft": "benchmarks.draft", "api": "benchmarks.api",
               "nightjar": "benchmarks.nightjar", "offload": "benchmarks.offload",
               "faults": "benchmarks.faults", "tide": "benchmarks.tide", "fabric": "benchmarks.fabric",
-              "adaserve": "benchmarks.adaserve", "tide-oracle": "benchmarks.tide_oracle"}
+              "adaserve": "benchmarks.adaserve", "tide-oracle": "benchmarks.tide_oracle",
+              "breakdown": "benchmarks.breakdown"}
 
 
 def run_bench(args) -> int:

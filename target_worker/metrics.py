@@ -119,6 +119,13 @@ class _EngineCollector:
         yield CounterMetricFamily(P + "tree_rounds", "sequence-rounds that verified a token tree (--tree)",
                                   value=s.tree_rounds)
         yield CounterMetricFamily(P + "tree_nodes", "token-tree nodes verified", value=s.tree_nodes)
+        # Where the engine thread's time goes (a deployment's cost shows here: a slower verify, longer drafts).
+        phases = CounterMetricFamily(P + "engine_seconds", "engine time by phase: prefill (prompts), propose "
+                                     "(asking for drafts: draft compute, wire and waits), verify (scoring "
+                                     "passes, emitting their tokens)", labels=["phase"])
+        for phase in ("prefill", "propose", "verify"):
+            phases.add_metric([phase], getattr(s, phase + "_s"))
+        yield phases
         if e.trees is not None:
             yield GaugeMetricFamily(P + "tree_verify_budget", "tokens per verification pass the tree selection "
                                     "may use (profiled)", value=e.trees.cfg.budget)

@@ -100,6 +100,8 @@ SPECULATION = [
     Panel("Draft round as the target sees it: wire, queue, compute (p50)", units.Seconds,
           [(quantile(0.5, "starjar_target_draft_round_part_seconds", "part"), "{{part}}"),
            (quantile(0.5, "starjar_target_draft_round_seconds"), "whole round")]),
+    Panel("Engine time by phase (seconds per second)", units.PercentUnit,
+          [(rate("starjar_target_engine_seconds_total", "phase"), "{{phase}}")]),
     Panel("Workers attached to the draft server", units.Short, [("sum(starjar_target_draft_attached)", "attached")]),
 ]
 

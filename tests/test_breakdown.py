@@ -1,0 +1,40 @@
+"""`starjar bench breakdown`'s measurement of one deployment: a real `starjar serve target` process with a real
+draft server on loopback (tiny models), its engine phases and draft rounds read from its /metrics
+(`starjar_target_engine_seconds`), outputs equal to HF generate()."""
+
+from benchmarks import breakdown
+from controller.launch import ServerProcess
+
+MAX_NEW = 16
+
+
+def test_one_deployment_is_measured_from_the_targets_metrics(model_dirs, spec_prompts, reference, monkeypatch):
+    monkeypatch.setattr(breakdown, "MAX_NEW", MAX_NEW)
+    prompts = spec_prompts[:4]
+    draft = ServerProcess("draft", "--model", model_dirs["draft"], "--port", "0")
+    target = None
+    try:
+        target = ServerProcess("target", "--model", model_dirs["llama"], "--draft-server", draft.address,
+                               "--port", "0", "--gamma", "2", "--batch-size", "1", "--metrics-port", "0")
+        row = breakdown._measured("processes", 2, target.address, target.ready["metrics"], prompts)
+    finally:
+        for p in (target, draft):
+            if p is not None:
+                p.kill()
+    assert row["outputs"] == [r[:MAX_NEW] for r in reference("llama")[:4]]
+    assert row["tokens"] == sum(map(len, row["outputs"]))
+    # Only the measured requests' steps: each yields a token at least, after the prefill's first (the warm-up
+    # request's 3 steps would break this when every draft is accepted).
+    assert 0 < row["decode_steps"] <= row["tokens"] - len(prompts)
+    phases = row["engine_s"]
+    assert phases["prefill"] > 0 and phases["propose"] > 0 and phases["verify"] > 0
+    assert sum(phases.values()) < row["wall_s"]  # the engine thread's phases fit inside the wall time
+    rounds = row["draft_rounds"]
+    assert rounds["rounds"] > 0 and rounds["compute_s"] > 0 and rounds["wire_ms_per_round"] >= 0
+
+
+def test_speedups_compare_each_deployment_with_itself():
+    runs = [{"deployment": d, "gamma": g, "wall_s": w} for d, g, w in
+            [("co-located", 0, 10.0), ("co-located", 2, 8.0), ("processes", 0, 10.0), ("processes", 2, 9.0),
+             ("ray", 0, 12.0), ("ray", 2, 12.0)]]
+    assert breakdown._speedups(runs) == {"co-located": 1.25, "processes": 1.111, "ray": 1.0}
