@@ -186,7 +186,8 @@ def test_labels_stay_bounded(observed):
     """No request ids, tags, prompts or client addresses in labels: every label value is from a small set."""
     allowed = {"le", "finish_reason", "batch_bucket", "gamma", "part", "reason", "position", "target", "actor",
                "worker", "policy", "component", "version", "target_model", "draft_model", "quantile",
-               "draft"}  # draft: a draft server's actor name, at most --autoscale-drafts MAX of them
+               "draft",  # a draft server's actor name, at most --autoscale-drafts MAX of them
+               "phase"}  # the target engine's prefill / propose / verify
     for endpoint in observed["addrs"]["metrics"]:
         from prometheus_client.parser import text_string_to_metric_families
 
