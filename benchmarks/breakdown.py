@@ -6,7 +6,10 @@ deployments on this machine:
 - co-located: the draft engine in the target's process (one thread);
 - processes: `starjar serve draft` and `starjar serve target` on loopback;
 - ray: `starjar up` (Ray actors for the draft server and one target worker,
-  the front end relaying every token).
+  the front end relaying every token);
+- beside-ray: a `serve target` process without drafts while that cluster
+  idles beside it, and the cluster's CPU share and wake-ups at rest
+  (benchmarks/background.py): the cost of the cluster's presence alone.
 Each gets the same threads per process (--threads, default 2). For each run:
 the wall time, the target engine's time by phase (prefill, propose, verify:
 `starjar_target_engine_seconds`) per decode step, and for remote drafts the
@@ -29,6 +32,7 @@ from starjar.sampling import SamplingParams
 
 MAX_NEW = 48
 PHASES = ("prefill", "propose", "verify")
+BESIDE = "beside-ray"  # a serve target process without drafts, next to the idle Ray cluster
 
 
 def run(args) -> dict:
@@ -197,11 +201,30 @@ def _ray(target_dir: str, draft_dir: str, prompts, gamma: int, threads: int) -> 
         for g in (0, gamma):
             ray.get(controller.set_gamma.remote(g))
             rows.append(_measured("ray", g, state["addresses"]["grpc"], metrics, prompts))
+        rows.append(_beside_idle_cluster(target_dir, prompts, threads))
     finally:
         if ray.is_initialized():
             ray.shutdown()
         stop_local()
     return rows
+
+
+def _beside_idle_cluster(target_dir: str, prompts, threads: int) -> dict:
+    """A `serve target` process without drafts while the cluster idles beside it: what the cluster's mere
+    presence costs a target, and how busy the cluster is at rest."""
+    from benchmarks import background
+    from controller.launch import ServerProcess
+
+    rest = background.sample(10.0)
+    print(f"cluster at rest: {rest}", file=sys.stderr)
+    target = ServerProcess("target", "--model", target_dir, "--port", "0", "--gamma", "0", "--batch-size", "1",
+                           "--metrics-port", "0", threads=threads)
+    try:
+        row = _measured(BESIDE, 0, target.address, target.ready["metrics"], prompts)
+    finally:
+        target.terminate()
+    row["cluster_at_rest"] = rest
+    return row
 
 
 def _target_metrics(addresses: list[str]) -> str:
@@ -222,6 +245,8 @@ def _speedups(runs: list[dict]) -> dict:
     for dep in ("co-located", "processes", "ray"):
         off, on = [by[(dep, g)] for g in sorted({g for d, g in by if d == dep})]
         out[dep] = round(off["wall_s"] / on["wall_s"], 3)
+    if (BESIDE, 0) in by:  # above 1: the idle cluster slowed a process that is not part of it
+        out["idle_cluster_slowdown"] = round(by[(BESIDE, 0)]["wall_s"] / by[("processes", 0)]["wall_s"], 3)
     return out
 
 

@@ -2,7 +2,12 @@
 draft server on loopback (tiny models), its engine phases and draft rounds read from its /metrics
 (`starjar_target_engine_seconds`), outputs equal to HF generate()."""
 
-from benchmarks import breakdown
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import background, breakdown
 from controller.launch import ServerProcess
 
 MAX_NEW = 16
@@ -38,3 +43,20 @@ def test_speedups_compare_each_deployment_with_itself():
             [("co-located", 0, 10.0), ("co-located", 2, 8.0), ("processes", 0, 10.0), ("processes", 2, 9.0),
              ("ray", 0, 12.0), ("ray", 2, 12.0)]]
     assert breakdown._speedups(runs) == {"co-located": 1.25, "processes": 1.111, "ray": 1.0}
+    runs.append({"deployment": breakdown.BESIDE, "gamma": 0, "wall_s": 11.0})
+    assert breakdown._speedups(runs)["idle_cluster_slowdown"] == 1.1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_background_sample_sees_a_busy_neighbour_and_leaves_out_what_it_is_told():
+    burn = "import time\nt = time.time()\nwhile time.time() - t < 4: pass"
+    busy = subprocess.Popen([sys.executable, "-c", burn])
+    try:
+        seen = background.sample(1.5)
+        left_out = background.sample(1.5, exclude={busy.pid})
+    finally:
+        busy.kill()
+        busy.wait()
+    assert seen["cpu_pct_of_one_core"] >= 60  # the neighbour spins on a core of its own
+    assert left_out["cpu_pct_of_one_core"] < seen["cpu_pct_of_one_core"] - 40
+    assert seen["wakeups_per_s"] >= 0 and seen["seconds"] >= 1.4
