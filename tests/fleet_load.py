@@ -89,7 +89,11 @@ def kill_one_draft_under_load(addrs: dict, controller, spec_prompts: list, refer
     lane = lane_of(addrs["grpc"], prompts, results, errors)
     with ThreadPoolExecutor(LANES) as pool:
         futs = [pool.submit(lane, list(range(k, n, LANES))) for k in range(LANES)]
-        time.sleep(3.0)  # requests in flight on both draft servers
+        # Kill a quarter of the way through: requests in flight on both draft servers and most still to come
+        # (a fixed 3 s was the whole workload on a fast machine, and nothing was left to draft after the move).
+        deadline = time.time() + 120
+        while sum(r is not None for r in results) < n // 4 and time.time() < deadline:
+            time.sleep(0.05)
         moved = st["drafts"]["servers"][DRAFTS[1]]["attached"]
         old_pid = st["actors"][DRAFTS[1]]["pid"]
         t_kill = time.time()
