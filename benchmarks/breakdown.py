@@ -50,8 +50,8 @@ def run(args) -> dict:
     gamma = args.gamma if args.gamma is not None else _measured_gamma(target_dir, draft_dir)
     tok = AutoTokenizer.from_pretrained(target_dir)  # the model itself loads in the co-located part only
     prompts = [encode_prompt(tok, p, chat=True) for p in spec_bench_mix(n)]
-    # Co-located last: with the models loaded and its OpenMP team made, this process slowed the servers'
-    # prompt prefills by about 20% (214 against 180 ms per prompt for `serve target` on this set).
+    # Servers first, beside a process that has loaded no model yet. Whether that matters is unsettled: one
+    # comparison gave 214 against 180 ms per prompt prefill in `serve target`, a later servers-first run 213.
     runs = _processes(target_dir, draft_dir, prompts, gamma, threads)
     runs += _ray(target_dir, draft_dir, prompts, gamma, threads)
     runs += _colocated(target_dir, draft_dir, prompts, gamma, threads)
