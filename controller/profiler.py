@@ -29,6 +29,7 @@ import time
 
 from tqdm import tqdm
 
+from starjar.kernels import machine_info
 from starjar.proposer import DraftRequest
 
 CONTEXT = 64  # prompt tokens per profiled sequence
@@ -37,6 +38,7 @@ CONTEXT = 64  # prompt tokens per profiled sequence
 # Padding to the longest makes a speculative step at B=8 cost 146 ms with contexts 64..512 against 105 ms
 # with all at 256 (same mean); a plain step 56 vs 51 ms.
 MID_DECODE_TOKENS = 87
+GENERATE_ROOM = 64  # tokens a profiled sequence may still generate (a step-grid cell takes at most 37)
 
 
 def workload_contexts(target, batch_size: int) -> list[int]:
@@ -44,7 +46,9 @@ def workload_contexts(target, batch_size: int) -> list[int]:
     from starjar.workloads import spec_bench_mix
 
     lengths = sorted(len(encode_prompt(target.tokenizer, t, chat=True)) for t in spec_bench_mix(80))
-    return [lengths[int((k + 0.5) / batch_size * len(lengths))] + MID_DECODE_TOKENS for k in range(batch_size)]
+    cap = max(1, target.max_context - GENERATE_ROOM)  # a short-context model profiles at its own longest
+    return [min(cap, lengths[int((k + 0.5) / batch_size * len(lengths))] + MID_DECODE_TOKENS)
+            for k in range(batch_size)]
 _ids = itertools.count()
 
 
@@ -178,7 +182,11 @@ def profile_to_file(target_dir: str | None, draft_dir: str | None, out: str, qui
         pair = build_default_pair()
         target_dir, draft_dir = target_dir or pair["target"], draft_dir or pair["draft"]
     target, draft = load_pair(target_dir, draft_dir)
+    t0 = time.time()
     result = run_profile(target, draft, quick=quick)
+    # A latency table belongs to one machine: it names the CPU and capability, like every benchmark JSON.
+    result["meta"] = {"command": "starjar profile", "quick": quick, "wall_s": round(time.time() - t0, 1),
+                      "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **machine_info()}
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     return result
