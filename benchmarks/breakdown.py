@@ -29,9 +29,9 @@ from tqdm import tqdm
 
 from benchmarks.common import pair_dirs
 from starjar.sampling import SamplingParams
+from target_worker.metrics import ENGINE_PHASES as PHASES
 
 MAX_NEW = 48
-PHASES = ("prefill", "propose", "verify")
 BESIDE = "beside-ray"  # a serve target process without drafts, next to the idle Ray cluster
 
 
@@ -114,14 +114,19 @@ def _colocated(target_dir: str, draft_dir: str, prompts, gamma: int, threads: in
 # ---- separate processes and the Ray cluster: requests through the SDK, phases from /metrics ----------
 
 
-def _sequential(address: str, prompts, label: str, warm_up: bool = False) -> tuple[float, list]:
+def _warm_up(address: str, prompt) -> None:
+    """The connection and the first passes, outside the measurement."""
+    from starjar.client import Client
+
+    with Client(address, timeout=600) as c:
+        c.generate(prompt_token_ids=prompt, max_tokens=4)
+
+
+def _sequential(address: str, prompts, label: str) -> tuple[float, list]:
     from starjar.client import Client
 
     outs = []
     with Client(address, timeout=600) as c:
-        if warm_up:  # the connection and the first passes, outside the measurement
-            c.generate(prompt_token_ids=prompts[0], max_tokens=4)
-            return 0.0, []
         t0 = time.perf_counter()
         for p in tqdm(prompts, desc=label, file=sys.stderr):
             outs.append(c.generate(prompt_token_ids=p, max_tokens=MAX_NEW).token_ids)
@@ -145,8 +150,8 @@ def _scrape(address: str) -> dict:
     return out
 
 
-def _measured(deployment: str, gamma: int, address: str, metrics: str, prompts) -> dict:
-    _sequential(address, prompts, "", warm_up=True)
+def measure_deployment(deployment: str, gamma: int, address: str, metrics: str, prompts) -> dict:
+    _warm_up(address, prompts[0])
     before = _scrape(metrics)
     wall, outs = _sequential(address, prompts, f"{deployment} gamma {gamma}")
     after = _scrape(metrics)
@@ -170,7 +175,7 @@ def _processes(target_dir: str, draft_dir: str, prompts, gamma: int, threads: in
             target = ServerProcess("target", "--model", target_dir, "--port", "0", "--gamma", str(g),
                                    "--batch-size", "1", "--metrics-port", "0", *extra, threads=threads)
             try:
-                rows.append(_measured("processes", g, target.address, target.ready["metrics"], prompts))
+                rows.append(measure_deployment("processes", g, target.address, target.ready["metrics"], prompts))
             finally:
                 target.terminate()
     finally:
@@ -200,7 +205,7 @@ def _ray(target_dir: str, draft_dir: str, prompts, gamma: int, threads: int) -> 
         metrics = _target_metrics(state["addresses"]["metrics"])
         for g in (0, gamma):
             ray.get(controller.set_gamma.remote(g))
-            rows.append(_measured("ray", g, state["addresses"]["grpc"], metrics, prompts))
+            rows.append(measure_deployment("ray", g, state["addresses"]["grpc"], metrics, prompts))
         rows.append(_beside_idle_cluster(target_dir, prompts, threads))
     finally:
         if ray.is_initialized():
@@ -220,7 +225,7 @@ def _beside_idle_cluster(target_dir: str, prompts, threads: int) -> dict:
     target = ServerProcess("target", "--model", target_dir, "--port", "0", "--gamma", "0", "--batch-size", "1",
                            "--metrics-port", "0", threads=threads)
     try:
-        row = _measured(BESIDE, 0, target.address, target.ready["metrics"], prompts)
+        row = measure_deployment(BESIDE, 0, target.address, target.ready["metrics"], prompts)
     finally:
         target.terminate()
     row["cluster_at_rest"] = rest

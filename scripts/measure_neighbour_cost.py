@@ -59,7 +59,7 @@ def main() -> None:
             try:
                 time.sleep(0.5)
                 share = background.sample(3.0, exclude={target.proc.pid})  # the neighbours and the rest, target idle
-                row = breakdown._measured("processes", 0, target.address, target.ready["metrics"], prompts)
+                row = breakdown.measure_deployment("processes", 0, target.address, target.ready["metrics"], prompts)
             finally:
                 for p in neighbours:
                     p.kill()

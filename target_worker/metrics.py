@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starjar.metrics import E2E_BUCKETS, FAST_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, batch_bucket, new_registry
 
 P = "starjar_target_"
+ENGINE_PHASES = ("prefill", "propose", "verify")  # starjar_target_engine_seconds{phase}; EngineStats.<phase>_s
 # The remote proposer's fallback reasons, exported at 0 until they happen.
 FALLBACK_REASONS = ("deadline", "detached", "draft_prefill", "malformed", "resync", "stream_broken")
 
@@ -123,7 +124,7 @@ class _EngineCollector:
         phases = CounterMetricFamily(P + "engine_seconds", "engine time by phase: prefill (prompts), propose "
                                      "(asking for drafts: draft compute, wire and waits), verify (scoring "
                                      "passes, emitting their tokens)", labels=["phase"])
-        for phase in ("prefill", "propose", "verify"):
+        for phase in ENGINE_PHASES:
             phases.add_metric([phase], getattr(s, phase + "_s"))
         yield phases
         if e.trees is not None:

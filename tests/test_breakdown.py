@@ -21,7 +21,7 @@ def test_one_deployment_is_measured_from_the_targets_metrics(model_dirs, spec_pr
     try:
         target = ServerProcess("target", "--model", model_dirs["llama"], "--draft-server", draft.address,
                                "--port", "0", "--gamma", "2", "--batch-size", "1", "--metrics-port", "0")
-        row = breakdown._measured("processes", 2, target.address, target.ready["metrics"], prompts)
+        row = breakdown.measure_deployment("processes", 2, target.address, target.ready["metrics"], prompts)
     finally:
         for p in (target, draft):
             if p is not None:
