@@ -42,8 +42,9 @@ MAX_GAMMA = 6
 # Bumped when the draft's forward gets cheaper or dearer, so that measurements taken before are taken again
 # (2: the scripted multi-row draft layer, starjar.lean_step).
 DRAFT_FORWARD_REVISION = 2
-# The same for the target's passes (2: few-row products chosen by measurement, starjar.skinny_linear).
-TARGET_FORWARD_REVISION = 2
+# The same for the target's passes (2: few-row products chosen by measurement, starjar.skinny_linear; 3: MKL-packed
+# weights where they measure faster).
+TARGET_FORWARD_REVISION = 3
 PAYS = 1.05  # a predicted batch-1 speedup below this is not worth a draft's memory and risk
 
 

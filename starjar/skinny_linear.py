@@ -11,9 +11,17 @@ with F.linear and 2.1 ms as W @ x.T, and W @ x.T was never slower from 2 to 256 
 choice is a cliff the other way: a pass over 2 positions took 67.8 ms as W @ x.T and 31.3 ms with F.linear,
 one over 4 positions 69.0 against 48.0 ms, so a verification of any gamma cost 2.15 single-token steps.
 
+A third spelling, where torch has MKL:
+  packed  MKL's sgemm on weights packed once (`torch.ops.mkl._mkl_linear`, what inductor runs for fp32 CPU
+          linears). From 4 rows on, MKL's sgemm repacks the whole weight on every call; on that Xeon a pass
+          of the default target's layers over 4 rows took 24.5 ms against 18.1 ms over 3 (the weights
+          stream from memory: 15.6 ms for one row), and 19.6 ms packed. Its results from 4 rows on were
+          bit-equal to F.linear's there. It costs a second copy of every weight it packs, so it is only
+          measured when that copy fits in half the memory available, and only wins a bucket by PACKED_MARGIN.
+
 So the path is chosen per row bucket (BUCKETS), separately for the layers of the model's body and for its
 output layer (a vocabulary-wide product is another shape), by timing the model's own passes once per machine
-(`starjar.kernels.cached_entry`, a few seconds for the default target); STARJAR_FP32_LINEAR=linear|wxt
+(`starjar.kernels.cached_entry`, a few seconds for the default target); STARJAR_FP32_LINEAR=linear|wxt|packed
 forces one path for every bucket (tests force each). One row always keeps F.linear's GEMV.
 
 The function computed is the same; only floating-point summation order can differ, as it does between any two
@@ -34,13 +42,18 @@ from starjar import kernels
 
 log = logging.getLogger(__name__)
 
-PATHS = ("linear", "wxt")
+PATHS = ("linear", "wxt", "packed")
+PACKED = "packed"  # the path that keeps a second copy of the weights
 KIND = "fp32-rows"  # its entries in the kernel cache
 ENV = "STARJAR_FP32_LINEAR"
-BUCKETS = (2, 4, 8, 16, 32, 64)  # rows up to each; more than 64 rows take the last bucket's path
+# Rows up to each; more than 64 rows take the last bucket's path. 3 and 4 apart: MKL's sgemm changes its
+# method between them (gamma 2 verifies 3 positions, gamma 3 four).
+BUCKETS = (2, 3, 4, 6, 8, 16, 32, 64)
+PACK_HINT = 8  # the row count MKL packs for; its packed layout served 4 to 64 rows alike on the Xeon
 WIDE = 8192  # output features from which a layer counts as an output layer (a vocabulary-wide product)
 DEFAULT = "wxt"  # before a measurement: what the first machine measured
 NOISE = 0.10  # the other path must be this much faster to replace DEFAULT in a bucket
+PACKED_MARGIN = 0.05  # packed must be this much faster than the plain choice (its copy costs memory)
 
 
 class RowPaths:
@@ -73,7 +86,25 @@ class RowPaths:
 
 def forced() -> str | None:
     """The path named by STARJAR_FP32_LINEAR, or None for measurement (auto)."""
-    return kernels.forced_choice(ENV, PATHS)
+    name = kernels.forced_choice(ENV, PATHS)
+    if name == PACKED and not packing_available():
+        raise ValueError(f"{ENV}={PACKED} needs torch built with MKL (this torch has none)")
+    return name
+
+
+def packing_available() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+
+
+def _packing_fits(model: torch.nn.Module) -> bool:
+    """Whether a packed copy of every fp32 linear weight fits in half the memory available now."""
+    need = sum(m.weight.numel() * 4 for m in model.modules() if type(m) is torch.nn.Linear)
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return True  # no /proc: nothing says it does not fit
+    return need <= avail // 2
 
 
 def _bucket(rows: int) -> int:
@@ -92,12 +123,45 @@ def _few_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if rows < 2:
         return F.linear(x, w, self.bias)
     paths = self._starjar_row_paths.head if self._starjar_wide else self._starjar_row_paths.body
-    if paths[_bucket(rows)] == "linear":
+    path = paths[_bucket(rows)]
+    if path == "linear":
         return F.linear(x, w, self.bias)
+    if path == PACKED and not (w.requires_grad and torch.is_grad_enabled()):  # MKL's packed op has no backward
+        return _packed_product(self, x.reshape(rows, k).contiguous()).reshape(*x.shape[:-1], w.shape[0])
     out = torch.matmul(w, x.reshape(rows, k).t()).t()
     if self.bias is not None:
         out = out + self.bias
     return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def _packed_product(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] through MKL's sgemm on the layer's packed weight."""
+    return torch.ops.mkl._mkl_linear(x, _packed(layer), layer.weight, layer.bias, x.shape[0])
+
+
+def _packed(layer: torch.nn.Linear) -> torch.Tensor:
+    """The layer's weight as MKL packs it, packed on first use and again if the weight was written since."""
+    w = layer.weight
+    stamp = (w.data_ptr(), w._version)
+    if getattr(layer, "_starjar_packed_stamp", None) != stamp:
+        with torch.no_grad():
+            layer._starjar_packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), PACK_HINT)
+        layer._starjar_packed_stamp = stamp
+    return layer._starjar_packed
+
+
+def _settle_packing(model: torch.nn.Module) -> None:
+    """Pack now the layers whose path is packed for some bucket (the first request does not pay for it), and
+    free the copies of those whose path is not."""
+    paths = installed(model)
+    for m in model.modules():
+        if type(m) is not torch.nn.Linear or not hasattr(m, "_starjar_row_paths"):
+            continue
+        if PACKED in (paths.head if m._starjar_wide else paths.body):
+            _packed(m)
+        else:
+            m.__dict__.pop("_starjar_packed", None)
+            m.__dict__.pop("_starjar_packed_stamp", None)
 
 
 def install(model: torch.nn.Module, paths: RowPaths | None = None) -> int:
@@ -124,13 +188,15 @@ def shapes(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
     return tuple(sorted({(m.in_features, m.out_features) for m in model.modules() if type(m) is torch.nn.Linear}))
 
 
-def measure(model: torch.nn.Module, reps: int = 3) -> dict:
-    """Time both paths on `model` (installed) for every row bucket: the body by passes of its decoder over
-    that many positions (weights as cold as in a real pass), the output layer alone. Returns
-    {"paths": RowPaths.as_dict(), "ms": ...}; the model keeps the winners."""
+def measure(model: torch.nn.Module, reps: int = 5) -> dict:
+    """Time every path this machine has on `model` (installed) for every row bucket: the body by passes of its
+    decoder over that many positions (weights as cold as in a real pass), the output layer alone. Returns
+    {"paths": RowPaths.as_dict(), "ms": {"body": [{path: ms}, ...], "head": [...]}}; the model keeps the
+    winners (and packs its weights now if a bucket chose packed)."""
     shared = installed(model)
     if shared is None:
         raise ValueError("install() the few-rows paths before measuring them")
+    timed = candidate_paths(model)
     heads = [m for m in model.modules() if type(m) is torch.nn.Linear and m.out_features >= WIDE]
     param = next(model.parameters())
     body_only = getattr(model, "base_model", model)  # a causal LM's decoder without its output layer
@@ -138,16 +204,22 @@ def measure(model: torch.nn.Module, reps: int = 3) -> dict:
     with torch.inference_mode():
         for i, rows in enumerate(BUCKETS):
             ids = torch.full((1, rows), 7, dtype=torch.long, device=param.device)
-            ms["body"].append(_time_bucket(shared.body, i,
+            ms["body"].append(_time_bucket(shared.body, i, timed,
                                            lambda ids=ids: body_only(input_ids=ids, use_cache=False), reps))
             if heads:
                 x = torch.randn(rows, heads[0].in_features, device=param.device)
-                ms["head"].append(_time_bucket(shared.head, i, lambda x=x: heads[0](x), reps))
+                ms["head"].append(_time_bucket(shared.head, i, timed, lambda x=x: heads[0](x), reps))
             else:
                 shared.head[i] = DEFAULT
+    _settle_packing(model)
     log.info("fp32 linear paths for 2..%d rows (%s): body %s, output layer %s (measured: %s ms)", BUCKETS[-1],
              kernels.machine_label(), "/".join(shared.body), "/".join(shared.head), ms)
     return {"paths": shared.as_dict(), "ms": ms}
+
+
+def candidate_paths(model: torch.nn.Module) -> tuple[str, ...]:
+    """The paths worth timing here: packed only with MKL and room for a second copy of the weights."""
+    return PATHS if packing_available() and _packing_fits(model) else tuple(p for p in PATHS if p != PACKED)
 
 
 def choose(model: torch.nn.Module) -> RowPaths | None:
@@ -156,33 +228,43 @@ def choose(model: torch.nn.Module) -> RowPaths | None:
     shared = installed(model)
     if shared is None or forced():
         return shared
-    entry = kernels.cached_entry(KIND, shapes(model), lambda: measure(model), usable=_usable)
+    entry = kernels.cached_entry(KIND, shapes(model), lambda: measure(model),
+                                 usable=lambda e: _usable(e, candidate_paths(model)))
     shared.set(RowPaths.from_dict(entry["paths"]))
+    _settle_packing(model)
     return shared
 
 
-def _usable(entry: dict) -> bool:
-    """An entry of another layout (other buckets, a damaged file) is measured again and replaced."""
+def _usable(entry: dict, allowed: tuple[str, ...] = PATHS) -> bool:
+    """An entry of another layout (other buckets, a damaged file), or one that packs where packing no longer
+    fits, is measured again and replaced."""
     try:
-        RowPaths.from_dict(entry["paths"])
-        return True
+        paths = RowPaths.from_dict(entry["paths"])
     except (KeyError, TypeError, ValueError):
         return False
+    return all(p in allowed for p in paths.body + paths.head)
 
 
-def _time_bucket(slots: list[str], i: int, run: Callable[[], object], reps: int) -> list[float]:
-    """Time `run` with bucket i of `slots` on each path, in turns; the bucket keeps the faster. Returns ms."""
+def _time_bucket(slots: list[str], i: int, timed: tuple[str, ...], run: Callable[[], object],
+                 reps: int) -> dict[str, float]:
+    """Time `run` with bucket i of `slots` on each path in `timed`, in turns; the bucket keeps the faster.
+    Returns ms by path."""
     def on(path: str) -> Callable[[], object]:
-        def timed():
+        def timed_run():
             slots[i] = path
             return run()
-        return timed
-    times = kernels.interleaved_medians([on(p) for p in PATHS], reps)
+        return timed_run
+    times = dict(zip(timed, kernels.interleaved_medians([on(p) for p in timed], reps), strict=True))
     slots[i] = _faster(times)
-    return [round(t * 1000, 3) for t in times]
+    return {p: round(t * 1000, 3) for p, t in times.items()}
 
 
-def _faster(times: list[float]) -> str:
-    """The faster path, but DEFAULT unless the other wins by more than NOISE (a close call is noise)."""
-    best = PATHS[times.index(min(times))]
-    return best if times[PATHS.index(DEFAULT)] > (1 + NOISE) * min(times) else DEFAULT
+def _faster(times: dict[str, float]) -> str:
+    """The faster path, but DEFAULT unless another wins by more than NOISE (a close call is noise), and packed
+    (a second copy of the weights) only if it beats that choice by more than PACKED_MARGIN."""
+    plain = {p: t for p, t in times.items() if p != PACKED}
+    best = min(plain, key=plain.get)
+    choice = best if plain[DEFAULT] > (1 + NOISE) * plain[best] else DEFAULT
+    if PACKED in times and plain[choice] > (1 + PACKED_MARGIN) * times[PACKED]:
+        return PACKED
+    return choice
