@@ -5,8 +5,10 @@ Kernels and memory bandwidth differ from CPU to CPU, so nothing is assumed. On p
 template, no data set needed), in about a minute:
   1. the target alone decodes them at batch 1 (its greedy output, and the baseline speed);
   2. every draft candidate (the int8 copy with each int8 kernel path, with a full head and with a head over
-     the first HEAD_VOCAB ids) is scored on the target's own output, teacher-forced: alpha = how often its
-     top token is the target's next token (the per-token acceptance of a deterministic draft);
+     the first HEAD_VOCAB ids; then the best of those without 1, 2 or 4 of its layers, the ones whose loss
+     lowers agreement least, controller.layer_skip) is scored on the target's own output, teacher-forced:
+     alpha = how often its top token is the target's next token (the per-token acceptance of a
+     deterministic draft);
   3. step costs are timed on this machine, interleaved so that a noisy neighbour hits both sides: a draft
      step, a draft catch-up pass (3 positions) and a 4-sequence draft pass over the target's step, and the
      target's pass over gamma+1 positions; a candidate whose catch-up pass is a cliff (1.5x the cheapest)
@@ -37,6 +39,7 @@ OWN_PROMPTS = [
 KEY = "measured"
 EARLIER = "measured_elsewhere"  # measurements another machine (or thread count) replaced, newest first
 KEEP_EARLIER = 8
+VARIANT_KEYS = ("int8_kernel", "head_vocab", "skip_layers")  # recipe keys a candidate sets
 HEAD_VOCAB = 16384  # covers 94% of the default target's output tokens on Spec-Bench
 MAX_GAMMA = 6
 # Bumped when the draft's forward gets cheaper or dearer, so that measurements taken before are taken again
@@ -75,7 +78,7 @@ def measured_acceptance(target_dir: str, draft_dir: str, force: bool = False, ma
     recipe[EARLIER] = kept[:KEEP_EARLIER]
     recipe[key] = result
     if key == KEY:
-        for k in ("int8_kernel", "head_vocab"):  # later loads use the chosen variant
+        for k in VARIANT_KEYS:  # later loads use the chosen variant
             recipe.pop(k, None)
             if result["chosen"].get(k) is not None:
                 recipe[k] = result["chosen"][k]
@@ -130,11 +133,12 @@ def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft:
     variants = [{"int8_kernel": k, "head_vocab": h} for k in paths for h in (None, HEAD_VOCAB)] \
         if int8_draft else [{}]
     candidates = _candidates(target, draft_dir, variants, prompts, outputs, verify_cost)
+    scan = _skip_candidates(target, draft_dir, candidates, prompts, outputs, verify_cost) if int8_draft else {}
     best = max(candidates, key=lambda r: r["predicted_speedup"])
-    chosen = {k: best.get(k) for k in ("int8_kernel", "head_vocab")}
+    chosen = {k: best.get(k) for k in VARIANT_KEYS}
     result = {"prompts": len(prompts), "max_new_tokens": max_new, "target_alone_tokens_per_s": round(alone_tps, 2),
               "verify_cost": [round(v, 3) for v in verify_cost], "candidates": candidates,
-              "chosen": {**chosen, "name": best["name"]}}
+              "chosen": {**chosen, "name": best["name"]}, "skip_scan": scan}
     if best["predicted_speedup"] < PAYS:
         result.update(gamma=0, acceptance_rate=None, speedup_batch1=1.0,
                       verdict=f"speculation does not pay on this machine: the best draft ({best['name']}) predicts "
@@ -160,7 +164,7 @@ def _candidates(target, draft_dir: str, variants: list[dict], prompts, outputs, 
         del draft
     cheapest = min(r["cost_catchup"] for r in candidates)
     for row in candidates:
-        variant = {k: row[k] for k in ("int8_kernel", "head_vocab") if k in row}
+        variant = {k: row[k] for k in VARIANT_KEYS if k in row}
         if row["cost_catchup"] > 1.5 * cheapest:  # a cliff kernel: scoring it would take minutes for nothing
             row.update(agreement=None, best_gamma=0, predicted_speedup=0.0,
                        note=f"not scored: a catch-up pass costs {row['cost_catchup'] / cheapest:.1f}x the cheapest")
@@ -174,6 +178,22 @@ def _candidates(target, draft_dir: str, variants: list[dict], prompts, outputs, 
              + (f"agreement {row['agreement']:.3f} -> gamma {row['best_gamma']}, predicted "
                 f"{row['predicted_speedup']:.2f}x" if row["agreement"] is not None else row["note"]))
     return candidates
+
+
+def _skip_candidates(target, draft_dir: str, candidates: list[dict], prompts, outputs, verify_cost) -> dict:
+    """Add the best scored candidate with layers left out (controller.layer_skip); returns its per-layer scan."""
+    from controller import layer_skip
+
+    scored = [r for r in candidates if r.get("agreement") is not None]
+    if not scored:
+        return {}
+    rows, scan = layer_skip.candidates(target, draft_dir, max(scored, key=lambda r: r["predicted_speedup"]),
+                                       prompts, outputs, verify_cost)
+    for row in rows:
+        _say(f"  {row['name']}: step {row['cost_b1']:.2f}x, catch-up pass {row['cost_catchup']:.2f}x; agreement "
+             f"{row['agreement']:.3f} -> gamma {row['best_gamma']}, predicted {row['predicted_speedup']:.2f}x")
+    candidates.extend(rows)
+    return scan
 
 
 def _confirm(target, draft, best: dict, prompts, params, outputs, alone_tps: float) -> dict:
@@ -202,7 +222,8 @@ def _name(variant: dict) -> str:
     if not variant:
         return "the draft as given"
     head = f"head over the first {variant['head_vocab']} ids" if variant.get("head_vocab") else "full head"
-    return f"int8 copy ({variant['int8_kernel']} kernel, {head})"
+    skip = variant.get("skip_layers")
+    return f"int8 copy ({variant['int8_kernel']} kernel, {head}" + (f", without layers {skip})" if skip else ")")
 
 
 def _agreement(draft, prompts, outputs) -> float:

@@ -25,7 +25,9 @@ FAMILIES = ("llama", "qwen2", "mistral")
 class LeanDecoder(torch.nn.Module):
     """Wraps a Llama-family CausalLM whose linears are starjar int8 linears (or plain nn.Linear)."""
 
-    def __init__(self, model: torch.nn.Module, fuse: bool = True):
+    def __init__(self, model: torch.nn.Module, fuse: bool = True, skip: tuple[int, ...] = ()):
+        """skip: decoder layers this draft leaves out (self-speculation: a cheaper, less faithful copy; the
+        draft's KV cache holds only the layers it runs)."""
         super().__init__()
         self.model = model
         self.head = getattr(model, "starjar_head", None)  # see attach_fused
@@ -35,7 +37,10 @@ class LeanDecoder(torch.nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # What a step reads per layer, looked up once (module attribute lookups cost ~0.5 ms a step).
         self.plan = []
-        for layer in base.layers:
+        self.skipped = tuple(sorted(set(skip)))
+        for i, layer in enumerate(base.layers):
+            if i in self.skipped:
+                continue
             att, mlp = layer.self_attn, layer.mlp
             qkv = getattr(att, "starjar_qkv", None) if fuse else None
             gate_up = getattr(mlp, "starjar_gate_up", None) if fuse else None
@@ -56,6 +61,17 @@ class LeanDecoder(torch.nn.Module):
         if self.scriptable and lean_step.enabled():
             lean_step.layer_fn()
             lean_step.rows_layer_fn()
+
+    def leave_out(self, skip: tuple[int, ...]) -> None:
+        """Run without these decoder layers from now on (indices of the whole model; () runs them all). A cache
+        filled before is not valid after: its layers are the plan's."""
+        if not hasattr(self, "_whole"):
+            self._whole = (list(self.plan), list(self._biases), self.skipped)
+        plan, biases, skipped = self._whole
+        kept = [i for i in range(len(plan) + len(skipped)) if i not in skipped]
+        self.skipped = tuple(sorted(set(skip) | set(skipped)))
+        self.plan = [p for i, p in zip(kept, plan, strict=True) if i not in skip]
+        self._biases = [b for i, b in zip(kept, biases, strict=True) if i not in skip] if biases else []
 
     @staticmethod
     def attach_fused(model: torch.nn.Module, head_vocab: int | None = None) -> None:

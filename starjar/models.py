@@ -130,7 +130,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     """Load a Hugging Face causal LM and its tokenizer from a local directory.
 
     variant: recipe keys that override the directory's starjar.json for this load (an int8 draft's
-    int8_kernel and head_vocab: how `starjar models build` tries its candidates)."""
+    int8_kernel, head_vocab and skip_layers: how `starjar models build` tries its candidates)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = Path(path)
@@ -153,7 +153,9 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
             LeanDecoder.attach_fused(model, recipe.get("head_vocab"))
         model = quantized.quantize_int8(model, recipe.get("int8_kernel"))
         if leaner:
-            lean = LeanDecoder(model)
+            lean = LeanDecoder(model, skip=_skip_layers(recipe, model.config.num_hidden_layers, what, p))
+        elif recipe.get("skip_layers"):
+            raise InvalidArgument(what, "skip_layers needs a Llama-family draft (the lean forward)", str(p))
     elif dev.type == "cpu" and dt == torch.float32 and skinny_linear.install(model):
         skinny_linear.choose(model)  # this machine's fastest few-row products (measured once, cached)
     attention.install(model)  # grouped-query heads folded onto their KV head: no K/V copies per pass
@@ -170,6 +172,16 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
         raise InvalidArgument(what, "prompt_window in starjar.json must be a positive integer", window)
     return LoadedModel(str(p), model, tokenizer, dev, dt, vocab, int(max_ctx), eos_ids,
                        tokenizer_fingerprint(tokenizer), lean, prompt_window=window)
+
+
+def _skip_layers(recipe: dict, layers: int, what: str, p: Path) -> tuple[int, ...]:
+    """The recipe's skip_layers, checked: distinct layer indices, at least one layer left."""
+    skip = recipe.get("skip_layers") or []
+    if not isinstance(skip, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers
+                                         for i in skip) or len(set(skip)) != len(skip) or len(skip) >= layers:
+        raise InvalidArgument(what, f"skip_layers in starjar.json must list distinct layers in [0, {layers}) and "
+                                    "leave at least one", f"{p}: {skip}")
+    return tuple(skip)
 
 
 def _recipe(p: Path) -> dict:

@@ -139,15 +139,31 @@ def _packed_product(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkl._mkl_linear(x, _packed(layer), layer.weight, layer.bias, x.shape[0])
 
 
+class _Packed:
+    """A layer's packed weight and the version of the weight it was packed from. MKL's packed tensor has no
+    storage to copy, so a copied (or pickled) model gets an empty one and packs again on first use."""
+
+    def __init__(self):
+        self.tensor: torch.Tensor | None = None
+        self.stamp: tuple | None = None
+
+    def __deepcopy__(self, memo) -> _Packed:
+        return _Packed()
+
+    def __getstate__(self) -> dict:
+        return {"tensor": None, "stamp": None}
+
+
 def _packed(layer: torch.nn.Linear) -> torch.Tensor:
     """The layer's weight as MKL packs it, packed on first use and again if the weight was written since."""
     w = layer.weight
     stamp = (w.data_ptr(), w._version)
-    if getattr(layer, "_starjar_packed_stamp", None) != stamp:
+    held = layer.__dict__.setdefault("_starjar_packed", _Packed())
+    if held.stamp != stamp:
         with torch.no_grad():
-            layer._starjar_packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), PACK_HINT)
-        layer._starjar_packed_stamp = stamp
-    return layer._starjar_packed
+            held.tensor = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), PACK_HINT)
+        held.stamp = stamp
+    return held.tensor
 
 
 def _settle_packing(model: torch.nn.Module) -> None:
@@ -161,7 +177,6 @@ def _settle_packing(model: torch.nn.Module) -> None:
             _packed(m)
         else:
             m.__dict__.pop("_starjar_packed", None)
-            m.__dict__.pop("_starjar_packed_stamp", None)
 
 
 def install(model: torch.nn.Module, paths: RowPaths | None = None) -> int:

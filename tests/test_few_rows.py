@@ -2,6 +2,7 @@
 each path computes F.linear's product, the measurement picks the fastest one and is cached per machine,
 STARJAR_FP32_LINEAR forces one, and greedy output stays the target's own on every path."""
 
+import copy
 import json
 import time
 import types
@@ -76,6 +77,11 @@ def test_packed_weights_follow_a_written_weight_and_autograd_falls_back():
     with torch.no_grad():
         layer(x)
         layer.weight.mul_(2)  # an in-place write: the packed copy must not serve the old weight
+        assert torch.allclose(layer(x), F.linear(x, layer.weight), atol=1e-5)
+    twin = copy.deepcopy(layer)  # a packed weight has no storage to copy: the copy packs its own
+    with torch.no_grad():
+        twin.weight.add_(1)
+        assert torch.allclose(twin(x), F.linear(x, twin.weight), atol=1e-5)
         assert torch.allclose(layer(x), F.linear(x, layer.weight), atol=1e-5)
     out = layer(x)  # with grad: MKL's packed op has no backward, so F.linear serves it
     out.sum().backward()

@@ -55,6 +55,33 @@ def test_greedy_output_with_a_lean_draft_is_the_targets(tmp_path, models, model_
     assert eng.stats.acceptance_rate > 0.5
 
 
+def test_a_draft_without_some_layers_runs_only_the_others_and_stays_lossless(tmp_path, models, model_dirs,
+                                                                              spec_prompts, reference):
+    full = load_model(int8_draft_dir(tmp_path / "full", model_dirs["llama"]))
+    draft = load_model(int8_draft_dir(tmp_path / "skip", model_dirs["llama"], skip_layers=[1]))
+    assert draft.lean.skipped == (1,) and len(draft.lean.plan) == len(full.lean.plan) - 1
+    def last_logits(m):
+        cache = m.new_cache()
+        return m.forward(cache, [cache.allocate()], [spec_prompts[0]], [[len(spec_prompts[0]) - 1]])[0]
+    skipped = last_logits(draft)
+    assert not torch.allclose(last_logits(full), skipped)  # the layer really is left out
+    full.lean.leave_out((1,))  # what `models build` does to score a skip set on one loaded draft
+    assert torch.equal(last_logits(full), skipped)
+    full.lean.leave_out(())
+    assert not torch.equal(last_logits(full), skipped)
+    eng = colocated_engine(models["llama"], draft, 3, 8)
+    outs = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=48))]
+    assert outs == reference("llama", 48)[:8]
+
+
+@pytest.mark.parametrize("skip", [[0, 1], [5], [1, 1], "1", [True]])
+def test_a_bad_skip_set_is_invalid_argument(tmp_path, model_dirs, skip):
+    from starjar.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="skip_layers"):
+        load_model(int8_draft_dir(tmp_path, model_dirs["llama"], skip_layers=skip))
+
+
 def counted(monkeypatch, name: str) -> list:
     """starjar.lean_step's `name` (a scripted layer's getter) wrapped to record each pass that asks for it."""
     from starjar import lean_step

@@ -78,8 +78,14 @@ def test_the_pair_check_measures_once_per_machine_and_keeps_the_choice(tmp_path,
     shutil.copytree(model_dirs["llama"], draft_dir, ignore=shutil.ignore_patterns("*.safetensors"))
     (draft_dir / "starjar.json").write_text(json.dumps({"kind": "dynamic-int8", "weights_from": model_dirs["llama"]}))
     first = pair_check.measured_acceptance(model_dirs["llama"], str(draft_dir), max_new=8)
-    names = {(c["int8_kernel"], c["head_vocab"]) for c in first["candidates"]}
+    names = {(c["int8_kernel"], c["head_vocab"]) for c in first["candidates"] if not c.get("skip_layers")}
     assert names == {(k, h) for k in ("int_mm", "fused") for h in (None, pair_check.HEAD_VOCAB)}
+    # Self-speculation: every layer left out alone is scored, and the least harmful one makes a candidate.
+    assert sorted(first["skip_scan"]) == ["0", "1"]  # JSON keys: by layer
+    skipping = [c for c in first["candidates"] if c.get("skip_layers")]
+    least_harmful = max(first["skip_scan"], key=first["skip_scan"].get)
+    assert [c["skip_layers"] for c in skipping] == [[int(least_harmful)]]  # 2 layers: only one may go
+    assert skipping[0]["agreement"] is not None and skipping[0]["cost_b1"] > 0
     assert first["machine"]["cpu_capability"] and first["gamma"] >= 0 and first["verdict"]
     scored = [c for c in first["candidates"] if c["agreement"] is not None]
     assert scored and all(0 <= c["agreement"] <= 1 and c["cost_b1"] > 0 for c in scored)
