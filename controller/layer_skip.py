@@ -5,9 +5,9 @@ measured, not assumed: each layer is left out alone and the draft scored teacher
 output (controller.pair_check's agreement); the SKIP_COUNTS least harmful layers then make one candidate each,
 timed and scored like the others, so a skip set wins only where its predicted speedup does.
 
-On the 2-core AMX Xeon (AVX512 capability) with the default pair, no layer was cheap to lose: leaving out
-the least harmful one (19 of 30) took agreement from 0.81 to 0.72 and the step from 0.29 to 0.286 of a target
-step; four layers left 0.53 at 0.265.
+On the 2-core AMX Xeon (AVX512 capability) with the default pair, no layer was cheap to lose: in the recorded
+build (benchmarks/results/models-build-amx-packed-skip.json) leaving out the least harmful one (16 of 30) took
+agreement from 0.81 to 0.72 and the step from 0.27 to 0.26 of a target step; four layers left 0.51 at 0.24.
 """
 
 from __future__ import annotations

@@ -173,11 +173,16 @@ def _candidates(target, draft_dir: str, variants: list[dict], prompts, outputs, 
                                                 outputs), 4)
             gamma, speedup = best_gamma(row["agreement"], row["cost_b1"], row["cost_catchup"], verify_cost)
             row.update(best_gamma=gamma, predicted_speedup=round(speedup, 3))
-        _say(f"  {row['name']}: step {row['cost_b1']:.2f}x the target's at batch 1, catch-up pass "
-             f"{row['cost_catchup']:.2f}x, 4 rows {row['cost_b4']:.2f}x; "
-             + (f"agreement {row['agreement']:.3f} -> gamma {row['best_gamma']}, predicted "
-                f"{row['predicted_speedup']:.2f}x" if row["agreement"] is not None else row["note"]))
+        _report(row)
     return candidates
+
+
+def _report(row: dict) -> None:
+    """One candidate's line of the build's output: its costs, and its agreement and prediction (or why not)."""
+    _say(f"  {row['name']}: step {row['cost_b1']:.2f}x the target's at batch 1, catch-up pass "
+         f"{row['cost_catchup']:.2f}x, 4 rows {row['cost_b4']:.2f}x; "
+         + (f"agreement {row['agreement']:.3f} -> gamma {row['best_gamma']}, predicted "
+            f"{row['predicted_speedup']:.2f}x" if row["agreement"] is not None else row["note"]))
 
 
 def _skip_candidates(target, draft_dir: str, candidates: list[dict], prompts, outputs, verify_cost) -> dict:
@@ -190,8 +195,7 @@ def _skip_candidates(target, draft_dir: str, candidates: list[dict], prompts, ou
     rows, scan = layer_skip.candidates(target, draft_dir, max(scored, key=lambda r: r["predicted_speedup"]),
                                        prompts, outputs, verify_cost)
     for row in rows:
-        _say(f"  {row['name']}: step {row['cost_b1']:.2f}x, catch-up pass {row['cost_catchup']:.2f}x; agreement "
-             f"{row['agreement']:.3f} -> gamma {row['best_gamma']}, predicted {row['predicted_speedup']:.2f}x")
+        _report(row)
     candidates.extend(rows)
     return scan
 

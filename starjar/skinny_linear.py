@@ -207,7 +207,7 @@ def measure(model: torch.nn.Module, reps: int = 5) -> dict:
     """Time every path this machine has on `model` (installed) for every row bucket: the body by passes of its
     decoder over that many positions (weights as cold as in a real pass), the output layer alone. Returns
     {"paths": RowPaths.as_dict(), "ms": {"body": [{path: ms}, ...], "head": [...]}}; the model keeps the
-    winners (and packs its weights now if a bucket chose packed)."""
+    winners (choose() then packs or frees its weights)."""
     shared = installed(model)
     if shared is None:
         raise ValueError("install() the few-rows paths before measuring them")
@@ -226,7 +226,6 @@ def measure(model: torch.nn.Module, reps: int = 5) -> dict:
                 ms["head"].append(_time_bucket(shared.head, i, timed, lambda x=x: heads[0](x), reps))
             else:
                 shared.head[i] = DEFAULT
-    _settle_packing(model)
     log.info("fp32 linear paths for 2..%d rows (%s): body %s, output layer %s (measured: %s ms)", BUCKETS[-1],
              kernels.machine_label(), "/".join(shared.body), "/".join(shared.head), ms)
     return {"paths": shared.as_dict(), "ms": ms}
