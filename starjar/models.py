@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from starjar import attention, quantized, skinny_linear
+from starjar import attention, quantized, skinny_linear, smoothing
 from starjar.errors import InvalidArgument, ModelMismatch
 from starjar.kv_cache import RaggedKVCache
 from starjar.lean_decoder import LeanDecoder
@@ -149,9 +149,10 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     lean = None
     if recipe.get("kind") == quantized.KIND:
         leaner = LeanDecoder.supports(model)  # a draft's proposals may differ in the last bits; a target's may not
+        _smooth(model, tokenizer, recipe, what, p)
         if leaner:
             LeanDecoder.attach_fused(model, recipe.get("head_vocab"))
-        model = quantized.quantize_int8(model, recipe.get("int8_kernel"))
+        model = quantized.quantize_int8(model, recipe.get("int8_kernel"), _act_bits(recipe, what, p))
         if leaner:
             lean = LeanDecoder(model, skip=_skip_layers(recipe, model.config.num_hidden_layers, what, p))
         elif recipe.get("skip_layers"):
@@ -182,6 +183,25 @@ def _skip_layers(recipe: dict, layers: int, what: str, p: Path) -> tuple[int, ..
         raise InvalidArgument(what, f"skip_layers in starjar.json must list distinct layers in [0, {layers}) and "
                                     "leave at least one", f"{p}: {skip}")
     return tuple(skip)
+
+
+def _act_bits(recipe: dict, what: str, p: Path) -> int:
+    bits = recipe.get("act_bits")
+    if bits is None:
+        return 7
+    if isinstance(bits, bool) or bits not in quantized.ACT_BITS:
+        raise InvalidArgument(what, f"act_bits in starjar.json must be one of {quantized.ACT_BITS}", f"{p}: {bits}")
+    return bits
+
+
+def _smooth(model, tokenizer, recipe: dict, what: str, p: Path) -> None:
+    """The recipe's smooth_alpha, checked and folded into the float weights before they are quantized."""
+    if recipe.get("smooth_alpha") is None:
+        return
+    alpha = smoothing.check_alpha(recipe["smooth_alpha"], what)
+    if not smoothing.supports(model):
+        raise InvalidArgument(what, "smooth_alpha needs a Llama-family draft (llama, qwen2, mistral)", str(p))
+    smoothing.smooth(model, tokenizer, alpha)
 
 
 def _recipe(p: Path) -> dict:

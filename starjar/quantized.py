@@ -26,6 +26,7 @@ import warnings
 import torch
 
 KIND = "dynamic-int8"
+ACT_BITS = (7, 8)
 
 
 _LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic  # what torch's dynamic Linear.forward calls
@@ -51,13 +52,16 @@ class RowInt8Linear(torch.nn.Module):
     a 49k-wide layer is 3-4x slower even where it is fast).
     """
 
-    def __init__(self, qlinear: torch.nn.Module, path: str = "fused"):
+    def __init__(self, qlinear: torch.nn.Module, path: str = "fused", act_bits: int = 7):
         super().__init__()
         self.fused = qlinear  # torch's dynamic int8 linear (per-channel weights, one activation range)
         # Its op called directly, as its forward would (reduce_range as its version says): the module's own
         # forward costs 14 us a call on a 2-core AVX2 EPYC, 1.6 ms of a 37 ms draft step (121 calls).
         self._packed = qlinear._packed_params._packed_params
-        self._reduce_range = not (qlinear.version is None or qlinear.version < 4)
+        # 7: fbgemm's reduced activation range (0..127), which its kernels without VNNI need to keep int16 pair
+        # sums from saturating; 8: the full range, twice the levels (a saturated sum only costs a draft agreement,
+        # which `models build` measures).
+        self._reduce_range = act_bits == 7 and not (qlinear.version is None or qlinear.version < 4)
         self.in_features, self.out_features = qlinear.in_features, qlinear.out_features
         self.wide = self.out_features >= WIDE
         b = qlinear.bias()
@@ -105,11 +109,12 @@ def _row_peak(rows: torch.Tensor) -> torch.Tensor:
     return rows.abs().amax(-1, keepdim=True).clamp_min_(1e-12)
 
 
-def quantize_int8(model: torch.nn.Module, path: str | None = None) -> torch.nn.Module:
+def quantize_int8(model: torch.nn.Module, path: str | None = None, act_bits: int = 7) -> torch.nn.Module:
     """Every nn.Linear becomes an int8 linear: per-channel weight scales, per-row activation scales (CPU).
 
     path: the multi-row kernel (int_mm or fused); None takes the one starjar.kernels measured fastest on
     this machine for the model's own layer shapes (or STARJAR_INT8_KERNEL when set).
+    act_bits: the fused kernel's activation range, 7 or 8 (see RowInt8Linear; int_mm's rows are 8-bit).
     """
     from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
@@ -127,5 +132,5 @@ def quantize_int8(model: torch.nn.Module, path: str | None = None) -> torch.nn.M
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, DynamicLinear):
-                setattr(parent, name, RowInt8Linear(child, path))
+                setattr(parent, name, RowInt8Linear(child, path, act_bits))
     return model

@@ -80,12 +80,23 @@ def test_the_pair_check_measures_once_per_machine_and_keeps_the_choice(tmp_path,
     first = pair_check.measured_acceptance(model_dirs["llama"], str(draft_dir), max_new=8)
     names = {(c["int8_kernel"], c["head_vocab"]) for c in first["candidates"] if not c.get("skip_layers")}
     assert names == {(k, h) for k in ("int_mm", "fused") for h in (None, pair_check.HEAD_VOCAB)}
+    # Finer activations: the best kernel/head candidate again with 8-bit activations, smoothing and both.
+    def finer(c):
+        return c.get("act_bits"), c.get("smooth_alpha")
+    base = [c for c in first["candidates"] if finer(c) == (None, None) and c["agreement"] is not None]
+    best_base = max(base, key=lambda c: c["predicted_speedup"])
+    tried = [c for c in first["candidates"] if finer(c) != (None, None) and not c.get("skip_layers")]
+    assert [finer(c) for c in tried] == [(8, None), (None, 0.5), (8, 0.5)]
+    assert all((c["int8_kernel"], c["head_vocab"], c["agreement"] is not None) ==
+               (best_base["int8_kernel"], best_base["head_vocab"], True) for c in tried)
+    best_so_far = max(base + tried, key=lambda c: c["predicted_speedup"])
     # Self-speculation: every layer left out alone is scored, and the least harmful one makes a candidate.
     assert sorted(first["skip_scan"]) == ["0", "1"]  # JSON keys: by layer
     skipping = [c for c in first["candidates"] if c.get("skip_layers")]
     least_harmful = max(first["skip_scan"], key=first["skip_scan"].get)
     assert [c["skip_layers"] for c in skipping] == [[int(least_harmful)]]  # 2 layers: only one may go
     assert skipping[0]["agreement"] is not None and skipping[0]["cost_b1"] > 0
+    assert finer(skipping[0]) == finer(best_so_far)  # layers are left out of the best variant so far
     assert first["machine"]["cpu_capability"] and first["gamma"] >= 0 and first["verdict"]
     scored = [c for c in first["candidates"] if c["agreement"] is not None]
     assert scored and all(0 <= c["agreement"] <= 1 and c["cost_b1"] > 0 for c in scored)
@@ -93,6 +104,7 @@ def test_the_pair_check_measures_once_per_machine_and_keeps_the_choice(tmp_path,
         assert first["speedup_batch1"] >= 1.0 and first["identical"] == first["prompts"]
     recipe = json.loads((draft_dir / "starjar.json").read_text())
     assert recipe["measured"] == first and recipe.get("int8_kernel") == first["chosen"]["int8_kernel"]
+    assert (recipe.get("act_bits"), recipe.get("smooth_alpha")) == finer(first["chosen"])  # later loads use it
     monkeypatch.setattr(pair_check, "measure_pair", None)  # a second measurement would fail
     assert pair_check.measured_acceptance(model_dirs["llama"], str(draft_dir)) == first
     other = dict(first["machine"], cpu_model="another CPU")  # a different machine measures again
