@@ -14,6 +14,7 @@ import torch
 
 from starjar.errors import InvalidArgument
 from starjar.kernels import machine_info
+from starjar.models import INT8_DRAFTS_LOADED
 
 BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "benchmarks.star",
               "cluster": "benchmarks.cluster", "draft": "benchmarks.draft", "api": "benchmarks.api",
@@ -37,7 +38,8 @@ def run_bench(args) -> int:
                       "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                       # Runnable processes on the machine (1 min) before and after: others' load shows here.
                       "load_average_1m": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
-                      **machine_info()}  # the CPU model and capability every figure belongs to
+                      **machine_info(),  # the CPU model and capability every figure belongs to
+                      "int8_drafts": dict(INT8_DRAFTS_LOADED)}  # the variant each int8 draft ran with
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

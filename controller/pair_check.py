@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from starjar.models import DRAFT_VARIANT_KEYS
+
 OWN_PROMPTS = [
     "Explain how a hash map handles collisions, with a short Python example.",
     "Write a haiku about autumn rain, then explain its imagery.",
@@ -40,7 +42,7 @@ OWN_PROMPTS = [
 KEY = "measured"
 EARLIER = "measured_elsewhere"  # measurements another machine (or thread count) replaced, newest first
 KEEP_EARLIER = 8
-VARIANT_KEYS = ("int8_kernel", "head_vocab", "act_bits", "smooth_alpha", "skip_layers")  # recipe keys a candidate sets
+VARIANT_KEYS = DRAFT_VARIANT_KEYS  # recipe keys a candidate sets
 # The best of the kernel/head candidates is also tried with finer activations: the full 8-bit range, smoothing
 # (starjar.smoothing) and both; on the default pair these took agreement from 0.74 to 0.87 (24 prompts).
 NUMERICS = ({"act_bits": 8}, {"smooth_alpha": 0.5}, {"act_bits": 8, "smooth_alpha": 0.5})

@@ -125,6 +125,11 @@ class LoadedModel:
         return logits
 
 
+# What each int8 draft this process loaded ran with (benchmark JSONs name it beside the machine).
+DRAFT_VARIANT_KEYS = ("int8_kernel", "head_vocab", "act_bits", "smooth_alpha", "skip_layers")
+INT8_DRAFTS_LOADED: dict[str, dict] = {}
+
+
 def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.dtype = "float32",
                what: str = "model", variant: dict | None = None) -> LoadedModel:
     """Load a Hugging Face causal LM and its tokenizer from a local directory.
@@ -153,6 +158,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
         if leaner:
             LeanDecoder.attach_fused(model, recipe.get("head_vocab"))
         model = quantized.quantize_int8(model, recipe.get("int8_kernel"), _act_bits(recipe, what, p))
+        INT8_DRAFTS_LOADED[str(p)] = {k: recipe.get(k) for k in DRAFT_VARIANT_KEYS}
         if leaner:
             lean = LeanDecoder(model, skip=_skip_layers(recipe, model.config.num_hidden_layers, what, p))
         elif recipe.get("skip_layers"):

