@@ -23,6 +23,7 @@ from draft_server.engine import DraftEngine, DraftJob
 from draft_server.faults import FaultPlan, Faults
 from draft_server.stats import ServerStats
 from draft_server.work_queue import ReleaseWork, RoundWork, WorkQueue
+from starjar import allocator
 from starjar.kernels import adopt_thread_count
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class ComputeLoop(threading.Thread):
         self._active: list[_Active] = []
         self._held: list[RoundWork] = []  # rounds whose sequence still has a job in flight
         self._releases: list[ReleaseWork] = []  # releases waiting for in-flight jobs of their sequences
+        self._cache_bytes = 0  # the KV cache's size when memory was last given back
 
     def run(self) -> None:
         adopt_thread_count()  # this thread computes: torch's thread count, not the environment's
@@ -90,10 +92,19 @@ class ComputeLoop(threading.Thread):
             try:
                 with self.lock:
                     self._iterate(items)
+                    self._give_back_outgrown_cache()
             except Exception:  # a bug here must not kill drafting for everyone
                 log.exception("draft pass failed; its rounds get resync answers")
                 self._fail_all()
             self.stats.record_busy(time.perf_counter() - got)
+
+    def _give_back_outgrown_cache(self) -> None:
+        """The KV cache changed size (grew, shrank, or was dropped by an offload): the copies it left are free
+        heap memory (starjar.allocator keeps a pass's scratch in the heap), returned to the OS now."""
+        size = self.engine.cache.nbytes()
+        if size != self._cache_bytes:
+            self._cache_bytes = size
+            allocator.give_back_free()
 
     def _iterate(self, items) -> None:
         now = time.perf_counter()
@@ -208,5 +219,6 @@ class ComputeLoop(threading.Thread):
                     or time.perf_counter() - self.last_round_s < idle_s):
                 return False
             self.engine.offload()
+            self._give_back_outgrown_cache()
             log.info("no rounds for %.0f s: draft offloaded, its KV dropped", idle_s)
             return True

@@ -22,6 +22,7 @@ from draft_server.sessions import SessionTable
 from draft_server.stats import ServerStats
 from draft_server.tide import Tide
 from draft_server.work_queue import make_queue
+from starjar import allocator
 from starjar.models import LoadedModel, kv_bytes_per_token
 from starjar.security import Security
 from starjar.serving import HealthAndReflection
@@ -30,21 +31,6 @@ from starjar.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
-
-
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
-def return_large_frees_to_the_os(threshold: int = 1 << 20) -> bool:
-    """Serve allocations of `threshold` bytes or more with mmap, so freeing them gives the memory back.
-    glibc otherwise raises its threshold after the first large free, and a KV cache that grew by doubling
-    keeps every smaller copy it outgrew in the heap (measured: RSS about twice the cache). glibc only."""
-    try:
-        import ctypes
-
-        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold))
-    except (OSError, AttributeError):
-        return False
 
 
 class DraftServer:
@@ -63,7 +49,7 @@ class DraftServer:
         self.stats = ServerStats(observer=self.metrics)
         self.queue = make_queue(cfg.mode, cfg.max_batch_rounds)
         self.sessions = SessionTable(cfg.max_targets)
-        return_large_frees_to_the_os()
+        allocator.keep_scratch_in_heap()  # the compute loop gives outgrown KV copies back (see there)
         self.kv_budget = kv_budget(model, cfg)
         engine = DraftEngine(model, max_sequences=cfg.max_targets * cfg.max_sequences_per_target,
                              max_kv_tokens=self.kv_budget[0], max_kv_tokens_per_owner=self.kv_budget[1],
