@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from starjar.kernels import compute_threads
 from starjar.proposer import DraftReply, DraftRequest
 from starjar.security import Security
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 from target_worker.breaker import Breaker
-from target_worker.prefill_rounds import PrefillRounds
+from target_worker.prefill_rounds import PrefillRounds, likely_shares_cores
 from target_worker.round_wire import replies_of, within_limits
 from target_worker.wire_loop import LOOP_ERRORS, SpeculateCall, WireLoop, channel_options, refusal_reason, unary
 
@@ -354,7 +355,7 @@ class RemoteProposer:
             while not self._replies.empty():  # a stale close marker from the previous stream
                 self._replies.get_nowait()
             self._outstanding.clear()
-            self._prefills.forget()
+            self._prefills.forget(likely_shares_cores(self.address, compute_threads()))
             self._wire_ids.clear()  # a new tag knows no sequence: ids restart, the server asks for resyncs
         self._wire.call(stream.open(self._stub, ((TAG_METADATA, resp.tag.hex()), *self._auth)), timeout=5.0)
         with self._lock:

@@ -29,6 +29,9 @@ that moved off our cores is noticed.
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import socket
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
@@ -62,6 +65,7 @@ class PrefillRounds:
         self.alone_steps: deque[float] = deque(maxlen=ALONE_SAMPLES)
         self._last_call: tuple[float, frozenset, str | None] | None = None
         self._prompt_rounds = 0  # waited-on candidates seen where the cores are shared (for the probes)
+        self.shared_prior = False  # cores_shared before any step measured it (see forget)
 
     def prompt_tokens(self, sent: Sequence[DraftRequest]) -> int:
         """Tokens this round makes the draft prefill that it does not hold yet (0 for an ordinary round)."""
@@ -115,10 +119,13 @@ class PrefillRounds:
 
     @property
     def cores_shared(self) -> bool:
-        """Steps decoded alone during a prefill were far slower than usual: the draft computes on our cores."""
+        """Steps decoded alone during a prefill were far slower than usual: the draft computes on our cores. Until
+        such steps were timed, the prior (a draft server on this host, too few CPUs for both: the first long
+        prompt's alone steps cost 1.5 s on the 2-core Xeon before they told)."""
         alone = self.alone_step_s
-        return (self.step_s is not None and alone is not None
-                and alone > max(SHARED_SLOWDOWN * self.step_s, self.step_s + SHARED_MIN_S))
+        if self.step_s is None or alone is None:
+            return self.shared_prior
+        return alone > max(SHARED_SLOWDOWN * self.step_s, self.step_s + SHARED_MIN_S)
 
     def wait_s(self, tokens: int) -> float:
         """How long past the deadline a prompt round is waited on: twice its predicted time where the cores are
@@ -179,10 +186,28 @@ class PrefillRounds:
             if any(s in gone for s, _ in ends):
                 self._rounds[round_id] = (tokens, [(None if s in gone else s, e) for s, e in ends], sent_s)
 
-    def forget(self) -> None:
+    def forget(self, shared_prior: bool = False) -> None:
         """A new stream: the old one's rounds will never be answered, and the server holds no sequence. It may be
-        another server, on other cores: whether they are shared is learnt again."""
+        another server, on other cores: whether they are shared is learnt again, from shared_prior
+        (likely_shares_cores of its address)."""
+        self.shared_prior = shared_prior
         self._rounds.clear()
         self._held.clear()
         self.alone_steps.clear()
         self._last_call = None
+
+
+def likely_shares_cores(address: str, threads: int) -> bool:
+    """A draft server at `address` is on this host (loopback, or this host's name or address), and this process
+    may use fewer CPUs than two processes of `threads` compute threads: it likely computes on our cores."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    try:
+        local = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = host in ("localhost", socket.gethostname())
+    if not local:
+        try:
+            local = host in socket.gethostbyname_ex(socket.gethostname())[2]
+        except OSError:
+            local = False
+    return local and len(os.sched_getaffinity(0)) < 2 * threads

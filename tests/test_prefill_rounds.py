@@ -26,7 +26,9 @@ def _pick(spec_prompts):
 
 def _serve_picked(models, spec_prompts, reference, monkeypatch, faults: str):
     """The picked prompts through a target engine whose proposer is a real draft server with these faults;
-    checks the output is the target's own and returns (proposer stats, prefill state, breaker, engine)."""
+    checks the output is the target's own and returns (proposer stats, prefill state, breaker, engine). The draft
+    server is on loopback: whether it shares our cores is left to the steps' timings (no prior from the host)."""
+    monkeypatch.setattr("target_worker.draft_client.likely_shares_cores", lambda *_: False)
     ref = reference("llama", 32)
     picked = _pick(spec_prompts)
     monkeypatch.setenv("STARJAR_DRAFT_FAULTS", faults)
@@ -172,3 +174,24 @@ def test_steps_slowed_beside_a_prefill_mean_shared_cores(monkeypatch):
     assert pr.cores_shared
     pr.forget()  # another stream, maybe another server on other cores: learnt again
     assert not pr.cores_shared and pr.in_flight_wait_s() == 0.0
+
+    pr.forget(shared_prior=True)  # a draft server on this host with too few CPUs for both: shared until timed
+    assert pr.cores_shared and pr.in_flight_wait_s() == 0.0
+    pr.sent(3, [DraftRequest("e", 0, list(range(100)), 3)])
+    assert pr.in_flight_wait_s() == pytest.approx(2 * 100 * 0.005)  # waited on (the rate is kept), not decoded beside
+    step("drafts", 0.040)
+    step("alone", 0.045)
+    step("alone", 0.045)
+    assert not pr.cores_shared  # timed steps overrule the prior
+
+
+def test_a_draft_server_on_this_host_with_too_few_cpus_likely_shares_our_cores(monkeypatch):
+    from target_worker.prefill_rounds import likely_shares_cores
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1})
+    assert likely_shares_cores("127.0.0.1:50051", threads=2) and likely_shares_cores("[::1]:7", threads=2)
+    assert likely_shares_cores("localhost:7", threads=2)
+    assert not likely_shares_cores("127.0.0.1:50051", threads=1)  # 2 CPUs: one each
+    assert not likely_shares_cores("192.0.2.7:50051", threads=2)  # another host (TEST-NET address)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(16)))
+    assert not likely_shares_cores("127.0.0.1:50051", threads=2)  # cores to spare
