@@ -39,7 +39,8 @@ def run_bench(args) -> int:
                       # Runnable processes on the machine (1 min) before and after: others' load shows here.
                       "load_average_1m": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
                       **machine_info(),  # the CPU model and capability every figure belongs to
-                      "int8_drafts": dict(INT8_DRAFTS_LOADED)}  # the variant each int8 draft ran with
+                      # The variant each int8 draft loaded in this process ran with (a server process's is not seen).
+                      "int8_drafts_in_process": dict(INT8_DRAFTS_LOADED)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -18,11 +18,11 @@ SKIP_COUNTS = (1, 2, 4)
 def candidates(target, draft_dir: str, base: dict, prompts, outputs, verify_cost) -> tuple[list[dict], dict]:
     """Rows for the candidates list (base's variant with 1, 2, 4 layers left out), and the per-layer scan
     {"layer": agreement with that layer left out} (string keys, as the recipe's JSON keeps them)."""
-    from controller.pair_check import VARIANT_KEYS, _agreement, _cost_ratios, _name, best_gamma
+    from controller.pair_check import VARIANT_KEYS, _agreement, _cost_ratios, _name, best_gamma, explicit
     from starjar.models import load_model
 
-    variant = {k: base[k] for k in VARIANT_KEYS if k != "skip_layers" and k in base}
-    draft = load_model(draft_dir, what="draft", variant=variant)
+    variant = {k: base.get(k) for k in VARIANT_KEYS if k != "skip_layers"}
+    draft = load_model(draft_dir, what="draft", variant=explicit(variant))
     if draft.lean is None:
         return [], {}
     layers = len(draft.lean.plan)

@@ -140,7 +140,7 @@ def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft:
         if int8_draft else [{}]
     candidates = _candidates(target, draft_dir, variants, prompts, outputs, verify_cost)
     if int8_draft:
-        candidates += _candidates(target, draft_dir, _numerics_variants(target, candidates), prompts, outputs,
+        candidates += _candidates(target, draft_dir, _numerics_variants(draft_dir, candidates), prompts, outputs,
                                   verify_cost)
     scan = _skip_candidates(target, draft_dir, candidates, prompts, outputs, verify_cost) if int8_draft else {}
     best = max(candidates, key=lambda r: r["predicted_speedup"])
@@ -153,7 +153,7 @@ def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft:
                       verdict=f"speculation does not pay on this machine: the best draft ({best['name']}) predicts "
                               f"{best['predicted_speedup']:.2f}x at batch 1; default gamma 0")
         return result
-    draft = load_model(draft_dir, what="draft", variant=chosen)
+    draft = load_model(draft_dir, what="draft", variant=explicit(chosen))
     result.update(_confirm(target, draft, best, prompts, params, outputs, alone_tps))
     return result
 
@@ -165,7 +165,7 @@ def _candidates(target, draft_dir: str, variants: list[dict], prompts, outputs, 
 
     candidates = []
     for variant in variants:  # costs first: they decide which candidates are worth scoring
-        draft = load_model(draft_dir, what="draft", variant=variant)
+        draft = load_model(draft_dir, what="draft", variant=explicit(variant))
         check_pair(target, draft)
         row = {"name": _name(variant), **variant}
         row["cost_b1"], row["cost_catchup"], row["cost_b4"] = (round(c, 3) for c in _cost_ratios(target, draft))
@@ -178,24 +178,31 @@ def _candidates(target, draft_dir: str, variants: list[dict], prompts, outputs, 
             row.update(agreement=None, best_gamma=0, predicted_speedup=0.0,
                        note=f"not scored: a catch-up pass costs {row['cost_catchup'] / cheapest:.1f}x the cheapest")
         else:
-            row["agreement"] = round(_agreement(load_model(draft_dir, what="draft", variant=variant), prompts,
-                                                outputs), 4)
+            row["agreement"] = round(_agreement(load_model(draft_dir, what="draft", variant=explicit(variant)),
+                                                prompts, outputs), 4)
             gamma, speedup = best_gamma(row["agreement"], row["cost_b1"], row["cost_catchup"], verify_cost)
             row.update(best_gamma=gamma, predicted_speedup=round(speedup, 3))
         _report(row)
     return candidates
 
 
-def _numerics_variants(target, candidates: list[dict]) -> list[dict]:
-    """The best scored candidate's variant with each of NUMERICS (smoothing only where the family allows it)."""
+def explicit(variant: dict) -> dict:
+    """Every variant key set (None: off), so a key the recipe on disk already holds (a smoothed draft measured
+    again on another machine) does not leak into a candidate that does not name it."""
+    return {**dict.fromkeys(VARIANT_KEYS), **variant}
+
+
+def _numerics_variants(draft_dir: str, candidates: list[dict]) -> list[dict]:
+    """The best scored candidate's variant with each of NUMERICS (smoothing only where the draft's family allows)."""
     from starjar import smoothing
 
+    model_type = json.loads((Path(draft_dir) / "config.json").read_text()).get("model_type")
     scored = [r for r in candidates if r.get("agreement") is not None]
     if not scored:
         return []
     best = max(scored, key=lambda r: r["predicted_speedup"])
     base = {k: best[k] for k in VARIANT_KEYS if k in best}
-    return [{**base, **n} for n in NUMERICS if "smooth_alpha" not in n or smoothing.supports(target.model)]
+    return [{**base, **n} for n in NUMERICS if "smooth_alpha" not in n or model_type in smoothing.FAMILIES]
 
 
 def _report(row: dict) -> None:

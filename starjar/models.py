@@ -154,11 +154,12 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     lean = None
     if recipe.get("kind") == quantized.KIND:
         leaner = LeanDecoder.supports(model)  # a draft's proposals may differ in the last bits; a target's may not
+        act_bits = _act_bits(recipe, what, p)  # checked before smoothing's calibration passes
         _smooth(model, tokenizer, recipe, what, p)
         if leaner:
             LeanDecoder.attach_fused(model, recipe.get("head_vocab"))
-        model = quantized.quantize_int8(model, recipe.get("int8_kernel"), _act_bits(recipe, what, p))
-        INT8_DRAFTS_LOADED[str(p)] = {k: recipe.get(k) for k in DRAFT_VARIANT_KEYS}
+        model = quantized.quantize_int8(model, recipe.get("int8_kernel"), act_bits)
+        INT8_DRAFTS_LOADED[str(p)] = {**{k: recipe.get(k) for k in DRAFT_VARIANT_KEYS}, "act_bits": act_bits}
         if leaner:
             lean = LeanDecoder(model, skip=_skip_layers(recipe, model.config.num_hidden_layers, what, p))
         elif recipe.get("skip_layers"):
@@ -195,7 +196,7 @@ def _act_bits(recipe: dict, what: str, p: Path) -> int:
     bits = recipe.get("act_bits")
     if bits is None:
         return 7
-    if isinstance(bits, bool) or bits not in quantized.ACT_BITS:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in quantized.ACT_BITS:
         raise InvalidArgument(what, f"act_bits in starjar.json must be one of {quantized.ACT_BITS}", f"{p}: {bits}")
     return bits
 
@@ -204,7 +205,7 @@ def _smooth(model, tokenizer, recipe: dict, what: str, p: Path) -> None:
     """The recipe's smooth_alpha, checked and folded into the float weights before they are quantized."""
     if recipe.get("smooth_alpha") is None:
         return
-    alpha = smoothing.check_alpha(recipe["smooth_alpha"], what)
+    alpha = smoothing.check_alpha(recipe["smooth_alpha"], what, p)
     if not smoothing.supports(model):
         raise InvalidArgument(what, "smooth_alpha needs a Llama-family draft (llama, qwen2, mistral)", str(p))
     smoothing.smooth(model, tokenizer, alpha)

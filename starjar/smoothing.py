@@ -38,10 +38,10 @@ CALIBRATION = [
 FAMILIES = ("llama", "qwen2", "mistral")
 
 
-def check_alpha(alpha, what: str) -> float:
+def check_alpha(alpha, what: str, where) -> float:
     """A recipe's smooth_alpha: a number in (0, 1]."""
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
-        raise InvalidArgument(what, "smooth_alpha in starjar.json must be a number in (0, 1]", alpha)
+        raise InvalidArgument(what, "smooth_alpha in starjar.json must be a number in (0, 1]", f"{where}: {alpha}")
     return float(alpha)
 
 

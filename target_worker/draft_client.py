@@ -350,12 +350,13 @@ class RemoteProposer:
     def _open_stream(self, resp: pb.AttachResponse) -> bool:
         """Open the Speculate stream of a new tag; False if it ended before it could be used."""
         stream = SpeculateCall(self._wire, self._replies.put, self._stream_ended)
+        shared = likely_shares_cores(self.address, compute_threads())  # may look up a name: not under the lock
         with self._lock:
             self._tag, self.limits, self._stream = resp.tag, resp.limits, stream
             while not self._replies.empty():  # a stale close marker from the previous stream
                 self._replies.get_nowait()
             self._outstanding.clear()
-            self._prefills.forget(likely_shares_cores(self.address, compute_threads()))
+            self._prefills.forget(shared)
             self._wire_ids.clear()  # a new tag knows no sequence: ids restart, the server asks for resyncs
         self._wire.call(stream.open(self._stub, ((TAG_METADATA, resp.tag.hex()), *self._auth)), timeout=5.0)
         with self._lock:

@@ -199,7 +199,11 @@ class PrefillRounds:
 
 def likely_shares_cores(address: str, threads: int) -> bool:
     """A draft server at `address` is on this host (loopback, or this host's name or address), and this process
-    may use fewer CPUs than two processes of `threads` compute threads: it likely computes on our cores."""
+    may use fewer CPUs than two processes of `threads` compute threads: it likely computes on our cores. The
+    CPUs this process may use, not the host's: a container's processes share its CPU set. (A target pinned apart
+    from its server is told by the probes.) The CPU check comes first: no name lookup where cores are spare."""
+    if len(os.sched_getaffinity(0)) >= 2 * threads:
+        return False
     host = address.rsplit(":", 1)[0].strip("[]")
     try:
         local = ipaddress.ip_address(host).is_loopback
@@ -210,4 +214,4 @@ def likely_shares_cores(address: str, threads: int) -> bool:
             local = host in socket.gethostbyname_ex(socket.gethostname())[2]
         except OSError:
             local = False
-    return local and len(os.sched_getaffinity(0)) < 2 * threads
+    return local

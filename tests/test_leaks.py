@@ -108,6 +108,6 @@ def test_a_prefill_reuses_its_scratch_instead_of_faulting_it_in_again(tmp_path):
             sends.put(None)
     finally:
         draft.kill()
-    # A 900-token pass allocates ~40 MB of activations (2 layers, hidden 512, MLP 1024): ~10k pages a prefill
+    # A 900-token pass allocates ~40 MB of activations (2 layers, hidden 512, MLP 1024): ~23k pages a prefill
     # when each is mmapped; reused from the heap, the later prefills fault in a few hundred.
     assert faults[2] < 2500, faults

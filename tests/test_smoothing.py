@@ -82,7 +82,8 @@ def test_a_smoothed_full_range_draft_is_lossless_and_scripted(tmp_path, models, 
 
 
 @pytest.mark.parametrize("recipe,field", [({"act_bits": 6}, "act_bits"), ({"act_bits": "8"}, "act_bits"),
-                                          ({"act_bits": True}, "act_bits"), ({"smooth_alpha": 0}, "smooth_alpha"),
+                                          ({"act_bits": True}, "act_bits"), ({"act_bits": 8.0}, "act_bits"),
+                                          ({"smooth_alpha": 0}, "smooth_alpha"),
                                           ({"smooth_alpha": 1.5}, "smooth_alpha"),
                                           ({"smooth_alpha": "0.5"}, "smooth_alpha"),
                                           ({"smooth_alpha": True}, "smooth_alpha")])
