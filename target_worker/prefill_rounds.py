@@ -141,15 +141,17 @@ class PrefillRounds:
 
     def in_flight_wait_s(self) -> float:
         """Where the cores are shared, how long a step waits for the unanswered prompt rounds rather than decode
-        alone beside them: what is left of twice their predicted time (4 deadlines while no rate is known),
-        capped as wait_s is."""
+        alone beside them: what is left of twice their predicted time (4 deadlines while no rate is known, but
+        only where timings said so: on the prior alone, a server that never answered a prompt round may be hung,
+        and nothing is waited on blind), capped as wait_s is."""
         if not self.cores_shared:
             return 0.0
+        timed = self.step_s is not None and self.alone_step_s is not None
         now, left = time.monotonic(), 0.0
         for tokens, _, sent_s in list(self._rounds.values()):
             if tokens:
                 predicted = self.predicted_s(tokens)
-                budget = 2 * predicted if predicted is not None else 4 * self.deadline_s
+                budget = 2 * predicted if predicted is not None else 4 * self.deadline_s if timed else 0.0
                 left = max(left, min(budget, MAX_WAIT_DEADLINES * self.deadline_s) - (now - sent_s))
         return left
 

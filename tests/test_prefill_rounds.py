@@ -177,6 +177,12 @@ def test_steps_slowed_beside_a_prefill_mean_shared_cores(monkeypatch):
 
     pr.forget(shared_prior=True)  # a draft server on this host with too few CPUs for both: shared until timed
     assert pr.cores_shared and pr.in_flight_wait_s() == 0.0
+    rate = pr.s_per_token
+    pr.s_per_token = None
+    pr.sent(9, [DraftRequest("f", 0, list(range(100)), 3)])
+    assert pr.in_flight_wait_s() == 0.0  # no rate and no timings: a server that never answered may be hung
+    pr.forget(shared_prior=True)
+    pr.s_per_token = rate
     pr.sent(3, [DraftRequest("e", 0, list(range(100)), 3)])
     assert pr.in_flight_wait_s() == pytest.approx(2 * 100 * 0.005)  # waited on (the rate is kept), not decoded beside
     step("drafts", 0.040)
