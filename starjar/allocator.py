@@ -12,9 +12,7 @@ glibc only; elsewhere both are no-ops.
 from __future__ import annotations
 
 import ctypes
-import logging
-
-log = logging.getLogger(__name__)
+from functools import lru_cache
 
 M_TRIM_THRESHOLD = -1  # glibc mallopt parameters
 M_MMAP_THRESHOLD = -3
@@ -22,6 +20,7 @@ SCRATCH_IN_HEAP = 32 << 20  # glibc's largest mmap threshold (64-bit): allocatio
 TRIM_ABOVE = 256 << 20  # free memory at the heap's top kept for the next pass, up to this much
 
 
+@lru_cache(maxsize=1)
 def _libc():
     try:
         return ctypes.CDLL("libc.so.6")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from starjar.errors import InvalidArgument
+from starjar.lean_decoder import FAMILIES  # the Llama-family layouts whose layers are folded below
 
 # Calibration text: prompts of the kinds a chat model serves (not the ones `models build` scores agreement on).
 CALIBRATION = [
@@ -35,7 +36,6 @@ CALIBRATION = [
     "Explain what this function computes and how to make it faster.",
     "Summarize the main causes of the First World War in a few sentences.",
 ]
-FAMILIES = ("llama", "qwen2", "mistral")
 
 
 def check_alpha(alpha, what: str, where) -> float:
