@@ -17,6 +17,7 @@ import torch
 
 from starjar import attention, quantized, skinny_linear, smoothing
 from starjar.errors import InvalidArgument, ModelMismatch
+from starjar.kernels import forced_path
 from starjar.kv_cache import RaggedKVCache
 from starjar.lean_decoder import LeanDecoder
 
@@ -159,7 +160,8 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
         if leaner:
             LeanDecoder.attach_fused(model, recipe.get("head_vocab"))
         model = quantized.quantize_int8(model, recipe.get("int8_kernel"), act_bits)
-        INT8_DRAFTS_LOADED[str(p)] = {**{k: recipe.get(k) for k in DRAFT_VARIANT_KEYS}, "act_bits": act_bits}
+        INT8_DRAFTS_LOADED[str(p)] = {**{k: recipe.get(k) for k in DRAFT_VARIANT_KEYS}, "act_bits": act_bits,
+                                      "int8_kernel": forced_path() or recipe.get("int8_kernel")}  # as it ran
         if leaner:
             lean = LeanDecoder(model, skip=_skip_layers(recipe, model.config.num_hidden_layers, what, p))
         elif recipe.get("skip_layers"):

@@ -70,8 +70,10 @@ def test_full_range_activations_are_closer_to_float_and_torchs_own_op():
     assert err[8] < 0.75 * err[7], err
 
 
+@pytest.mark.parametrize("path", ["fused", "int_mm"])
 def test_a_smoothed_full_range_draft_is_lossless_and_scripted(tmp_path, models, model_dirs, spec_prompts,
-                                                               reference):
+                                                               reference, path, monkeypatch):
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", path)  # each multi-row kernel, as a machine of that kind takes it
     draft = load_model(int8_draft_dir(tmp_path, model_dirs["llama"], act_bits=8, smooth_alpha=0.5))
     assert draft.lean.scriptable  # one activation range for every layer: the scripted step still runs
     assert not any(lin._reduce_range for lin in draft.model.modules() if isinstance(lin, RowInt8Linear))
