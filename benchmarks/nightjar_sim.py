@@ -42,12 +42,30 @@ class CostModel:
         return max(self.ts[0] * 0.5, self.ts[i] + (self.ts[j] - self.ts[i]) * f)
 
     def _measured(self, batch: int, gamma: int) -> float | None:
+        """The measured step, interpolated between profiled batch sizes and continued linearly past the grid's
+        ends. A gamma above the grid continues the line through the two largest measured gammas (a step grows
+        about linearly in gamma), so every arm is priced from the same measurements: pricing the arms the grid
+        lacks from T(n) and D0 instead made a quick profile's gamma 3 cost half its gamma 2 at batch 16."""
         bs, gs, secs = self.step_grid
-        if gamma not in gs:
-            return None
-        g = gs.index(gamma)
         i, j, f = _bracket(bs, batch)
-        return secs[i][g] + (secs[j][g] - secs[i][g]) * f
+
+        def at(g: int) -> float:
+            return secs[i][g] + (secs[j][g] - secs[i][g]) * f
+
+        if gamma in gs:
+            return at(gs.index(gamma))
+        if len(gs) >= 2 and gamma > gs[-1]:
+            low, high = at(len(gs) - 2), at(len(gs) - 1)
+            return high + (high - low) * (gamma - gs[-1]) / (gs[-1] - gs[-2])
+        return None
+
+    def covers(self, max_batch: int, max_gamma: int) -> bool:
+        """Whether every step a simulation up to these limits takes was measured or interpolated (none
+        extrapolated past the profile's grid)."""
+        if not self.step_grid:
+            return False
+        bs, gs, _ = self.step_grid
+        return max_batch <= max(bs) and all(g in gs for g in range(max_gamma + 1))
 
     def step(self, batch: int, gamma: int) -> float:
         measured = self._measured(batch, gamma) if self.step_grid else None
@@ -86,6 +104,7 @@ class SimRequest:
     done: int = 0
     finish: float | None = None
     behind: int = 0  # tokens the draft has not seen (the prompt, then steps without speculation)
+    first: float | None = None  # when its first token came (the end of its first prefill)
 
     def kv_tokens(self) -> int:
         return self.prompt_len + self.done
@@ -108,6 +127,7 @@ class Memory:
 class SimResult:
     tokens_per_s: float
     mean_e2e_s: float
+    mean_tpot_s: float = 0.0  # per request: (finish - first token) / (output tokens - 1), then the mean
     gammas: list[tuple[float, int, int]] = field(default_factory=list)  # (time, batch, gamma)
     spec_share: float = 0.0  # decode steps that speculated / all decode steps
     peak_running: int = 0
@@ -120,7 +140,7 @@ def simulate(policy, requests: list[SimRequest], cost: CostModel, max_batch: int
     rng = random.Random(seed)
     pending = sorted(requests, key=lambda r: r.arrival)
     for r in pending:
-        r.done, r.finish, r.behind = 0, None, 0
+        r.done, r.finish, r.behind, r.first = 0, None, 0, None
     waiting: list[SimRequest] = []
     running: list[SimRequest] = []
     now, i, steps, spec_steps, peak, preemptions = 0.0, 0, 0, 0, 0, 0
@@ -158,6 +178,7 @@ def simulate(policy, requests: list[SimRequest], cost: CostModel, max_batch: int
             running += joined
             for r in joined:
                 r.done = r.done or 1  # prefill yields the first token (a readmitted request has its own)
+                r.first = now if r.first is None else r.first
                 r.behind = r.kv_tokens()  # the draft has not seen this context yet
             peak = max(peak, len(running))
             running, finished = [r for r in running if r.done < r.output_len], \
@@ -207,7 +228,9 @@ def simulate(policy, requests: list[SimRequest], cost: CostModel, max_batch: int
         running = [r for r in running if r.done < r.output_len]
     total = sum(r.output_len for r in requests)
     span = max(r.finish for r in requests) - min(r.arrival for r in requests)
-    return SimResult(total / span, sum(r.finish - r.arrival for r in requests) / len(requests), gammas,
+    multi = [r for r in requests if r.output_len > 1]
+    tpot = sum((r.finish - r.first) / (r.output_len - 1) for r in multi) / max(1, len(multi))
+    return SimResult(total / span, sum(r.finish - r.arrival for r in requests) / len(requests), tpot, gammas,
                      spec_steps / max(1, steps), peak, preemptions, elastic.expansions if elastic else 0)
 
 

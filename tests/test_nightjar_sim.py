@@ -22,10 +22,24 @@ def test_steps_come_from_the_measured_grid_and_interpolate_between_batch_sizes()
     cost = CostModel(PROFILE)
     assert cost.step(4, 1) == pytest.approx(0.077)
     assert cost.step(10, 2) == pytest.approx(0.12 + (0.19 - 0.12) * 6 / 12)
-    # A gamma the grid lacks falls back to T(n) and D0.
-    assert cost.step(1, 3) == pytest.approx(cost.t(4) + 3 * 0.012)
+    # A gamma above the grid continues its own measurements (linear in gamma), never T(n) and D0's composition,
+    # so no arm the grid lacks is priced on another model than the arms it has.
+    assert cost.step(1, 3) == pytest.approx(0.07 + (0.07 - 0.05))
+    assert cost.step(16, 4) == pytest.approx(0.19 + 2 * (0.19 - 0.13))
+    assert cost.step(16, 3) > cost.step(16, 2)
+    assert cost.covers(16, 2) and not cost.covers(16, 3) and not cost.covers(32, 2)
     old = CostModel({k: v for k, v in PROFILE.items() if k != "step_s"})
     assert old.step(8, 0) == pytest.approx(0.045)
+
+
+def test_mean_tpot_counts_from_each_request_s_first_token():
+    cost = CostModel(PROFILE)
+    # Three prefill together; the 1-token request ends there (no TPOT), the 2-token one after a step at batch 2,
+    # the 3-token one after that step and one more alone.
+    reqs = [SimRequest(0.0, 3, 0.0, 8), SimRequest(0.0, 2, 0.0, 8), SimRequest(0.0, 1, 0.0, 8)]
+    out = simulate(FixedGamma(0), reqs, cost, max_batch=3)
+    two, one = cost.step(2, 0), cost.step(1, 0)
+    assert out.mean_tpot_s == pytest.approx(((two + one) / 2 + two) / 2)
 
 
 def test_the_draft_catches_up_on_a_new_prompt_before_its_first_speculative_step():
