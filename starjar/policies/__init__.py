@@ -36,7 +36,8 @@ def make_policy(name: str, max_gamma: int = 4, cswitch=None, profile: dict | Non
         extra = {"buckets": buckets} if buckets else {}
         return NightjarPlanner(max_gamma, cswitch, seed=seed, limits=limits, **extra)
     if name == "nightjar_paper":  # Algorithm 1 exactly as printed: every gamma at every exact B
-        return NightjarPlanner(max_gamma, cswitch, seed=seed, buckets=buckets or PAPER_BUCKETS, name=name)
+        return NightjarPlanner(max_gamma, cswitch, seed=seed, buckets=buckets or PAPER_BUCKETS, name=name,
+                               elimination_z=None)
     if name == "none":
         return FixedGamma(0)
     if name.startswith("fixed_") and name[6:].isdigit():

@@ -27,6 +27,7 @@ from pathlib import Path
 # earlier uniform-context profile).
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PAPER_BUCKETS = tuple(range(1, 129))  # Algorithm 1 as printed: an independent state for every B
+ELIMINATION_MIN_PLAYS = 8  # plays of an arm before its confidence bound can rule it out
 
 
 class CSwitchTable:
@@ -71,11 +72,32 @@ class _Bucket:
     tau: int = 1
     current: int = 0
     sums: list[float] = field(default_factory=list)
+    squares: list[float] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.sums = [0.0] * self.arms
+        self.squares = [0.0] * self.arms
         self.counts = [0] * self.arms
+
+    def _bounds(self, g: int, z: float) -> tuple[float, float]:
+        n = self.counts[g]
+        mean = self.sums[g] / n
+        var = max(0.0, self.squares[g] / n - mean * mean)
+        radius = z * math.sqrt(var / n)
+        return mean - radius, mean + radius
+
+    def worth_exploring(self, z: float, min_plays: int) -> list[int]:
+        """The arms exploration may still pick: every arm played fewer than min_plays times, and every arm whose
+        lower bound on latency per token is below the upper bound of the best-looking arm. An arm clearly worse
+        than another is not paid for again (on a 2-core CPU a trace has a few thousand steps, and uniform
+        exploration at batch 16 spent 12% of its steps on arms 20-40% slower)."""
+        played = [g for g in range(self.arms) if self.counts[g] >= min_plays]
+        if len(played) < 2 or math.isinf(z):
+            return list(range(self.arms))
+        best = min(played, key=lambda g: self.sums[g] / self.counts[g])
+        ceiling = self._bounds(best, z)[1]
+        return [g for g in range(self.arms) if g not in played or self._bounds(g, z)[0] <= ceiling]
 
     def advance(self) -> None:
         """Lines 19-25: one round played; close the bin and the block when they are full."""
@@ -107,11 +129,12 @@ def arm_limits(step_s: dict, max_gamma: int) -> dict[int, int]:
 class NightjarPlanner:
     def __init__(self, max_gamma: int = 4, cswitch: CSwitchTable | None = None,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, seed: int | None = 0,
-                 limits: dict[int, int] | None = None, name: str = "nightjar"):
+                 limits: dict[int, int] | None = None, name: str = "nightjar", elimination_z: float | None = 2.0):
         """limits: Gmax per batch size (see arm_limits); a batch size between two entries takes the
         larger limit of the two (conservative: never rules out an arm that might pay). name: the registry's
         name for this configuration (nightjar, nightjar_paper)."""
         self.name = name
+        self.elimination_z = math.inf if elimination_z is None else elimination_z  # inf: explore every arm
         if max_gamma < 0:
             raise ValueError("max_gamma must be >= 0")
         self.max_gamma = max_gamma
@@ -159,7 +182,7 @@ class NightjarPlanner:
                 st = self._state[key] = _Bucket(self.gmax(key) + 1)
             if st.tau == 1:  # a bin starts: explore with probability 1/b, else exploit (Eq. 4); then lock
                 if self.rng.random() < 1.0 / st.b:
-                    st.current = self.rng.randint(0, st.arms - 1)
+                    st.current = self.rng.choice(st.worth_exploring(self.elimination_z, ELIMINATION_MIN_PLAYS))
                     self.explorations += 1
                 else:
                     st.current = self._exploit(st, batch_size)
@@ -178,6 +201,7 @@ class NightjarPlanner:
         st = self._state.get(self.bucket(batch_size))
         if st is not None and gamma < st.arms:
             st.sums[gamma] += step_s / tokens
+            st.squares[gamma] += (step_s / tokens) ** 2
             st.counts[gamma] += 1
 
     def estimates(self) -> dict[int, list[float | None]]:
