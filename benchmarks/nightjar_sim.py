@@ -76,20 +76,9 @@ class CostModel:
         return self.t(batch * (gamma + 1)) + gamma * self.d0 * self.t(batch) / self.t(1)
 
     def catch_up(self, behind: list[int]) -> float:
-        """The draft's catch-up pass over `behind` tokens per sequence: C_switch interpolated (bilinearly,
-        at the mean length; clamped to the grid) rather than the planner's conservative grid point above,
-        which would charge a 257-token prompt as 1024."""
-        t = self.cswitch
-        length, n = sum(behind) / len(behind), len(behind)
-        if len(t.lengths) < 2 or len(t.batch_sizes) < 2:
-            return t.lookup(length, n)
-        li, lj, lf = _bracket(t.lengths, length)
-        bi, bj, bf = _bracket(t.batch_sizes, n)
-        lf, bf = min(1.0, max(0.0, lf)), min(1.0, max(0.0, bf))
-        c = t.cost_s
-        row_i = c[li][bi] + (c[li][bj] - c[li][bi]) * bf
-        row_j = c[lj][bi] + (c[lj][bj] - c[lj][bi]) * bf
-        return max(0.0, row_i + (row_j - row_i) * lf)
+        """The draft's catch-up pass over `behind` tokens per sequence, priced as the planner prices it
+        (CSwitchTable.catch_up: the longest alone, the rest at their mean; interpolated, not the grid point above)."""
+        return self.cswitch.catch_up(behind)
 
     def prefill(self, prompt_tokens: int) -> float:
         return self.t(prompt_tokens) if prompt_tokens else 0.0
@@ -186,6 +175,9 @@ def simulate(policy, requests: list[SimRequest], cost: CostModel, max_batch: int
             for r in finished:
                 r.finish = now
             continue
+        note = getattr(policy, "note_draft_lag", None)
+        if note is not None:  # as the engine tells it: what the draft must catch up on, what each may still produce
+            note([r.behind for r in running], [r.output_len - r.done for r in running])
         chosen = policy.choose(len(running))
         gamma = 0 if offloaded else chosen  # an offloaded draft proposes nothing: the step runs plain
         while used + len(running) * (gamma + 1) > budget and len(running) > 1:

@@ -2,7 +2,9 @@
 
 Plain Python (no torch, no gRPC) so the target worker runs the decision in its
 own step loop. A policy has two hooks: `choose(batch_size)` before a step and
-`observe(...)` after it with what the step cost and produced.
+`observe(...)` after it with what the step cost and produced. A policy may
+also take `note_draft_lag(behind, left)` just before `choose`: per sequence,
+the tokens the draft must catch up on and those it may still produce.
 """
 
 from __future__ import annotations
@@ -54,3 +56,8 @@ class Overridable:
     def observe(self, batch_size: int, gamma: int, step_s: float, tokens: int, accepted: int,
                 drafted: int) -> None:
         self.inner.observe(batch_size, gamma, step_s, tokens, accepted, drafted)
+
+    def note_draft_lag(self, behind: list[int], left: list[int]) -> None:
+        note = getattr(self.inner, "note_draft_lag", None)
+        if note is not None:
+            note(behind, left)

@@ -230,6 +230,10 @@ class TargetEngine:
 
     def _plan(self, decoding: list[Request]) -> DecodePlan:
         """Gamma for this batch size, capped per sequence; the newest preempted until the step fits the KV."""
+        note = getattr(self.policy, "note_draft_lag", None) if self.proposer else None
+        if note is not None:
+            step = self.config.max_gamma + 1
+            note([r.draft_lag(step) for r in decoding], [r.tokens_left() for r in decoding])
         gamma = min(self.policy.choose(len(decoding)), self.config.max_gamma) if self.proposer else 0
         if self.step_listener is not None:
             self.step_listener(len(decoding), gamma)

@@ -62,6 +62,15 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def draft_lag(self, step_tokens: int) -> int:
+        """Tokens the draft must catch up on before it can propose again: a prompt it never saw, or more than
+        one step's verified tokens (steps taken without speculation); 0 when it is in step."""
+        unsent = self.num_tokens - self.draft_synced
+        return unsent if self.draft_synced == 0 or unsent > step_tokens else 0
+
+    def tokens_left(self) -> int:
+        return max(0, self.params.max_tokens - len(self.output_ids))
+
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED

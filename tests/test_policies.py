@@ -259,3 +259,94 @@ def test_a_step_that_carries_a_draft_prefill_is_kept_from_the_policy(models, spe
     st = engine.stats
     assert st.draft_prefill_steps == sum(p[1] for p in proposals)
     assert observed == st.spec.steps + st.plain.steps - st.draft_prefill_steps > 0
+
+
+# C_switch grid for the lag tests: a catch-up of L tokens on B sequences costs about L x B x 1 ms.
+LAG_TABLE = CSwitchTable([1, 16, 256, 1024], [1, 8], [[0.001, 0.008], [0.016, 0.128], [0.256, 2.048],
+                                                       [1.024, 8.192]])
+# Step grid: at batch 8 gamma 2 would be 1.2x plain with every draft accepted; at batch 1, 1.9x.
+LAG_GRID = {"batch_sizes": [1, 8], "gammas": [0, 1, 2], "seconds": [[0.03, 0.04, 0.047], [0.06, 0.12, 0.15]]}
+
+
+def _lag_planner(seed=0):
+    from starjar.policies.nightjar import arm_limits, speedup_bounds
+
+    return NightjarPlanner(2, LAG_TABLE, seed=seed, limits=arm_limits(LAG_GRID, 2),
+                           bounds=speedup_bounds(LAG_GRID, 2))
+
+
+def test_catch_up_prices_the_longest_row_alone():
+    # One 770-token prompt among six 10-token lags: the long row alone plus six short ones, not seven rows of 118.
+    cost = LAG_TABLE.catch_up([770] + [10] * 6)
+    assert cost == pytest.approx(LAG_TABLE.estimate(770, 1) + LAG_TABLE.estimate(10, 6))
+    assert LAG_TABLE.estimate(256, 8) == pytest.approx(2.048) and LAG_TABLE.estimate(640, 1) == pytest.approx(0.64)
+
+
+def test_a_catch_up_that_cannot_be_repaid_keeps_speculation_off():
+    """Eight new 300-token prompts at batch 8 with 60 tokens each to go: the draft's catch-up (about 2.4 s) is
+    5 ms a token, more than any arm could save there, so nothing speculative is tried. At batch 1 a new
+    prompt's catch-up is repaid and speculation is explored."""
+    p = _lag_planner()
+    for _ in range(300):
+        p.note_draft_lag([300] * 8, [60] * 8)
+        g = p.choose(8)
+        assert g == 0
+        p.observe(8, g, 0.06, 8, 0, 0)
+    assert p.surcharge == pytest.approx(LAG_TABLE.catch_up([300] * 8) / 480)
+    one = _lag_planner()
+    seen = set()
+    for _ in range(300):
+        one.note_draft_lag([300], [200])
+        g = one.choose(1)
+        seen.add(g)
+        one.observe(1, g, LAG_GRID["seconds"][0][g], g + 1, g, g)
+    assert seen == {0, 1, 2}
+    # In step, nothing to catch up: batch 8's arms are explored again.
+    p.note_draft_lag([0] * 8, [60] * 8)
+    assert p.surcharge == 0.0 and {p.choose(8) for _ in range(3000)} == {0, 1, 2}
+
+
+def test_a_prompt_joining_mid_bin_turns_a_locked_speculative_arm_off_for_the_step():
+    p = _lag_planner(seed=1)
+    st_loss = {0: 0.0075, 1: 0.0070, 2: 0.0065}
+    for _ in range(400):  # learn batch 8 in step: gamma 2 is best
+        p.note_draft_lag([0] * 8, [200] * 8)
+        g = p.choose(8)
+        p.observe(8, g, st_loss[g] * 8, 8, 0, 0)
+    st = p._state[8]
+    while st.tau == 1 or st.current == 0:  # into a bin locked on a speculative arm
+        p.note_draft_lag([0] * 8, [200] * 8)
+        p.choose(8)
+    p.note_draft_lag([0] * 7 + [770], [200] * 7 + [20])  # C(770, 1) = 0.77 s over 20 tokens
+    assert p.choose(8) == 0
+    p.note_draft_lag([0] * 8, [200] * 8)
+    assert p.choose(8) == st.current > 0  # the bin's arm again once nothing lags
+
+
+def test_a_step_far_slower_than_its_arm_is_left_out_of_the_mean():
+    p = _nightjar(0)
+    p.choose(8)
+    for loss in (0.01, 0.011, 0.09, 0.012):
+        p.observe(8, 0, loss * 10, 10, 0, 0)
+    assert p.estimates()[8][0] == pytest.approx(0.011) and p.outliers == 1
+
+
+def test_the_engine_tells_the_policy_what_the_draft_must_catch_up_on(models, spec_prompts, reference):
+    from controller.colocated import colocated_engine
+    from starjar.policy import FixedGamma
+    from starjar.sampling import SamplingParams
+
+    notes = []
+
+    class Recording(FixedGamma):
+        def note_draft_lag(self, behind, left):
+            notes.append((list(behind), list(left)))
+
+    engine = colocated_engine(models["llama"], models["draft"], 0, 4, policy=Recording(2))
+    prompts = spec_prompts[:2]
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=12))
+    assert [r.output_ids for r in reqs] == [r[:12] for r in reference("llama", 64)[:2]]
+    # First decode step: the draft has seen neither prompt (each one's prompt and first token lag); it has 11
+    # tokens to go. Then, speculating every step, nothing lags beyond a step's verified tokens.
+    assert notes[0] == ([len(p) + 1 for p in prompts], [11, 11])
+    assert all(b == [0] * len(b) for b, _ in notes[1:]) and len(notes) > 2

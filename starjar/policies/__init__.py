@@ -27,17 +27,19 @@ def make_policy(name: str, max_gamma: int = 4, cswitch=None, profile: dict | Non
     from starjar.policies.banditspec import BanditSpecUCB
     from starjar.policies.dsd import DSDPolicy
     from starjar.policies.heuristics import HfHeuristic, SglangEma, VllmTable
-    from starjar.policies.nightjar import PAPER_BUCKETS, NightjarPlanner, arm_limits
+    from starjar.policies.nightjar import PAPER_BUCKETS, NightjarPlanner, arm_limits, speedup_bounds
     from starjar.policies.tide import TidePolicy
 
     if name == "nightjar":
         # With a measured step grid, each batch size explores only the arms that could pay there.
-        limits = arm_limits(profile["step_s"], max_gamma) if profile and profile.get("step_s") else None
+        grid = profile.get("step_s") if profile else None
+        limits = arm_limits(grid, max_gamma) if grid else None
+        bounds = speedup_bounds(grid, max_gamma) if grid else None
         extra = {"buckets": buckets} if buckets else {}
-        return NightjarPlanner(max_gamma, cswitch, seed=seed, limits=limits, **extra)
+        return NightjarPlanner(max_gamma, cswitch, seed=seed, limits=limits, bounds=bounds, **extra)
     if name == "nightjar_paper":  # Algorithm 1 exactly as printed: every gamma at every exact B
         return NightjarPlanner(max_gamma, cswitch, seed=seed, buckets=buckets or PAPER_BUCKETS, name=name,
-                               elimination_z=None)
+                               elimination_z=None, lag_aware=False)
     if name == "none":
         return FixedGamma(0)
     if name.startswith("fixed_") and name[6:].isdigit():

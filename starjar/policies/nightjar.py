@@ -28,6 +28,13 @@ from pathlib import Path
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PAPER_BUCKETS = tuple(range(1, 129))  # Algorithm 1 as printed: an independent state for every B
 ELIMINATION_MIN_PLAYS = 8  # plays of an arm before its confidence bound can rule it out
+# Tokens a lagging sequence is counted on to repay the draft's catch-up: max_tokens is often far above what a
+# request produces before its end-of-sequence token.
+LAG_HORIZON_TOKENS = 256
+# A step slower than this many times its arm's mean so far is left out of the mean: such steps come from the
+# process, not the arm (the KV cache growing for a 770-token newcomer made one plain step at batch 8 take 665 ms
+# against 55-70 ms; among ten samples it raised plain decoding's mean by 7 ms a token).
+OUTLIER_FACTOR = 4.0
 
 
 class CSwitchTable:
@@ -47,6 +54,18 @@ class CSwitchTable:
     def lookup(self, l_max: float, batch_size: int) -> float:
         return max(0.0, self.cost_s[self._index(self.lengths, l_max)][self._index(self.batch_sizes, batch_size)])
 
+    def estimate(self, length: float, batch_size: int) -> float:
+        """A catch-up of `length` tokens on each of `batch_size` sequences, interpolated bilinearly (clamped to
+        the grid) rather than charged at the grid point above: a 300-token prompt is not priced as 1024."""
+        if len(self.lengths) < 2 or len(self.batch_sizes) < 2:
+            return self.lookup(length, batch_size)
+        li, lj, lf = _between(self.lengths, length)
+        bi, bj, bf = _between(self.batch_sizes, batch_size)
+        c = self.cost_s
+        row_i = c[li][bi] + (c[li][bj] - c[li][bi]) * bf
+        row_j = c[lj][bi] + (c[lj][bj] - c[lj][bi]) * bf
+        return max(0.0, row_i + (row_j - row_i) * lf)
+
     def to_dict(self) -> dict:
         return {"lengths": self.lengths, "batch_sizes": self.batch_sizes, "cost_s": self.cost_s}
 
@@ -58,9 +77,26 @@ class CSwitchTable:
     def load(cls, path: str | Path) -> CSwitchTable:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
+    def catch_up(self, behind: list[int]) -> float:
+        """One catch-up round over sequences `behind` tokens behind (all > 0): the longest priced alone, the rest
+        together at their mean length. Engines pass rows of very different lengths separately, and a mean would
+        price one 770-token prompt among six 10-token lags as seven 120-token rows (0.5 s measured 1.9 s)."""
+        longest = max(behind)
+        rest = list(behind)
+        rest.remove(longest)
+        cost = self.estimate(longest, 1)
+        return cost + (self.estimate(sum(rest) / len(rest), len(rest)) if rest else 0.0)
+
     @classmethod
     def zero(cls) -> CSwitchTable:
         return cls([1], [1], [[0.0]])
+
+
+def _between(grid: list[int], x: float) -> tuple[int, int, float]:
+    """The grid points either side of x and x's fraction between them, clamped to [0, 1] at the ends."""
+    j = min(max(bisect_right(grid, x), 1), len(grid) - 1)
+    f = (x - grid[j - 1]) / (grid[j] - grid[j - 1])
+    return j - 1, j, min(1.0, max(0.0, f))
 
 
 @dataclass
@@ -111,6 +147,20 @@ class _Bucket:
                 self.b = 1
 
 
+def speedup_bounds(step_s: dict, max_gamma: int) -> dict[int, list[float]]:
+    """Per profiled batch size, each gamma's speedup over plain decoding if every draft were accepted
+    (plain step x (gamma + 1) / speculative step; gamma 0 is 1). What an arm could at best save there."""
+    gammas = step_s["gammas"]
+    if 0 not in gammas:
+        return {}
+    out = {}
+    for b, row in zip(step_s["batch_sizes"], step_s["seconds"], strict=False):
+        plain = row[gammas.index(0)]
+        out[int(b)] = [plain * (g + 1) / row[gammas.index(g)] if g in gammas else math.inf
+                       for g in range(max_gamma + 1)]
+    return out
+
+
 def arm_limits(step_s: dict, max_gamma: int) -> dict[int, int]:
     """Gmax per profiled batch size: the largest gamma whose measured step could beat plain decoding if
     every draft were accepted. Larger arms cannot win at that batch size whatever the acceptance, so
@@ -129,11 +179,17 @@ def arm_limits(step_s: dict, max_gamma: int) -> dict[int, int]:
 class NightjarPlanner:
     def __init__(self, max_gamma: int = 4, cswitch: CSwitchTable | None = None,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, seed: int | None = 0,
-                 limits: dict[int, int] | None = None, name: str = "nightjar", elimination_z: float | None = 2.0):
+                 limits: dict[int, int] | None = None, name: str = "nightjar", elimination_z: float | None = 2.0,
+                 bounds: dict[int, list[float]] | None = None, lag_aware: bool = True):
         """limits: Gmax per batch size (see arm_limits); a batch size between two entries takes the
         larger limit of the two (conservative: never rules out an arm that might pay). name: the registry's
-        name for this configuration (nightjar, nightjar_paper)."""
+        name for this configuration (nightjar, nightjar_paper). bounds: speedup_bounds of the profile, which let
+        a known catch-up cost rule arms out before they are tried (see note_draft_lag); lag_aware=False ignores
+        that note (Algorithm 1 as printed)."""
+        self.lag_aware = lag_aware
         self.name = name
+        self.bounds = sorted((int(b), v) for b, v in (bounds or {}).items())
+        self.surcharge: float | None = None  # seconds per token a speculative step owes the catch-up; None: unknown
         self.elimination_z = math.inf if elimination_z is None else elimination_z  # inf: explore every arm
         if max_gamma < 0:
             raise ValueError("max_gamma must be >= 0")
@@ -148,6 +204,7 @@ class NightjarPlanner:
         self.l_max = 0  # tokens the draft falls behind while gamma is 0 (one per step per sequence)
         self.switches = 0
         self.explorations = 0
+        self.outliers = 0
 
     def bucket(self, batch_size: int) -> int:
         i = bisect_right(self.buckets, batch_size) - 1
@@ -161,13 +218,61 @@ class NightjarPlanner:
         near = self.limits[max(0, i - 1):i + 1]  # the profiled sizes at or below and above
         return max(g for _, g in near)
 
+    def note_draft_lag(self, behind: list[int], left: list[int]) -> None:
+        """Before a step, per sequence: prompt or skipped tokens the draft must catch up on before it can
+        propose (0 when in step), and the tokens the sequence may still produce. The catch-up (C_switch at that
+        length and count) is a cost every speculative arm pays and plain decoding does not; spread over what the
+        lagging sequences can still produce, it is added to their loss. Without this note the planner falls back
+        to the paper's C_switch(L_max, B) / gamma after steps without speculation."""
+        if not self.lag_aware:
+            return
+        lagging = [(b, n) for b, n in zip(behind, left, strict=True) if b > 0]
+        if not lagging:
+            self.surcharge = 0.0
+            return
+        cost = self.cswitch.catch_up([b for b, _ in lagging])
+        self.surcharge = cost / max(1, sum(min(n, LAG_HORIZON_TOKENS) for _, n in lagging))
+
+    def _bound(self, batch_size: int, gamma: int) -> float:
+        """The best speedup gamma could give at this batch size (the larger of the profiled sizes either side)."""
+        if not self.bounds:
+            return math.inf
+        sizes = [b for b, _ in self.bounds]
+        i = bisect_right(sizes, batch_size)
+        return max(v[gamma] if gamma < len(v) else math.inf for _, v in self.bounds[max(0, i - 1):i + 1])
+
+    def _explorable(self, st: _Bucket, batch_size: int) -> list[int]:
+        """Arms worth exploring now: those the confidence bounds keep, less the speculative arms that could not
+        beat plain decoding even with every draft accepted once the pending catch-up is paid (an arm is a
+        cheap lesson at batch 1 with a new prompt, an expensive one when eight prompts must be drafted first)."""
+        arms = st.worth_exploring(self.elimination_z, ELIMINATION_MIN_PLAYS)
+        if not self.surcharge:
+            return arms
+        if not st.counts[0]:
+            return [0]  # what plain decoding costs here comes first: it needs no catch-up
+        plain = st.sums[0] / st.counts[0]
+        keep = [g for g in arms if g == 0 or plain / self._bound(batch_size, g) + self.surcharge < plain]
+        return keep or [0]
+
+    @staticmethod
+    def _mean(st: _Bucket, g: int) -> float:
+        return st.sums[g] / st.counts[g] if st.counts[g] else math.inf
+
+    def _catch_up_outweighs(self, st: _Bucket, gamma: int) -> bool:
+        """Whether plain decoding is cheaper than `gamma` once this step's catch-up is counted (both measured)."""
+        return bool(st.counts[0] and st.counts[gamma]) and self._mean(st, 0) < self._mean(st, gamma) + self.surcharge
+
     def _exploit(self, st: _Bucket, batch_size: int) -> int:
         best, best_loss = None, math.inf
-        switch = self.cswitch.lookup(self.l_max, batch_size) if self.prev_gamma == 0 else 0.0
+        if self.surcharge is not None:
+            extra = [0.0] + [self.surcharge] * (st.arms - 1)
+        else:
+            switch = self.cswitch.lookup(self.l_max, batch_size) if self.prev_gamma == 0 else 0.0
+            extra = [0.0] + [switch / g for g in range(1, st.arms)]
         for g in range(st.arms):
             if not st.counts[g]:
                 continue
-            loss = st.sums[g] / st.counts[g] + (switch / g if g > 0 else 0.0)
+            loss = st.sums[g] / st.counts[g] + extra[g]
             if loss < best_loss:
                 best, best_loss = g, loss
         return best if best is not None else self.rng.randint(0, st.arms - 1)
@@ -182,11 +287,13 @@ class NightjarPlanner:
                 st = self._state[key] = _Bucket(self.gmax(key) + 1)
             if st.tau == 1:  # a bin starts: explore with probability 1/b, else exploit (Eq. 4); then lock
                 if self.rng.random() < 1.0 / st.b:
-                    st.current = self.rng.choice(st.worth_exploring(self.elimination_z, ELIMINATION_MIN_PLAYS))
+                    st.current = self.rng.choice(self._explorable(st, batch_size))
                     self.explorations += 1
                 else:
                     st.current = self._exploit(st, batch_size)
             gamma = st.current
+            if gamma and self.surcharge and self._catch_up_outweighs(st, gamma):
+                gamma = 0  # a prompt joined mid-bin whose catch-up this arm cannot repay: this step runs plain
             st.advance()
         if gamma != self.prev_gamma:
             self.switches += 1
@@ -199,10 +306,15 @@ class NightjarPlanner:
         if tokens <= 0:
             return
         st = self._state.get(self.bucket(batch_size))
-        if st is not None and gamma < st.arms:
-            st.sums[gamma] += step_s / tokens
-            st.squares[gamma] += (step_s / tokens) ** 2
-            st.counts[gamma] += 1
+        if st is None or gamma >= st.arms:
+            return
+        loss = step_s / tokens
+        if st.counts[gamma] >= 2 and loss > OUTLIER_FACTOR * st.sums[gamma] / st.counts[gamma]:
+            self.outliers += 1  # not the arm's doing (see OUTLIER_FACTOR)
+            return
+        st.sums[gamma] += loss
+        st.squares[gamma] += loss * loss
+        st.counts[gamma] += 1
 
     def estimates(self) -> dict[int, list[float | None]]:
         """Empirical latency per token, per bucket and gamma (None = never played)."""
