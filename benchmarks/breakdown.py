@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
@@ -135,7 +134,10 @@ def _sequential(address: str, prompts, label: str) -> tuple[float, list]:
 
 def _scrape(address: str) -> dict:
     """The target's engine phases, decode steps and draft-round parts (cumulative) from its /metrics."""
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    from controller.local_cluster import cluster_token
+    from starjar.metrics import scrape
+
+    text = scrape(address, cluster_token())
     out = {"phases": dict.fromkeys(PHASES, 0.0), "steps": 0, "rounds": {}}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -234,9 +236,11 @@ def _beside_idle_cluster(target_dir: str, prompts, threads: int) -> dict:
 
 def _target_metrics(addresses: list[str]) -> str:
     """Which of the cluster's /metrics addresses is the target worker's."""
+    from controller.local_cluster import cluster_token
+    from starjar.metrics import scrape
+
     for a in addresses:
-        text = urllib.request.urlopen(f"http://{a}/metrics", timeout=10).read().decode()
-        if "starjar_target_decode_steps" in text:
+        if "starjar_target_decode_steps" in scrape(a, cluster_token()):
             return a
     raise RuntimeError(f"no target worker among the metrics endpoints {addresses}")
 

@@ -56,10 +56,10 @@ def _security(spec: ClusterSpec):
     return Security(token=spec.cluster_token)
 
 
-def _start_metrics(registry, host: str) -> str:
+def _start_metrics(registry, host: str, spec: ClusterSpec) -> str:
     from starjar.metrics import serve
 
-    return f"{host}:{serve(registry, host)}"
+    return f"{host}:{serve(registry, host, token=spec.cluster_token)}"
 
 
 class DraftServerActor:
@@ -77,7 +77,8 @@ class DraftServerActor:
         hand_threads_to_compute()  # the draft compute thread owns the cores from here
         cfg = DraftServerConfig(host=self.host, port=0, mode=self.spec.draft_mode, max_targets=self.spec.max_targets)
         self.server = BackgroundDraftServer(model, cfg, _security(self.spec)).start()
-        self.metrics = _start_metrics(self.server.server.metrics.registry, self.host) if self.spec.metrics else None
+        registry = self.server.server.metrics.registry
+        self.metrics = _start_metrics(registry, self.host, self.spec) if self.spec.metrics else None
         log.info("draft server actor ready at %s", self.server.address)
 
     def info(self) -> dict:
@@ -142,7 +143,7 @@ class TargetWorkerActor:
         self.server = TargetServer(model, cfg, self.policy, _security(self.spec))
         self.loop = BackgroundLoop("target-server-loop")
         self.loop.run(self.server.start())
-        self.metrics = _start_metrics(self.server.metrics.registry, self.host) if self.spec.metrics else None
+        self.metrics = _start_metrics(self.server.metrics.registry, self.host, self.spec) if self.spec.metrics else None
         log.info("target worker %s ready at %s:%d", name, self.host, self.server.port)
 
     def _draft_address(self) -> str | None:
@@ -211,7 +212,7 @@ class FrontEndActor:
                                  self.spec.auth_token, max_requests=self.spec.max_requests,
                                  request_timeout_s=self.spec.request_timeout_s,
                                  upstream=_security(self.spec)).start()
-        self.metrics = _start_metrics(self.frontend.registry, self.node) if self.spec.metrics else None
+        self.metrics = _start_metrics(self.frontend.registry, self.node, self.spec) if self.spec.metrics else None
 
     def info(self) -> dict:
         host = self.node if self.spec.host in ("0.0.0.0", "::") else self.spec.host

@@ -83,7 +83,7 @@ class Controller:
             models = {"target_model": self.spec.target.rstrip("/").split("/")[-1],
                       "draft_model": (self.spec.draft or "").rstrip("/").split("/")[-1]}
             self._metrics = ControllerMetrics(self, **models)
-            self.metrics_address = f"{host}:{serve(self._metrics.registry, host)}"
+            self.metrics_address = f"{host}:{serve(self._metrics.registry, host, token=self.spec.cluster_token)}"
 
     def policy_name(self) -> str:
         forced = self.watch.forced
@@ -185,9 +185,11 @@ class Controller:
         if self.metrics_address:
             endpoints["controller"] = self.metrics_address
         if endpoints != self._sd_written:
-            from controller.metrics import write_file_sd
+            from controller.metrics import write_file_sd, write_scrape_token
 
             try:
+                if self._sd_written is None:  # the token first: Prometheus scrapes what the SD file lists
+                    write_scrape_token(self.spec.prometheus_sd, self.spec.cluster_token)
                 write_file_sd(self.spec.prometheus_sd, endpoints)
                 self._sd_written = endpoints
             except OSError as exc:

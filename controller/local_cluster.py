@@ -27,6 +27,14 @@ def run_dir() -> Path:
     return root / "run"
 
 
+def cluster_token() -> str | None:
+    """The running local cluster's token (its metrics endpoints require it too), from its spec file."""
+    try:
+        return json.loads((run_dir() / "spec.json").read_text()).get("cluster_token")
+    except (OSError, ValueError):
+        return None
+
+
 def state_path() -> Path:
     return run_dir() / "cluster.json"
 

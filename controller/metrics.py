@@ -129,6 +129,21 @@ def fleet_metrics(fleet):
                             "without drafts)", value=len(fleet.assignment.unassigned()) if fleet.slots else 0)
 
 
+SCRAPE_TOKEN_FILE = "metrics.token"  # beside the file-SD JSON; deploy/prometheus/prometheus.yml reads it
+
+
+def write_scrape_token(sd_path: str, token: str | None) -> None:
+    """The cluster token, for Prometheus to send (authorization.credentials_file), beside the file-SD JSON;
+    readable by this user only. Without a token the endpoints are open and "none" is written."""
+    target = Path(sd_path).with_name(SCRAPE_TOKEN_FILE)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + f".{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write((token or "none") + "\n")
+    tmp.replace(target)
+
+
 def write_file_sd(path: str, endpoints: dict[str, str]) -> None:
     """endpoints: component name (draft_server, target_worker:NAME, front_end, controller) -> HOST:PORT."""
     groups = []

@@ -120,13 +120,14 @@ def security_from(args):
                     server_name=getattr(args, "tls_server_name", None))
 
 
-def _announce(kind: str, host: str, registry=None, metrics_port: int | None = None):
+def _announce(kind: str, host: str, registry=None, metrics_port: int | None = None, token: str | None = None):
+    """token: the cluster token, which the metrics endpoint then requires too."""
     def on_ready(port: int) -> None:
         msg = {"serving": kind, "address": f"{host}:{port}"}
         if registry is not None and metrics_port is not None:
             from starjar.metrics import serve
 
-            msg["metrics"] = f"{host}:{serve(registry, host, metrics_port)}"
+            msg["metrics"] = f"{host}:{serve(registry, host, metrics_port, token)}"
         print(json.dumps(msg), flush=True)
     return on_ready
 
@@ -170,9 +171,10 @@ def _run_draft(args) -> int:
     cfg = _draft_config(args)
     model = load_model(args.model or build_default_pair()["draft"], args.device, args.dtype, what="model")
     hand_threads_to_compute()  # the draft compute thread owns the cores from here
-    server = DraftServer(model, cfg, security_from(args))
+    security = security_from(args)
+    server = DraftServer(model, cfg, security)
     run_until_signalled(server.start, server.stop,
-                        _announce("draft", args.host, server.metrics.registry, args.metrics_port))
+                        _announce("draft", args.host, server.metrics.registry, args.metrics_port, security.token))
     return 0
 
 
@@ -224,6 +226,7 @@ def _run_target(args) -> int:
     hand_threads_to_compute()  # the engine thread owns the cores from here
     policy = serving_policy(chosen.policy, chosen.gamma, args.profile, bool(args.draft_server),
                             parse_buckets(args.buckets))
-    server = TargetServer(model, cfg, policy, security_from(args))
-    serve_forever(server, _announce("target", args.host, server.metrics.registry, args.metrics_port))
+    security = security_from(args)
+    server = TargetServer(model, cfg, policy, security)
+    serve_forever(server, _announce("target", args.host, server.metrics.registry, args.metrics_port, security.token))
     return 0

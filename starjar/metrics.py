@@ -10,7 +10,11 @@ lets tests and benchmarks run several servers in one process.
 
 from __future__ import annotations
 
-from prometheus_client import PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Gauge, start_http_server  # noqa: F401 - documented below
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Gauge, make_wsgi_app
 
 from starjar.version import __version__
 
@@ -38,11 +42,44 @@ def new_registry(component: str, **models: str) -> CollectorRegistry:
     return registry
 
 
-def serve(registry: CollectorRegistry, host: str, port: int = 0) -> int:
-    """Serve /metrics for this registry (plus the process's CPU and memory) on host:port; returns the port."""
+def serve(registry: CollectorRegistry, host: str, port: int = 0, token: str | None = None) -> int:
+    """Serve /metrics for this registry (plus the process's CPU and memory) on host:port; returns the port.
+    token: the cluster token; when set, a scrape must send `Authorization: Bearer <token>` (Prometheus:
+    `authorization.credentials_file`) and anything else gets 401, as every gRPC port of the cluster does."""
+    from starjar.security import token_matches
+
     registry.register(_ProcessOnly())
-    server, _ = start_http_server(port, addr=host, registry=registry)
+    metrics = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        if token_matches(environ.get("HTTP_AUTHORIZATION"), token):
+            return metrics(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                            ("WWW-Authenticate", 'Bearer realm="starjar"')])
+        return [b"send the cluster token: Authorization: Bearer <token>\n"]
+
+    server = make_server(host, port, app, _ThreadingServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server.server_port
+
+
+def scrape(address: str, token: str | None = None, timeout: float = 10.0) -> str:
+    """The text of host:port/metrics, sending the cluster token when there is one."""
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(f"http://{address}/metrics", headers=headers),
+                                timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a stuck scrape never holds the process open
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # one line per scrape every 5 s is noise, not a log
+        pass
 
 
 class _ProcessOnly:

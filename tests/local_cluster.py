@@ -22,6 +22,8 @@ def up_cluster(tmp_path_factory, *up_args: str):
         _cli("down", env=env, timeout=180)  # a cluster that never got ready is stopped too
         raise
     addrs = json.loads(up.stdout.strip().splitlines()[-1])
+    # Its metrics endpoints require the cluster's token, as its gRPC ports do.
+    addrs["metrics_token"] = json.loads((home / "run" / "spec.json").read_text())["cluster_token"]
     state = json.loads((home / "run" / "cluster.json").read_text())
     import ray
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -54,8 +55,9 @@ def _cli(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedPro
                           timeout=timeout)
 
 
-def _get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=30) as resp:
+def _get(url: str, token: str | None = None) -> bytes:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as resp:
         return resp.read()
 
 
@@ -109,7 +111,8 @@ def observed(model_dirs, tmp_path_factory):
         else:
             pytest.fail("Prometheus never scraped every endpoint: " + (tmp / "prometheus.log").read_text()[-2000:])
         time.sleep(14)  # enough scrapes for 20 s rates, and two N_full samples with traffic between
-        yield {"addrs": addrs, "api": api, "env": env, "sd": sd}
+        token = (sd.parent / "metrics.token").read_text().strip()  # what Prometheus sends, as the config says
+        yield {"addrs": addrs, "api": api, "env": env, "sd": sd, "token": token}
     finally:
         stop.set()
         [w.join(60) for w in workers]
@@ -122,12 +125,24 @@ def observed(model_dirs, tmp_path_factory):
 def test_promtool_accepts_a_live_scrape_of_every_component(observed):
     components = set()
     for endpoint in observed["addrs"]["metrics"]:
-        text = _get(f"http://{endpoint}/metrics")
+        text = _get(f"http://{endpoint}/metrics", observed["token"])
         check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)
         assert check.returncode == 0, (endpoint, check.stdout.decode() + check.stderr.decode())
         components |= {line.split('component="')[1].split('"')[0] for line in text.decode().splitlines()
                        if line.startswith("starjar_build_info")}
     assert components == {"draft_server", "target_worker", "front_end", "controller"}
+
+
+def test_every_metrics_endpoint_requires_the_cluster_token(observed):
+    """As every gRPC port of the cluster does: Prometheus scrapes with the token the controller wrote beside the
+    SD file (the shipped config's credentials_file), and anyone without it gets 401 and nothing else."""
+    token_file = observed["sd"].parent / "metrics.token"
+    assert oct(token_file.stat().st_mode & 0o777) == "0o600" and len(observed["token"]) >= 32
+    for endpoint in observed["addrs"]["metrics"]:
+        for header in (None, "wrong-token-of-enough-length-0000"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                _get(f"http://{endpoint}/metrics", header)
+            assert err.value.code == 401 and b"starjar_" not in err.value.read()
 
 
 def test_file_sd_lists_every_endpoint(observed):
@@ -191,7 +206,7 @@ def test_labels_stay_bounded(observed):
     for endpoint in observed["addrs"]["metrics"]:
         from prometheus_client.parser import text_string_to_metric_families
 
-        for fam in text_string_to_metric_families(_get(f"http://{endpoint}/metrics").decode()):
+        for fam in text_string_to_metric_families(_get(f"http://{endpoint}/metrics", observed["token"]).decode()):
             if not fam.name.startswith("starjar_"):
                 continue
             for sample in fam.samples:

@@ -181,3 +181,19 @@ def test_mutual_tls_speculates_losslessly_and_binds_each_session_to_its_caller(m
         out = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=24))]
         assert out == reference("llama", 24)[:8] and eng.stats.accepted_tokens > 0
         rp.close()
+
+
+def test_a_metrics_endpoint_with_a_token_answers_only_those_who_send_it():
+    import urllib.error
+
+    from starjar.metrics import new_registry, scrape, serve
+
+    token = "t" * 40
+    guarded = serve(new_registry("target_worker"), "127.0.0.1", 0, token=token)
+    assert "starjar_build_info" in scrape(f"127.0.0.1:{guarded}", token)
+    for wrong in (None, "u" * 40):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            scrape(f"127.0.0.1:{guarded}", wrong)
+        assert err.value.code == 401 and err.value.headers["WWW-Authenticate"].startswith("Bearer")
+    open_port = serve(new_registry("target_worker"), "127.0.0.1", 0)  # no cluster token: open, as its gRPC port
+    assert "starjar_build_info" in scrape(f"127.0.0.1:{open_port}")

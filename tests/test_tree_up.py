@@ -4,13 +4,13 @@ greedy output equal to the target alone, and the targets' own metrics showing to
 
 from __future__ import annotations
 
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from local_cluster import up_cluster
 
 from starjar import Client
+from starjar.metrics import scrape
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS, N = 24, 16
@@ -25,8 +25,8 @@ def tree_cluster(model_dirs, tmp_path_factory):
         yield running
 
 
-def _scrape(address: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+def _scrape(address: str, token: str) -> dict[str, float]:
+    text = scrape(address, token)
     return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
             if line.startswith("starjar_") and "{" not in line}
 
@@ -47,7 +47,7 @@ def test_up_tree_adaserve_is_lossless_with_and_without_slos_and_verifies_trees(t
     for o, slo in zip(outs, slos, strict=True):
         assert o.tpot_s > 0
         assert o.tpot_slo_met is {None: None, 100.0: True, 1e-6: False}[slo]
-    scraped = [_scrape(m) for m in addrs["metrics"]]
+    scraped = [_scrape(m, addrs["metrics_token"]) for m in addrs["metrics"]]
     targets = [m for m in scraped if "starjar_target_tree_rounds_total" in m]
     assert len(targets) == 2
     rounds = sum(m["starjar_target_tree_rounds_total"] for m in targets)
