@@ -220,6 +220,8 @@ class DraftEngine:
         # A new sequence's whole prompt goes in its own pass; a usual round's catch-up (accepted drafts + the
         # bonus token) is short enough to ride with the one-token steps.
         cap = min(MAX_FEED, self.max_pass_tokens)
+        if any(len(j.feed) > cap for j in live):  # a prompt over several passes: the cache grows once, up front
+            self.cache.reserve(max(self.cache.lengths[j.seq.slot] + len(j.feed) + j.gamma for j in live))
         for step in grouped_forward(self.model, self.cache, live, lambda j: j.feed[:cap], lambda j: j.seq.slot,
                                     short=SHORT_FEED, max_pass_tokens=self.max_pass_tokens,
                                     tree=_tree_row, last=_logit_rows, max_gather_cells=self.max_gather_cells):

@@ -134,7 +134,7 @@ class RaggedKVCache(Cache):
             self._kv_len = int((starts + counts + (counts < Q).long()).max())
             write = pos.clamp(max=self._kv_len - 1)
         if self._kv_len > self._len_cap:
-            self._grow(length=max(self._kv_len, 2 * self._len_cap))
+            self._grow(length=_room_for(self._kv_len, self._len_cap))
         contiguous = slots == list(range(slots[0], slots[0] + B))
         self._rows = slice(slots[0], slots[0] + B) if contiguous else torch.tensor(slots, dtype=torch.long)
         self._write_pos = write.to(self.device)
@@ -197,6 +197,19 @@ class RaggedKVCache(Cache):
 
     # ---- storage --------------------------------------------------------------------------
 
+    def reserve(self, length: int) -> None:
+        """Room for `length` positions per slot before a prompt goes in over several passes: one growth (every
+        buffer allocated, zeroed and copied: 0.5-0.9 s for 16 slots of 1024 on the default pair's draft) instead
+        of one per pass."""
+        if length <= self._len_cap:
+            return
+        if not self._keys:  # buffers not made yet: they will be made this long (within the budget)
+            room = _room_for(length, self._len_cap)
+            if not self.max_cells or room * self._slot_cap <= self.max_cells:
+                self._len_cap = room
+            return
+        self._grow(length=_room_for(length, self._len_cap))
+
     def _grow(self, slots: int | None = None, length: int | None = None) -> None:
         """Grow to at least (slots, length); the doubling is clamped to max_cells."""
         slots = slots or self._slot_cap
@@ -216,6 +229,12 @@ class RaggedKVCache(Cache):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._keys + self._values)
+
+
+def _room_for(length: int, capacity: int) -> int:
+    """The capacity to grow to for `length` positions: at least double, and a power of two, so that a 770-token
+    prompt grows the cache once (to 1024), not to 771 and then to 1542 at its first decode step."""
+    return max(2 * capacity, 1 << max(0, length - 1).bit_length())
 
 
 def _tree_rows(pos: torch.Tensor, allowed: torch.Tensor, starts: torch.Tensor,

@@ -123,3 +123,36 @@ def test_the_slice_write_equals_the_scatter_write_with_padding_and_a_budget(mode
         for ka, kb in zip(a._keys + a._values, b._keys + b._values, strict=True):
             for s, n in enumerate(a.lengths):
                 assert torch.equal(ka[s, :, :n], kb[s, :, :n])
+
+
+def test_a_long_prompt_grows_the_cache_once(models):
+    """A 770-token prompt: the cache grows to the next power of two (1024) and its decode steps fit, where
+    growing to exactly 771 made the first decode step grow it again, to 1542 (every buffer zeroed and copied
+    twice). The logits stay exact across the growth."""
+    m = models["llama"]
+    cache = m.new_cache()
+    grown = []
+    grow = cache._grow
+    cache._grow = lambda slots=None, length=None: (grown.append(length), grow(slots, length))
+    prompt = [3 + i % 200 for i in range(770)]
+    slot = cache.allocate()
+    m.forward(cache, [slot], [prompt], [[769]])
+    out = m.forward(cache, [slot], [[7, 8, 9]], [[2]])
+    assert [g for g in grown if g] == [1024] and cache._len_cap == 1024
+    assert torch.allclose(out[0][0], full_logits(m, prompt + [7, 8, 9]), atol=TOL)
+
+
+def test_reserve_makes_room_before_a_prompt_goes_in_over_several_passes(models):
+    m = models["llama"]
+    lazy = m.new_cache()
+    lazy.reserve(900)  # no buffers yet: they are made at that size
+    assert lazy._len_cap == 1024
+    cache = m.new_cache()
+    slot = cache.allocate()
+    m.forward(cache, [slot], [list(range(3, 103))], [[99]])
+    cache.reserve(600)
+    assert cache._len_cap == 1024 and cache._keys[0].shape[2] == 1024
+    budgeted = m.new_cache()
+    budgeted.max_cells = 4 * 512  # 4 slots x 1024 would pass the budget: left to grow pass by pass
+    budgeted.reserve(900)
+    assert budgeted._len_cap == 256
