@@ -188,8 +188,9 @@ class Controller:
             from controller.metrics import write_file_sd, write_scrape_token
 
             try:
-                if self._sd_written is None:  # the token first: Prometheus scrapes what the SD file lists
-                    write_scrape_token(self.spec.prometheus_sd, self.spec.cluster_token)
+                # The token first, every time: Prometheus scrapes what the SD file lists, and a token file put
+                # back by hand (a checkout) is mended at the next change.
+                write_scrape_token(self.spec.prometheus_sd, self.spec.cluster_token)
                 write_file_sd(self.spec.prometheus_sd, endpoints)
                 self._sd_written = endpoints
             except OSError as exc:

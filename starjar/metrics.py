@@ -10,6 +10,7 @@ lets tests and benchmarks run several servers in one process.
 
 from __future__ import annotations
 
+import socket
 import threading
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -58,7 +59,11 @@ def serve(registry: CollectorRegistry, host: str, port: int = 0, token: str | No
                                             ("WWW-Authenticate", 'Bearer realm="starjar"')])
         return [b"send the cluster token: Authorization: Bearer <token>\n"]
 
-    server = make_server(host, port, app, _ThreadingServer, handler_class=_QuietHandler)
+    # The address family of the host given (an IPv6 host such as :: or ::1 needs AF_INET6), as prometheus_client's
+    # own server chooses it.
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("MetricsServer", (_ThreadingServer,), {"address_family": family})
+    server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server.server_port
 

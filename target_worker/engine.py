@@ -232,8 +232,7 @@ class TargetEngine:
         """Gamma for this batch size, capped per sequence; the newest preempted until the step fits the KV."""
         note = getattr(self.policy, "note_draft_lag", None) if self.proposer else None
         if note is not None:
-            step = self.config.max_gamma + 1
-            note([r.draft_lag(step) for r in decoding], [r.tokens_left() for r in decoding])
+            note([r.draft_lag() for r in decoding], [r.tokens_left() for r in decoding])
         gamma = min(self.policy.choose(len(decoding)), self.config.max_gamma) if self.proposer else 0
         if self.step_listener is not None:
             self.step_listener(len(decoding), gamma)
@@ -341,6 +340,8 @@ class TargetEngine:
             r.req.count_round(len(r.draft), r.verdict.num_accepted)
             accepted += r.verdict.num_accepted
             tokens += self._emit(r.req, r.verdict.tokens, outputs)
+            if r.gamma and r.req.draft_synced:  # the draft took this step's context: it is in step again
+                r.req.spec_through = r.req.num_tokens
         now = time.perf_counter()
         drafted = plan.drafted
         kind = self.stats.observe_step(now - plan.started_s, now - plan.scored_s, tokens, drafted,

@@ -43,6 +43,7 @@ class Request:
     draft_key: int = field(default_factory=lambda: next(_draft_keys))
     slot: int = -1
     draft_synced: int = 0  # how many of all_ids() the proposer has been told about
+    spec_through: int = 0  # len(all_ids()) after its last speculative step: tokens past it came from plain steps
     tpot_slo_s: float | None = None  # the time per output token the client asked for (AdaServe), if any
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (stop ids, EOS unless ignored), set at enqueue
 
@@ -62,11 +63,10 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def draft_lag(self, step_tokens: int) -> int:
-        """Tokens the draft must catch up on before it can propose again: a prompt it never saw, or more than
-        one step's verified tokens (steps taken without speculation); 0 when it is in step."""
-        unsent = self.num_tokens - self.draft_synced
-        return unsent if self.draft_synced == 0 or unsent > step_tokens else 0
+    def draft_lag(self) -> int:
+        """Tokens the draft must catch up on before it can propose again, beyond the last speculative step's own
+        verified tokens: a prompt it never saw, or the tokens of the plain steps since; 0 when it is in step."""
+        return self.num_tokens if self.draft_synced == 0 else max(0, self.num_tokens - self.spec_through)
 
     def tokens_left(self) -> int:
         return max(0, self.params.max_tokens - len(self.output_ids))

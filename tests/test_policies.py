@@ -84,9 +84,12 @@ def test_exploration_stops_paying_for_arms_clearly_worse_than_the_best():
 
     pruned, p = explored(2.0)
     uniform, _ = explored(None)
-    late = pruned[len(pruned) // 2:]
-    assert late and set(late) == {0}, late  # once every arm has its plays, only the best is left
-    assert sum(g > 0 for g in uniform[len(uniform) // 2:]) > len(uniform) // 4
+    def share(picks):  # of the later explorations, those that paid for a worse arm
+        late = picks[len(picks) // 2:]
+        return sum(g > 0 for g in late) / len(late)
+
+    # Only a block's first bin still tries every arm (an arm is not ruled out for good); the rest try the best.
+    assert share(pruned) < 0.3 and share(uniform) > 0.6, (share(pruned), share(uniform))
     assert p._state[16].worth_exploring(2.0, 8) == [0]
     regret = [simulate(_nightjar(s), 16000, batch_size=16, seed=s)[0] for s in range(3)]
     paper = [simulate(NightjarPlanner(max_gamma=4, cswitch=CSwitchTable([1], [1], [[SWITCH_S]]), seed=s,
@@ -317,18 +320,30 @@ def test_a_prompt_joining_mid_bin_turns_a_locked_speculative_arm_off_for_the_ste
     while st.tau == 1 or st.current == 0:  # into a bin locked on a speculative arm
         p.note_draft_lag([0] * 8, [200] * 8)
         p.choose(8)
-    p.note_draft_lag([0] * 7 + [770], [200] * 7 + [20])  # C(770, 1) = 0.77 s over 20 tokens
+    p.note_draft_lag([0] * 7 + [770], [30] * 7 + [20])  # C(770, 1) = 0.77 s over the batch's last 230 tokens
     assert p.choose(8) == 0
+    p.note_draft_lag([0] * 7 + [770], [200] * 8)  # over 1600 tokens to come it is repaid: the bin's arm stays
+    assert p.choose(8) == st.current > 0
     p.note_draft_lag([0] * 8, [200] * 8)
     assert p.choose(8) == st.current > 0  # the bin's arm again once nothing lags
 
 
-def test_a_step_far_slower_than_its_arm_is_left_out_of_the_mean():
+def test_a_step_far_slower_than_its_arm_is_clipped_in_the_mean():
     p = _nightjar(0)
     p.choose(8)
     for loss in (0.01, 0.011, 0.09, 0.012):
         p.observe(8, 0, loss * 10, 10, 0, 0)
-    assert p.estimates()[8][0] == pytest.approx(0.011) and p.outliers == 1
+    assert p.estimates()[8][0] == pytest.approx((0.01 + 0.011 + 4 * 0.0105 + 0.012) / 4) and p.outliers == 1
+    # An arm that really became 5x slower is not stuck at its old mean: clipped steps still pull it up.
+    p.choose(1)
+    for loss in [0.0025] * 3 + [0.0125] * 100:
+        p.observe(1, 0, loss, 1, 0, 0)
+    assert p.estimates()[1][0] > 0.011
+    paper = make_policy("nightjar_paper", 4)  # Algorithm 1 as printed keeps every loss as measured
+    paper.choose(8)
+    for loss in (0.01, 0.011, 0.09, 0.012):
+        paper.observe(8, 0, loss * 10, 10, 0, 0)
+    assert paper.estimates()[8][0] == pytest.approx(0.123 / 4) and paper.outliers == 0
 
 
 def test_the_engine_tells_the_policy_what_the_draft_must_catch_up_on(models, spec_prompts, reference):
@@ -350,3 +365,39 @@ def test_the_engine_tells_the_policy_what_the_draft_must_catch_up_on(models, spe
     # tokens to go. Then, speculating every step, nothing lags beyond a step's verified tokens.
     assert notes[0] == ([len(p) + 1 for p in prompts], [11, 11])
     assert all(b == [0] * len(b) for b, _ in notes[1:]) and len(notes) > 2
+
+    class Alternating(Recording):  # speculate, two plain steps, speculate: the draft then lags those two tokens
+        def __init__(self):
+            super().__init__(0)
+            self.plan = iter([2, 0, 0, 2, 2])
+
+        def choose(self, batch_size):
+            return next(self.plan, 2)
+
+    notes.clear()
+    engine = colocated_engine(models["llama"], models["draft"], 0, 4, policy=Alternating())
+    reqs = engine.generate(prompts[:1], SamplingParams(max_tokens=12))
+    assert reqs[0].output_ids == reference("llama", 64)[0][:12]
+    assert [b[0] for b, _ in notes[:5]] == [len(prompts[0]) + 1, 0, 1, 2, 0]
+
+
+def test_an_eliminated_arm_comes_back_when_it_becomes_the_best():
+    """Elimination is not for good: a block's first bin tries every arm, so when acceptance rises and speculation
+    starts to pay at a batch size where it lost, the planner moves to it."""
+    from starjar.policies.nightjar import NightjarPlanner
+
+    p = NightjarPlanner(max_gamma=2, cswitch=CSwitchTable.zero(), seed=0)
+
+    def run(steps, losses):
+        picks = [0, 0, 0]
+        for _ in range(steps):
+            g = p.choose(8)
+            picks[g] += 1
+            p.observe(8, g, losses[g] * 10, 10, 0, 0)
+        return picks
+
+    first = run(20000, [0.0075, 0.01, 0.01])
+    assert first[0] > 0.95 * sum(first)
+    later = run(60000, [0.0075, 0.004, 0.004])
+    assert later[1] + later[2] > 0.5 * sum(later), later
+    assert run(5000, [0.0075, 0.004, 0.004])[0] < 500

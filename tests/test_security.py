@@ -197,3 +197,16 @@ def test_a_metrics_endpoint_with_a_token_answers_only_those_who_send_it():
         assert err.value.code == 401 and err.value.headers["WWW-Authenticate"].startswith("Bearer")
     open_port = serve(new_registry("target_worker"), "127.0.0.1", 0)  # no cluster token: open, as its gRPC port
     assert "starjar_build_info" in scrape(f"127.0.0.1:{open_port}")
+
+
+def test_a_metrics_endpoint_serves_on_an_ipv6_host():
+    import socket
+
+    from starjar.metrics import new_registry, scrape, serve
+
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    port = serve(new_registry("draft_server"), "::1", 0, token="v" * 40)
+    assert "starjar_build_info" in scrape(f"[::1]:{port}", "v" * 40)

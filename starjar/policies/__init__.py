@@ -39,7 +39,7 @@ def make_policy(name: str, max_gamma: int = 4, cswitch=None, profile: dict | Non
         return NightjarPlanner(max_gamma, cswitch, seed=seed, limits=limits, bounds=bounds, **extra)
     if name == "nightjar_paper":  # Algorithm 1 exactly as printed: every gamma at every exact B
         return NightjarPlanner(max_gamma, cswitch, seed=seed, buckets=buckets or PAPER_BUCKETS, name=name,
-                               elimination_z=None, lag_aware=False)
+                               elimination_z=None, lag_aware=False, clip_outliers=False)
     if name == "none":
         return FixedGamma(0)
     if name.startswith("fixed_") and name[6:].isdigit():

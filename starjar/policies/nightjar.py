@@ -31,9 +31,9 @@ ELIMINATION_MIN_PLAYS = 8  # plays of an arm before its confidence bound can rul
 # Tokens a lagging sequence is counted on to repay the draft's catch-up: max_tokens is often far above what a
 # request produces before its end-of-sequence token.
 LAG_HORIZON_TOKENS = 256
-# A step slower than this many times its arm's mean so far is left out of the mean: such steps come from the
-# process, not the arm (the KV cache growing for a 770-token newcomer made one plain step at batch 8 take 665 ms
-# against 55-70 ms; among ten samples it raised plain decoding's mean by 7 ms a token).
+# A step slower than this many times its arm's mean so far counts as this many times the mean: such steps come
+# from the process, not the arm (the KV cache growing for a 770-token newcomer made one plain step at batch 8
+# take 665 ms against 55-70 ms; among ten samples it raised plain decoding's mean by 7 ms a token).
 OUTLIER_FACTOR = 4.0
 
 
@@ -180,13 +180,14 @@ class NightjarPlanner:
     def __init__(self, max_gamma: int = 4, cswitch: CSwitchTable | None = None,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, seed: int | None = 0,
                  limits: dict[int, int] | None = None, name: str = "nightjar", elimination_z: float | None = 2.0,
-                 bounds: dict[int, list[float]] | None = None, lag_aware: bool = True):
+                 bounds: dict[int, list[float]] | None = None, lag_aware: bool = True, clip_outliers: bool = True):
         """limits: Gmax per batch size (see arm_limits); a batch size between two entries takes the
         larger limit of the two (conservative: never rules out an arm that might pay). name: the registry's
         name for this configuration (nightjar, nightjar_paper). bounds: speedup_bounds of the profile, which let
         a known catch-up cost rule arms out before they are tried (see note_draft_lag); lag_aware=False ignores
-        that note (Algorithm 1 as printed)."""
+        that note and clip_outliers=False keeps every step's loss as measured (Algorithm 1 as printed)."""
         self.lag_aware = lag_aware
+        self.clip_outliers = clip_outliers
         self.name = name
         self.bounds = sorted((int(b), v) for b, v in (bounds or {}).items())
         self.surcharge: float | None = None  # seconds per token a speculative step owes the catch-up; None: unknown
@@ -222,16 +223,17 @@ class NightjarPlanner:
         """Before a step, per sequence: prompt or skipped tokens the draft must catch up on before it can
         propose (0 when in step), and the tokens the sequence may still produce. The catch-up (C_switch at that
         length and count) is a cost every speculative arm pays and plain decoding does not; spread over what the
-        lagging sequences can still produce, it is added to their loss. Without this note the planner falls back
+        batch can still produce, it is added to their loss. Without this note the planner falls back
         to the paper's C_switch(L_max, B) / gamma after steps without speculation."""
         if not self.lag_aware:
             return
-        lagging = [(b, n) for b, n in zip(behind, left, strict=True) if b > 0]
+        lagging = [b for b in behind if b > 0]
         if not lagging:
             self.surcharge = 0.0
             return
-        cost = self.cswitch.catch_up([b for b, _ in lagging])
-        self.surcharge = cost / max(1, sum(min(n, LAG_HORIZON_TOKENS) for _, n in lagging))
+        # Spread over the whole batch's tokens to come, as the arms' losses are per token of the whole batch.
+        cost = self.cswitch.catch_up(lagging)
+        self.surcharge = cost / max(1, sum(min(n, LAG_HORIZON_TOKENS) for n in left))
 
     def _bound(self, batch_size: int, gamma: int) -> float:
         """The best speedup gamma could give at this batch size (the larger of the profiled sizes either side)."""
@@ -241,11 +243,11 @@ class NightjarPlanner:
         i = bisect_right(sizes, batch_size)
         return max(v[gamma] if gamma < len(v) else math.inf for _, v in self.bounds[max(0, i - 1):i + 1])
 
-    def _explorable(self, st: _Bucket, batch_size: int) -> list[int]:
+    def _explorable(self, st: _Bucket, batch_size: int, everything: bool = False) -> list[int]:
         """Arms worth exploring now: those the confidence bounds keep, less the speculative arms that could not
         beat plain decoding even with every draft accepted once the pending catch-up is paid (an arm is a
         cheap lesson at batch 1 with a new prompt, an expensive one when eight prompts must be drafted first)."""
-        arms = st.worth_exploring(self.elimination_z, ELIMINATION_MIN_PLAYS)
+        arms = list(range(st.arms)) if everything else st.worth_exploring(self.elimination_z, ELIMINATION_MIN_PLAYS)
         if not self.surcharge:
             return arms
         if not st.counts[0]:
@@ -287,7 +289,9 @@ class NightjarPlanner:
                 st = self._state[key] = _Bucket(self.gmax(key) + 1)
             if st.tau == 1:  # a bin starts: explore with probability 1/b, else exploit (Eq. 4); then lock
                 if self.rng.random() < 1.0 / st.b:
-                    st.current = self.rng.choice(self._explorable(st, batch_size))
+                    # A block's first bin explores every arm the catch-up allows, eliminated ones too: an arm
+                    # ruled out once is not ruled out for good (acceptance drifts with the workload).
+                    st.current = self.rng.choice(self._explorable(st, batch_size, everything=st.b == 1))
                     self.explorations += 1
                 else:
                     st.current = self._exploit(st, batch_size)
@@ -309,9 +313,12 @@ class NightjarPlanner:
         if st is None or gamma >= st.arms:
             return
         loss = step_s / tokens
-        if st.counts[gamma] >= 2 and loss > OUTLIER_FACTOR * st.sums[gamma] / st.counts[gamma]:
-            self.outliers += 1  # not the arm's doing (see OUTLIER_FACTOR)
-            return
+        ceiling = OUTLIER_FACTOR * st.sums[gamma] / st.counts[gamma] if st.counts[gamma] >= 2 else math.inf
+        if self.clip_outliers and loss > ceiling:
+            # Clipped, not dropped: a one-off stall moves the mean little, and an arm that really became slower
+            # still pulls its mean up step by step.
+            self.outliers += 1
+            loss = ceiling
         st.sums[gamma] += loss
         st.squares[gamma] += loss * loss
         st.counts[gamma] += 1
