@@ -104,12 +104,11 @@ def _run_n(draft_dir, mode, n, scripts, verify_s, duration_s, fingerprint) -> di
 
 def exported_draft_metrics(metrics_address: str) -> dict:
     """Load and T_idle from a scrape of the draft server's /metrics."""
-    import urllib.request
-
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
+    from starjar.metrics import scrape
+
+    text = scrape(metrics_address)
     values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
     busy, idle = values["starjar_draft_busy_time_seconds_total"], values["starjar_draft_idle_time_seconds_total"]
     gaps = values["starjar_draft_idle_gap_seconds_count"]

@@ -135,13 +135,7 @@ SCRAPE_TOKEN_FILE = "metrics.token"  # beside the file-SD JSON; deploy/prometheu
 def write_scrape_token(sd_path: str, token: str | None) -> None:
     """The cluster token, for Prometheus to send (authorization.credentials_file), beside the file-SD JSON;
     readable by this user only. Without a token the endpoints are open and "none" is written."""
-    target = Path(sd_path).with_name(SCRAPE_TOKEN_FILE)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write((token or "none") + "\n")
-    tmp.replace(target)
+    _replace(Path(sd_path).with_name(SCRAPE_TOKEN_FILE), (token or "none") + "\n", mode=0o600)
 
 
 def write_file_sd(path: str, endpoints: dict[str, str]) -> None:
@@ -153,8 +147,14 @@ def write_file_sd(path: str, endpoints: dict[str, str]) -> None:
         if instance:
             labels["worker"] = instance
         groups.append({"targets": [address], "labels": labels})
-    target = Path(path)
+    _replace(Path(path), json.dumps(groups, indent=1))
+
+
+def _replace(target: Path, text: str, mode: int = 0o644) -> None:
+    """Write text to a temporary file (created with `mode`) and rename it over target, so a reader (Prometheus)
+    never sees half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(groups, indent=1))
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
+        f.write(text)
     tmp.replace(target)

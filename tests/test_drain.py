@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import signal
 import time
-import urllib.request
 
 from streams import Stream, refused_while_draining, wait_streaming
 
 from controller.launch import ServerProcess
 from starjar import Client
+from starjar.metrics import scrape
 
 MAX_TOKENS = 300  # the long_prompts' references run this long without EOS
 N_STREAMS = 8  # with --batch-size 2: two running, six queued; the queued ones are in flight too
@@ -20,7 +20,7 @@ N_STREAMS = 8  # with --batch-size 2: two running, six queued; the queued ones a
 def _gauges(metrics_address: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
+    text = scrape(metrics_address)
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 

@@ -2,7 +2,6 @@
 the flags' validation, and the profiled verification budget reaching the tree selection."""
 
 import json
-import urllib.request
 
 import pytest
 
@@ -11,6 +10,7 @@ from controller.cluster_spec import ClusterSpec
 from controller.launch import ServerProcess
 from starjar import Client
 from starjar.errors import InvalidArgument
+from starjar.metrics import scrape
 from starjar.tree_select import TREE_MAX_DEPTH
 from target_worker.tree_budget import measure_verify_budget, profiled_budget, tree_config
 
@@ -18,7 +18,7 @@ MAX_TOKENS = 32
 
 
 def _scrape(address: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    text = scrape(address)
     return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
             if line.startswith("starjar_target_") and "{" not in line}
 

@@ -116,9 +116,13 @@ class _Bucket:
         self.squares = [0.0] * self.arms
         self.counts = [0] * self.arms
 
+    def mean(self, g: int) -> float:
+        """Arm g's empirical latency per token (inf while it was never played)."""
+        return self.sums[g] / self.counts[g] if self.counts[g] else math.inf
+
     def _bounds(self, g: int, z: float) -> tuple[float, float]:
         n = self.counts[g]
-        mean = self.sums[g] / n
+        mean = self.mean(g)
         var = max(0.0, self.squares[g] / n - mean * mean)
         radius = z * math.sqrt(var / n)
         return mean - radius, mean + radius
@@ -131,7 +135,7 @@ class _Bucket:
         played = [g for g in range(self.arms) if self.counts[g] >= min_plays]
         if len(played) < 2 or math.isinf(z):
             return list(range(self.arms))
-        best = min(played, key=lambda g: self.sums[g] / self.counts[g])
+        best = min(played, key=self.mean)
         ceiling = self._bounds(best, z)[1]
         return [g for g in range(self.arms) if g not in played or self._bounds(g, z)[0] <= ceiling]
 
@@ -190,6 +194,7 @@ class NightjarPlanner:
         self.clip_outliers = clip_outliers
         self.name = name
         self.bounds = sorted((int(b), v) for b, v in (bounds or {}).items())
+        self._bound_sizes = [b for b, _ in self.bounds]
         self.surcharge: float | None = None  # seconds per token a speculative step owes the catch-up; None: unknown
         self.elimination_z = math.inf if elimination_z is None else elimination_z  # inf: explore every arm
         if max_gamma < 0:
@@ -239,8 +244,7 @@ class NightjarPlanner:
         """The best speedup gamma could give at this batch size (the larger of the profiled sizes either side)."""
         if not self.bounds:
             return math.inf
-        sizes = [b for b, _ in self.bounds]
-        i = bisect_right(sizes, batch_size)
+        i = bisect_right(self._bound_sizes, batch_size)
         return max(v[gamma] if gamma < len(v) else math.inf for _, v in self.bounds[max(0, i - 1):i + 1])
 
     def _explorable(self, st: _Bucket, batch_size: int, everything: bool = False) -> list[int]:
@@ -252,17 +256,13 @@ class NightjarPlanner:
             return arms
         if not st.counts[0]:
             return [0]  # what plain decoding costs here comes first: it needs no catch-up
-        plain = st.sums[0] / st.counts[0]
+        plain = st.mean(0)
         keep = [g for g in arms if g == 0 or plain / self._bound(batch_size, g) + self.surcharge < plain]
         return keep or [0]
 
-    @staticmethod
-    def _mean(st: _Bucket, g: int) -> float:
-        return st.sums[g] / st.counts[g] if st.counts[g] else math.inf
-
     def _catch_up_outweighs(self, st: _Bucket, gamma: int) -> bool:
         """Whether plain decoding is cheaper than `gamma` once this step's catch-up is counted (both measured)."""
-        return bool(st.counts[0] and st.counts[gamma]) and self._mean(st, 0) < self._mean(st, gamma) + self.surcharge
+        return bool(st.counts[0] and st.counts[gamma]) and st.mean(0) < st.mean(gamma) + self.surcharge
 
     def _exploit(self, st: _Bucket, batch_size: int) -> int:
         best, best_loss = None, math.inf
@@ -274,7 +274,7 @@ class NightjarPlanner:
         for g in range(st.arms):
             if not st.counts[g]:
                 continue
-            loss = st.sums[g] / st.counts[g] + extra[g]
+            loss = st.mean(g) + extra[g]
             if loss < best_loss:
                 best, best_loss = g, loss
         return best if best is not None else self.rng.randint(0, st.arms - 1)
@@ -313,7 +313,7 @@ class NightjarPlanner:
         if st is None or gamma >= st.arms:
             return
         loss = step_s / tokens
-        ceiling = OUTLIER_FACTOR * st.sums[gamma] / st.counts[gamma] if st.counts[gamma] >= 2 else math.inf
+        ceiling = OUTLIER_FACTOR * st.mean(gamma) if st.counts[gamma] >= 2 else math.inf
         if self.clip_outliers and loss > ceiling:
             # Clipped, not dropped: a one-off stall moves the mean little, and an arm that really became slower
             # still pulls its mean up step by step.
