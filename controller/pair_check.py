@@ -100,12 +100,15 @@ def measurement_key() -> str:
 
 
 def _machine(info: dict) -> dict:
-    """What a measurement holds for: this CPU and torch, a kernel path forced by STARJAR_INT8_KERNEL, and the
-    draft forward that was timed (a measurement of another revision of it, or of the eager path, is stale)."""
+    """What a measurement holds for: this CPU and torch (and the ISA limits it ran under), a kernel path forced
+    by STARJAR_INT8_KERNEL, and the draft forward that was timed (a measurement of another revision of it, or
+    of the eager path, is stale)."""
     from starjar import lean_step, skinny_linear
     from starjar.kernels import forced_path
 
+    limits = info.get("isa_limits") or {}  # named only when set: measurements taken without them stay valid
     return {**{k: info[k] for k in ("cpu_model", "cpu_capability", "torch", "threads")},
+            **({"isa_limits": limits} if limits else {}),
             "int8_kernel_forced": forced_path(),
             "draft_forward": f"{DRAFT_FORWARD_REVISION}{'' if lean_step.enabled() else '-eager'}",
             "target_forward": f"{TARGET_FORWARD_REVISION}"

@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 
 INT8_PATHS = ("int_mm", "fused")
 ENV = "STARJAR_INT8_KERNEL"
+# Settings that make the libraries behave as on a smaller CPU (scripts/emulate_isa.sh): the ISA each one may
+# use, and STARJAR_INT_MM_ONEDNN=0, which sends torch._int_mm to its generic loop as on an AVX2-only AMD EPYC.
+# A measurement taken under them is another machine's: they are part of every cache key and benchmark meta.
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS", "MKL_ENABLE_INSTRUCTIONS",
+              "STARJAR_INT_MM_ONEDNN")
 PROBE_ROWS = (2, 8, 32)  # multi-row passes: catch-up, batched drafting, prefill chunks
 
 
@@ -52,7 +57,18 @@ def machine_info() -> dict:
     return {"cpu_model": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "threads": compute_threads(),
             "quantized_engine": torch.backends.quantized.engine, "int8_kernel": chosen_path(),
-            "fp32_few_rows": fp32_few_rows()}
+            "fp32_few_rows": fp32_few_rows(), "isa_limits": isa_limits()}
+
+
+def isa_limits() -> dict:
+    """The ISA_LIMITS this process runs under (empty on a machine used as it is)."""
+    return {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k, "").strip()}
+
+
+def int_mm_uses_onednn() -> bool:
+    """False under STARJAR_INT_MM_ONEDNN=0: torch._int_mm then runs the generic kernel a CPU without a oneDNN
+    int8 primitive gets (35-50x slower than fp32), so the cliff can be measured on any machine."""
+    return os.environ.get("STARJAR_INT_MM_ONEDNN", "1").strip() != "0"
 
 
 def fp32_few_rows() -> dict:
@@ -67,7 +83,9 @@ def fp32_few_rows() -> dict:
 
 
 def machine_label() -> str:
-    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}, {compute_threads()} threads"
+    limits = isa_limits()
+    emulated = f" (limited: {', '.join(f'{k}={v}' for k, v in limits.items())})" if limits else ""
+    return f"{cpu_model()}, {torch.backends.cpu.get_cpu_capability()}, {compute_threads()} threads{emulated}"
 
 
 def forced_path() -> str | None:
@@ -168,8 +186,9 @@ def time_paths(shapes, rows: tuple[int, ...] = PROBE_ROWS, reps: int = 5) -> dic
 
 
 def _machine_key() -> str:
+    limits = "".join(f"|{k}={v}" for k, v in isa_limits().items())
     return f"{cpu_model()}|{torch.backends.cpu.get_cpu_capability()}|torch {torch.__version__}|" \
-           f"{compute_threads()} threads|{torch.backends.quantized.engine}"
+           f"{compute_threads()} threads|{torch.backends.quantized.engine}{limits}"
 
 
 def _entry_name(key: tuple) -> str:

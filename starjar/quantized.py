@@ -25,6 +25,8 @@ import warnings
 
 import torch
 
+from starjar.kernels import int_mm_uses_onednn
+
 KIND = "dynamic-int8"
 ACT_BITS = (7, 8)
 
@@ -99,7 +101,13 @@ class RowInt8Linear(torch.nn.Module):
         if self.w_t is None:
             self.set_path("int_mm")
         scale = _row_peak(rows) / 127
-        y = torch._int_mm(torch.round(rows / scale).to(torch.int8), self.w_t).float() * (scale * self.w_scale)
+        q = torch.round(rows / scale).to(torch.int8)
+        if int_mm_uses_onednn():
+            acc = torch._int_mm(q, self.w_t)
+        else:  # the generic kernel, as on a CPU without a oneDNN int8 primitive (starjar.kernels)
+            with torch.backends.mkldnn.flags(enabled=False):
+                acc = torch._int_mm(q, self.w_t)
+        y = acc.float() * (scale * self.w_scale)
         return y if self.bias is None else y + self.bias
 
 

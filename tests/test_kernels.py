@@ -3,6 +3,9 @@ folded grouped-query attention computes what Hugging Face's sdpa path does."""
 
 import gc
 import json
+import os
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -17,6 +20,8 @@ def fresh_choice(tmp_path, monkeypatch):
     monkeypatch.setenv("STARJAR_HOME", str(tmp_path))
     monkeypatch.delenv(kernels.ENV, raising=False)
     monkeypatch.setattr(kernels, "_chosen", {})
+    for name in kernels.ISA_LIMITS:  # the tests may run under scripts/emulate_isa.sh
+        monkeypatch.delenv(name, raising=False)
     return tmp_path / "kernels.json"
 
 
@@ -46,6 +51,44 @@ def test_a_bad_forced_path_says_what_is_allowed(monkeypatch):
     monkeypatch.setenv(kernels.ENV, "avx9000")
     with pytest.raises(ValueError, match="int_mm"):
         kernels.forced_path()
+
+
+def test_isa_limits_are_another_machine_for_the_choice(fresh_choice, monkeypatch):
+    monkeypatch.setattr(kernels, "time_paths", lambda shapes: {"int_mm": 1.0, "fused": 2.0})
+    assert kernels.chosen_path(((64, 48),)) == "int_mm"
+    assert kernels.machine_info()["isa_limits"] == {}
+    # Held to AVX2 (scripts/emulate_isa.sh), the machine measures again instead of reusing its own choice.
+    monkeypatch.setenv("FBGEMM_ENABLE_INSTRUCTIONS", "AVX2")
+    monkeypatch.setattr(kernels, "_chosen", {})
+    monkeypatch.setattr(kernels, "time_paths", lambda shapes: {"int_mm": 2.0, "fused": 1.0})
+    assert kernels.chosen_path(((64, 48),)) == "fused"
+    assert kernels.machine_info()["isa_limits"] == {"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert "FBGEMM_ENABLE_INSTRUCTIONS=AVX2" in kernels.machine_label()
+    # Without the limit again, the machine's own cached choice comes back unmeasured.
+    monkeypatch.delenv("FBGEMM_ENABLE_INSTRUCTIONS")
+    monkeypatch.setattr(kernels, "_chosen", {})
+    monkeypatch.setattr(kernels, "time_paths", lambda shapes: pytest.fail("measured twice"))
+    assert kernels.chosen_path(((64, 48),)) == "int_mm"
+    assert len([k for k in json.loads(fresh_choice.read_text()) if k.endswith("|64x48")]) == 2
+
+
+def test_int_mm_without_onednn_is_the_generic_kernel_with_the_same_result(monkeypatch):
+    from starjar.quantized import RowInt8Linear, _dynamic_int8
+
+    torch.manual_seed(0)
+    layer = RowInt8Linear(_dynamic_int8(torch.nn.Linear(96, 40, bias=True)))
+    x = torch.randn(6, 96)
+    monkeypatch.delenv("STARJAR_INT_MM_ONEDNN", raising=False)
+    onednn = layer.int_mm(x)
+    monkeypatch.setenv("STARJAR_INT_MM_ONEDNN", "0")
+    assert torch.equal(layer.int_mm(x), onednn)  # exact int32 sums either way
+    # And no oneDNN primitive runs for it (oneDNN reads ONEDNN_VERBOSE when it starts: a fresh process).
+    code = ("import torch; from starjar.quantized import RowInt8Linear, _dynamic_int8; torch.manual_seed(0); "
+            "RowInt8Linear(_dynamic_int8(torch.nn.Linear(96, 40))).int_mm(torch.randn(6, 96)); print('done')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "ONEDNN_VERBOSE": "1", "STARJAR_INT_MM_ONEDNN": "0"})
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr[-2000:]
+    assert not [ln for ln in (out.stdout + out.stderr).splitlines() if "primitive,exec" in ln and "s8" in ln]
 
 
 def test_the_real_measurement_times_both_paths(fresh_choice):
