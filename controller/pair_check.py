@@ -174,12 +174,16 @@ def _candidates(target, draft_dir: str, variants: list[dict], prompts, outputs, 
         row["cost_b1"], row["cost_catchup"], row["cost_b4"] = (round(c, 3) for c in _cost_ratios(target, draft))
         candidates.append(row)
         del draft
-    cheapest = min(r["cost_catchup"] for r in candidates)
+    cheapest = min((r["cost_catchup"] for r in candidates), default=0.0)
     for row in candidates:
         variant = {k: row[k] for k in VARIANT_KEYS if k in row}
+        ceiling = best_gamma(1.0, row["cost_b1"], row["cost_catchup"], verify_cost)[1]
         if row["cost_catchup"] > 1.5 * cheapest:  # a cliff kernel: scoring it would take minutes for nothing
             row.update(agreement=None, best_gamma=0, predicted_speedup=0.0,
                        note=f"not scored: a catch-up pass costs {row['cost_catchup'] / cheapest:.1f}x the cheapest")
+        elif ceiling < PAYS:  # every candidate on a cliff path (forced): no agreement could make it pay
+            row.update(agreement=None, best_gamma=0, predicted_speedup=0.0,
+                       note=f"not scored: with every draft accepted it would still predict {ceiling:.2f}x")
         else:
             row["agreement"] = round(_agreement(load_model(draft_dir, what="draft", variant=explicit(variant)),
                                                 prompts, outputs), 4)

@@ -105,10 +105,20 @@ class RowInt8Linear(torch.nn.Module):
         if int_mm_uses_onednn():
             acc = torch._int_mm(q, self.w_t)
         else:  # the generic kernel, as on a CPU without a oneDNN int8 primitive (starjar.kernels)
-            with torch.backends.mkldnn.flags(enabled=False):
-                acc = torch._int_mm(q, self.w_t)
+            acc = _without_onednn(torch._int_mm, q, self.w_t)
         y = acc.float() * (scale * self.w_scale)
         return y if self.bias is None else y + self.bias
+
+
+def _without_onednn(fn, *args):
+    """fn(*args) with oneDNN off for this call only. (torch.backends.mkldnn.flags() would also reset its TF32
+    setting and warn on every call.)"""
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return fn(*args)
+    finally:
+        torch._C._set_mkldnn_enabled(was)
 
 
 def _row_peak(rows: torch.Tensor) -> torch.Tensor:

@@ -130,6 +130,28 @@ def test_the_speedup_model_turns_speculation_off_when_drafts_cost_too_much():
     assert best_gamma(0.8, 1.5, 1.6, flat) == (0, 1.0)  # a draft step dearer than a target step: never
 
 
+def test_drafts_that_cannot_pay_even_fully_accepted_are_not_scored(tmp_path, model_dirs, monkeypatch):
+    import json
+    import shutil
+
+    from controller import pair_check
+
+    draft_dir = tmp_path / "draft"
+    shutil.copytree(model_dirs["llama"], draft_dir, ignore=shutil.ignore_patterns("*.safetensors"))
+    (draft_dir / "starjar.json").write_text(json.dumps({"kind": "dynamic-int8", "weights_from": model_dirs["llama"]}))
+    # Every kernel path on a cliff (the catch-ups of the EPYC's generic int_mm: 3.7 target steps), and the
+    # target's passes over more positions no dearer than one: even with every draft accepted nothing pays.
+    monkeypatch.setattr(pair_check, "_cost_ratios", lambda target, draft: (0.4, 3.7, 3.6))
+    monkeypatch.setattr(pair_check, "_verify_costs", lambda target: [1.0] * (pair_check.MAX_GAMMA + 1))
+    monkeypatch.setattr(pair_check, "_agreement", lambda *a: pytest.fail("scored a draft that cannot pay"))
+    result = pair_check.measured_acceptance(model_dirs["llama"], str(draft_dir), max_new=4)
+    assert result["candidates"] and all("with every draft accepted" in c["note"] for c in result["candidates"])
+    assert result["gamma"] == 0 and "does not pay" in result["verdict"]
+    # The bound is the speedup model's own at full acceptance: a cheaper catch-up would be scored.
+    assert pair_check.best_gamma(1.0, 0.4, 3.7, [1.0] * 6)[1] < pair_check.PAYS
+    assert pair_check.best_gamma(1.0, 0.4, 0.5, [1.0] * 6)[1] >= pair_check.PAYS
+
+
 def test_a_forced_path_is_measured_on_its_own_and_leaves_the_choice_alone(tmp_path, model_dirs, monkeypatch):
     import json
     import shutil
