@@ -152,9 +152,13 @@ def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft:
               "verify_cost": [round(v, 3) for v in verify_cost], "candidates": candidates,
               "chosen": {**chosen, "name": best["name"]}, "skip_scan": scan}
     if best["predicted_speedup"] < PAYS:
+        if best["predicted_speedup"] > 0:
+            why = f"the best draft ({best['name']}) predicts {best['predicted_speedup']:.2f}x at batch 1"
+        else:  # none scored: each one's costs alone rule it out
+            why = (f"even with every draft accepted, no draft would reach {PAYS:.2f}x at batch 1 (at most "
+                   f"{max(c.get('ceiling', 0.0) for c in candidates):.2f}x)")
         result.update(gamma=0, acceptance_rate=None, speedup_batch1=1.0,
-                      verdict=f"speculation does not pay on this machine: the best draft ({best['name']}) predicts "
-                              f"{best['predicted_speedup']:.2f}x at batch 1; default gamma 0")
+                      verdict=f"speculation does not pay on this machine: {why}; default gamma 0")
         return result
     draft = load_model(draft_dir, what="draft", variant=explicit(chosen))
     result.update(_confirm(target, draft, best, prompts, params, outputs, alone_tps))
@@ -177,13 +181,14 @@ def _candidates(target, draft_dir: str, variants: list[dict], prompts, outputs, 
     cheapest = min((r["cost_catchup"] for r in candidates), default=0.0)
     for row in candidates:
         variant = {k: row[k] for k in VARIANT_KEYS if k in row}
-        ceiling = best_gamma(1.0, row["cost_b1"], row["cost_catchup"], verify_cost)[1]
+        ceiling = max(round_speedup(1.0, g, row["cost_b1"], row["cost_catchup"], verify_cost)
+                      for g in range(1, len(verify_cost)))
         if row["cost_catchup"] > 1.5 * cheapest:  # a cliff kernel: scoring it would take minutes for nothing
             row.update(agreement=None, best_gamma=0, predicted_speedup=0.0,
                        note=f"not scored: a catch-up pass costs {row['cost_catchup'] / cheapest:.1f}x the cheapest")
         elif ceiling < PAYS:  # every candidate on a cliff path (forced): no agreement could make it pay
-            row.update(agreement=None, best_gamma=0, predicted_speedup=0.0,
-                       note=f"not scored: with every draft accepted it would still predict {ceiling:.2f}x")
+            row.update(agreement=None, best_gamma=0, predicted_speedup=0.0, ceiling=round(ceiling, 3),
+                       note=f"not scored: with every draft accepted it would predict at most {ceiling:.2f}x")
         else:
             row["agreement"] = round(_agreement(load_model(draft_dir, what="draft", variant=explicit(variant)),
                                                 prompts, outputs), 4)

@@ -146,9 +146,11 @@ def test_drafts_that_cannot_pay_even_fully_accepted_are_not_scored(tmp_path, mod
     monkeypatch.setattr(pair_check, "_agreement", lambda *a: pytest.fail("scored a draft that cannot pay"))
     result = pair_check.measured_acceptance(model_dirs["llama"], str(draft_dir), max_new=4)
     assert result["candidates"] and all("with every draft accepted" in c["note"] for c in result["candidates"])
-    assert result["gamma"] == 0 and "does not pay" in result["verdict"]
+    assert result["gamma"] == 0 and "even with every draft accepted" in result["verdict"]
+    ceiling = max(pair_check.round_speedup(1.0, g, 0.4, 3.7, [1.0] * (pair_check.MAX_GAMMA + 1))
+                  for g in range(1, pair_check.MAX_GAMMA + 1))
+    assert all(c["ceiling"] == round(ceiling, 3) for c in result["candidates"]) and 0.5 < ceiling < pair_check.PAYS
     # The bound is the speedup model's own at full acceptance: a cheaper catch-up would be scored.
-    assert pair_check.best_gamma(1.0, 0.4, 3.7, [1.0] * 6)[1] < pair_check.PAYS
     assert pair_check.best_gamma(1.0, 0.4, 0.5, [1.0] * 6)[1] >= pair_check.PAYS
 
 
