@@ -29,7 +29,7 @@ def candidates(target, draft_dir: str, base: dict, prompts, outputs, verify_cost
     scan = {}
     for i in range(layers):
         draft.lean.leave_out((i,))
-        scan[str(i)] = round(_agreement(draft, prompts, outputs), 4)
+        scan[str(i)] = round(_agreement(draft, prompts, outputs, stepwise=False), 4)  # a ranking only
     ranked = sorted(range(layers), key=lambda i: -scan[str(i)])
     rows = []
     for k in SKIP_COUNTS:

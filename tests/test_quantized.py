@@ -122,6 +122,34 @@ def test_the_pair_check_measures_once_per_machine_and_keeps_the_choice(tmp_path,
     assert [m["machine"] for m in saved["measured_elsewhere"]] == [other]  # theirs kept for their turn
 
 
+def test_agreement_is_measured_in_the_steps_drafting_takes(model_dirs):
+    from controller.colocated import colocated_engine
+    from controller.pair_check import _agreement
+    from starjar.models import load_model
+    from starjar.sampling import SamplingParams
+
+    target = load_model(model_dirs["llama"], what="target")
+    prompts = [[5, 9, 13, 2, 7], [11, 3, 8]]
+    engine = colocated_engine(target, None, 0, 1)
+    outputs = [r.output_ids for r in engine.generate(prompts, SamplingParams(max_tokens=6))]
+    calls = []
+    forward = target.forward
+
+    def recording(cache, slots, ids, logit_positions):
+        calls.append(len(ids[0]))
+        return forward(cache, slots, ids, logit_positions)
+
+    target.forward = recording
+    # The target as its own draft agrees everywhere, in steps as in one pass.
+    assert _agreement(target, prompts, outputs) == 1.0
+    assert calls == [5] + [1] * 5 + [3] + [1] * 5  # the prompt in one pass, then one token per step
+    calls.clear()
+    assert _agreement(target, prompts, outputs, stepwise=False) == 1.0
+    assert calls == [5 + 5, 3 + 5]
+    draft = load_model(model_dirs["draft"], what="draft")  # one layer fewer: it must miss somewhere
+    assert 0.0 <= _agreement(draft, prompts, outputs) < 1.0
+
+
 def test_the_speedup_model_turns_speculation_off_when_drafts_cost_too_much():
     from controller.pair_check import best_gamma
 
