@@ -34,7 +34,8 @@ def run_models_build(args) -> int:
         return 0
     acc, machine = check.get("acceptance_rate"), check["machine"]
     print(f"target: {pair['target']}\ndraft:  {pair['draft']}\n"
-          f"machine: {machine['cpu_model']} ({machine['cpu_capability']}, {machine['threads']} threads)\n"
+          f"machine: {machine['cpu_model']} ({machine['cpu_capability']}, {machine['threads']} threads"
+          + "".join(f", {k}={v}" for k, v in (machine.get("isa_limits") or {}).items()) + ")\n"
           f"chosen draft: {check['chosen']['name']}\n"
           + (f"acceptance at gamma {check['confirm_gamma']}: {acc:.2f} ({check['prompts']} prompts of our own, "
              f"greedy)\n" if acc is not None else "")

@@ -109,7 +109,7 @@ def _machine(info: dict) -> dict:
     from starjar import lean_step, skinny_linear
     from starjar.kernels import forced_path
 
-    limits = info.get("isa_limits") or {}  # named only when set: measurements taken without them stay valid
+    limits = info.get("isa_limits") or {}  # named only when set, so a machine used as it is keys as before
     return {**{k: info[k] for k in ("cpu_model", "cpu_capability", "torch", "threads")},
             **({"isa_limits": limits} if limits else {}),
             "int8_kernel_forced": forced_path(), "agreement": AGREEMENT,
@@ -149,7 +149,8 @@ def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft:
         candidates += _candidates(target, draft_dir, _numerics_variants(draft_dir, candidates), prompts, outputs,
                                   verify_cost)
     scan = _skip_candidates(target, draft_dir, candidates, prompts, outputs, verify_cost) if int8_draft else {}
-    best = max(candidates, key=lambda r: r["predicted_speedup"])
+    # None scored (every one ruled out by its costs): the least bad is kept, for a gamma forced by hand.
+    best = max(candidates, key=lambda r: (r["predicted_speedup"], r.get("ceiling", 0.0)))
     chosen = {k: best.get(k) for k in VARIANT_KEYS}
     result = {"prompts": len(prompts), "max_new_tokens": max_new, "target_alone_tokens_per_s": round(alone_tps, 2),
               "verify_cost": [round(v, 3) for v in verify_cost], "candidates": candidates,
@@ -159,7 +160,7 @@ def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft:
             why = f"the best draft ({best['name']}) predicts {best['predicted_speedup']:.2f}x at batch 1"
         else:  # none scored: each one's costs alone rule it out
             why = (f"even with every draft accepted, no draft would reach {PAYS:.2f}x at batch 1 (at most "
-                   f"{max(c.get('ceiling', 0.0) for c in candidates):.2f}x)")
+                   f"{best['ceiling']:.2f}x)")
         result.update(gamma=0, acceptance_rate=None, speedup_batch1=1.0,
                       verdict=f"speculation does not pay on this machine: {why}; default gamma 0")
         return result
@@ -184,13 +185,14 @@ def _candidates(target, draft_dir: str, variants: list[dict], prompts, outputs, 
     cheapest = min((r["cost_catchup"] for r in candidates), default=0.0)
     for row in candidates:
         variant = {k: row[k] for k in VARIANT_KEYS if k in row}
-        ceiling = max(round_speedup(1.0, g, row["cost_b1"], row["cost_catchup"], verify_cost)
-                      for g in range(1, len(verify_cost)))
+        # The speedup model with every draft accepted: what no agreement could improve on.
+        row["ceiling"] = ceiling = round(max(round_speedup(1.0, g, row["cost_b1"], row["cost_catchup"], verify_cost)
+                                             for g in range(1, len(verify_cost))), 3)
         if row["cost_catchup"] > 1.5 * cheapest:  # a cliff kernel: scoring it would take minutes for nothing
             row.update(agreement=None, best_gamma=0, predicted_speedup=0.0,
                        note=f"not scored: a catch-up pass costs {row['cost_catchup'] / cheapest:.1f}x the cheapest")
         elif ceiling < PAYS:  # every candidate on a cliff path (forced): no agreement could make it pay
-            row.update(agreement=None, best_gamma=0, predicted_speedup=0.0, ceiling=round(ceiling, 3),
+            row.update(agreement=None, best_gamma=0, predicted_speedup=0.0,
                        note=f"not scored: with every draft accepted it would predict at most {ceiling:.2f}x")
         else:
             row["agreement"] = round(_agreement(load_model(draft_dir, what="draft", variant=explicit(variant)),
@@ -290,7 +292,7 @@ def _agreement(draft, prompts, outputs, stepwise: bool = True) -> float:
 
     hits = total = 0
     for p, out in zip(prompts, outputs, strict=True):
-        if not out:
+        if not p or not out:
             continue
         cache = draft.new_cache()
         slot = cache.allocate()

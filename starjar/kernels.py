@@ -61,8 +61,12 @@ def machine_info() -> dict:
 
 
 def isa_limits() -> dict:
-    """The ISA_LIMITS this process runs under (empty on a machine used as it is)."""
-    return {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k, "").strip()}
+    """The ISA_LIMITS this process runs under (empty on a machine used as it is; STARJAR_INT_MM_ONEDNN only when
+    it turns oneDNN off). Values are upper-cased: avx2 and AVX2 are one limit."""
+    limits = {k: os.environ[k].strip().upper() for k in ISA_LIMITS if os.environ.get(k, "").strip()}
+    if limits.get("STARJAR_INT_MM_ONEDNN", "0") != "0":
+        del limits["STARJAR_INT_MM_ONEDNN"]
+    return limits
 
 
 def int_mm_uses_onednn() -> bool:

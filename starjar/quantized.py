@@ -21,6 +21,7 @@ the weights are quantized when the draft loads (under a second), never stored.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -110,15 +111,19 @@ class RowInt8Linear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+_ONEDNN_SWITCH = threading.Lock()  # the switch is process-wide: two threads must not interleave save and restore
+
+
 def _without_onednn(fn, *args):
     """fn(*args) with oneDNN off for this call only. (torch.backends.mkldnn.flags() would also reset its TF32
     setting and warn on every call.)"""
-    was = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        return fn(*args)
-    finally:
-        torch._C._set_mkldnn_enabled(was)
+    with _ONEDNN_SWITCH:
+        was = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)
+        try:
+            return fn(*args)
+        finally:
+            torch._C._set_mkldnn_enabled(was)
 
 
 def _row_peak(rows: torch.Tensor) -> torch.Tensor:

@@ -142,12 +142,32 @@ def test_agreement_is_measured_in_the_steps_drafting_takes(model_dirs):
     target.forward = recording
     # The target as its own draft agrees everywhere, in steps as in one pass.
     assert _agreement(target, prompts, outputs) == 1.0
-    assert calls == [5] + [1] * 5 + [3] + [1] * 5  # the prompt in one pass, then one token per step
+    # The prompt in one pass, then one token per step (each output's last token is never fed).
+    pairs = list(zip(prompts, outputs, strict=True))
+    assert calls == [n for p, out in pairs for n in [len(p)] + [1] * (len(out) - 1)]
+    assert calls.count(1) > 2
     calls.clear()
     assert _agreement(target, prompts, outputs, stepwise=False) == 1.0
-    assert calls == [5 + 5, 3 + 5]
+    assert calls == [len(p) + len(out) - 1 for p, out in pairs]
     draft = load_model(model_dirs["draft"], what="draft")  # one layer fewer: it must miss somewhere
     assert 0.0 <= _agreement(draft, prompts, outputs) < 1.0
+
+
+def test_a_measurement_names_its_isa_limits_and_how_agreement_was_taken(monkeypatch):
+    from controller.pair_check import AGREEMENT, _machine
+    from starjar import kernels
+
+    for name in kernels.ISA_LIMITS:
+        monkeypatch.delenv(name, raising=False)
+    plain = _machine(kernels.machine_info())
+    assert "isa_limits" not in plain and plain["agreement"] == AGREEMENT == "stepwise"
+    monkeypatch.setenv("STARJAR_INT_MM_ONEDNN", "1")  # oneDNN on, as without it: not a limit
+    assert _machine(kernels.machine_info()) == plain
+    monkeypatch.setenv("FBGEMM_ENABLE_INSTRUCTIONS", "avx2")
+    monkeypatch.setenv("STARJAR_INT_MM_ONEDNN", "0")
+    limited = _machine(kernels.machine_info())
+    assert limited["isa_limits"] == {"FBGEMM_ENABLE_INSTRUCTIONS": "AVX2", "STARJAR_INT_MM_ONEDNN": "0"}
+    assert {k: v for k, v in limited.items() if k != "isa_limits"} == plain
 
 
 def test_the_speedup_model_turns_speculation_off_when_drafts_cost_too_much():
@@ -158,28 +178,63 @@ def test_the_speedup_model_turns_speculation_off_when_drafts_cost_too_much():
     assert best_gamma(0.8, 1.5, 1.6, flat) == (0, 1.0)  # a draft step dearer than a target step: never
 
 
-def test_drafts_that_cannot_pay_even_fully_accepted_are_not_scored(tmp_path, model_dirs, monkeypatch):
+def _int8_draft_dir(tmp_path, model_dirs):
     import json
     import shutil
-
-    from controller import pair_check
 
     draft_dir = tmp_path / "draft"
     shutil.copytree(model_dirs["llama"], draft_dir, ignore=shutil.ignore_patterns("*.safetensors"))
     (draft_dir / "starjar.json").write_text(json.dumps({"kind": "dynamic-int8", "weights_from": model_dirs["llama"]}))
-    # Every kernel path on a cliff (the catch-ups of the EPYC's generic int_mm: 3.7 target steps), and the
-    # target's passes over more positions no dearer than one: even with every draft accepted nothing pays.
-    monkeypatch.setattr(pair_check, "_cost_ratios", lambda target, draft: (0.4, 3.7, 3.6))
+    return str(draft_dir)
+
+
+def _costs_by_kernel(monkeypatch, pair_check, int_mm: tuple, fused: tuple) -> None:
+    """_cost_ratios as measured per candidate: the int_mm ones come first (full head, then the 16k head)."""
+    calls = []
+
+    def costs(target, draft):
+        calls.append(1)
+        return int_mm if len(calls) <= 2 else fused
+    monkeypatch.setattr(pair_check, "_cost_ratios", costs)
+
+
+def test_drafts_that_cannot_pay_even_fully_accepted_are_not_scored(tmp_path, model_dirs, monkeypatch):
+    from controller import pair_check
+
+    draft_dir = _int8_draft_dir(tmp_path, model_dirs)
+    # Every kernel path on a cliff (catch-ups of 2.5-3.5 target steps, as the EPYC's generic int_mm) and
+    # verification growing with gamma: even with every draft accepted nothing pays.
+    _costs_by_kernel(monkeypatch, pair_check, int_mm=(0.6, 3.5, 3.4), fused=(0.6, 2.5, 2.4))
+    verify = [1.0 + 0.3 * g for g in range(pair_check.MAX_GAMMA + 1)]
+    monkeypatch.setattr(pair_check, "_verify_costs", lambda target: verify)
+    monkeypatch.setattr(pair_check, "_agreement", lambda *a, **k: pytest.fail("scored a draft that cannot pay"))
+    result = pair_check.measured_acceptance(model_dirs["llama"], draft_dir, max_new=4)
+    assert len(result["candidates"]) == 4
+    assert all("with every draft accepted" in c["note"] for c in result["candidates"])
+    ceiling = max(pair_check.round_speedup(1.0, g, 0.6, 2.5, verify) for g in range(1, len(verify)))
+    assert 0.5 < ceiling < pair_check.PAYS
+    assert [c["ceiling"] for c in result["candidates"]][2:] == [round(ceiling, 3)] * 2
+    assert result["gamma"] == 0 and f"at most {ceiling:.2f}x" in result["verdict"]
+    # Kept for a gamma forced by hand: the least bad draft, not the first listed (the dearer int_mm).
+    assert result["chosen"]["int8_kernel"] == "fused"
+
+
+def test_a_draft_that_could_pay_is_scored_beside_one_that_cannot(tmp_path, model_dirs, monkeypatch):
+    from controller import pair_check
+
+    draft_dir = _int8_draft_dir(tmp_path, model_dirs)
+    # int_mm: a step as dear as the target's and a catch-up of 0.95 steps (within 1.5x of the cheapest, so
+    # not a cliff by that rule), at most 1.03x fully accepted; fused: cheap.
+    _costs_by_kernel(monkeypatch, pair_check, int_mm=(1.0, 0.95, 0.9), fused=(0.3, 0.65, 0.4))
     monkeypatch.setattr(pair_check, "_verify_costs", lambda target: [1.0] * (pair_check.MAX_GAMMA + 1))
-    monkeypatch.setattr(pair_check, "_agreement", lambda *a: pytest.fail("scored a draft that cannot pay"))
-    result = pair_check.measured_acceptance(model_dirs["llama"], str(draft_dir), max_new=4)
-    assert result["candidates"] and all("with every draft accepted" in c["note"] for c in result["candidates"])
-    assert result["gamma"] == 0 and "even with every draft accepted" in result["verdict"]
-    ceiling = max(pair_check.round_speedup(1.0, g, 0.4, 3.7, [1.0] * (pair_check.MAX_GAMMA + 1))
-                  for g in range(1, pair_check.MAX_GAMMA + 1))
-    assert all(c["ceiling"] == round(ceiling, 3) for c in result["candidates"]) and 0.5 < ceiling < pair_check.PAYS
-    # The bound is the speedup model's own at full acceptance: a cheaper catch-up would be scored.
-    assert pair_check.best_gamma(1.0, 0.4, 0.5, [1.0] * 6)[1] >= pair_check.PAYS
+    monkeypatch.setattr(pair_check, "_agreement", lambda *a, **k: 0.9)
+    result = pair_check.measured_acceptance(model_dirs["llama"], draft_dir, max_new=4)
+    by_kernel = {}
+    for c in result["candidates"]:
+        by_kernel.setdefault(c["int8_kernel"], []).append(c)
+    assert all(c["agreement"] is None and "with every draft accepted" in c["note"] for c in by_kernel["int_mm"])
+    assert all(c["agreement"] == 0.9 and c["predicted_speedup"] >= pair_check.PAYS for c in by_kernel["fused"])
+    assert result["chosen"]["int8_kernel"] == "fused"
 
 
 def test_a_forced_path_is_measured_on_its_own_and_leaves_the_choice_alone(tmp_path, model_dirs, monkeypatch):
