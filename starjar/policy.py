@@ -4,7 +4,10 @@ Plain Python (no torch, no gRPC) so the target worker runs the decision in its
 own step loop. A policy has two hooks: `choose(batch_size)` before a step and
 `observe(...)` after it with what the step cost and produced. A policy may
 also take `note_draft_lag(behind, left)` just before `choose`: per sequence,
-the tokens the draft must catch up on and those it may still produce.
+the tokens the draft must catch up on and those it may still produce; and
+`observe_catch_up(tokens, seconds)` after a step whose proposing caught the
+draft up on new prompts, and `observe_target_prefill(tokens, seconds)` after
+the target prefilled prompts: what each took.
 """
 
 from __future__ import annotations
@@ -61,3 +64,13 @@ class Overridable:
         note = getattr(self.inner, "note_draft_lag", None)
         if note is not None:
             note(behind, left)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        seen = getattr(self.inner, "observe_catch_up", None)
+        if seen is not None:
+            seen(tokens, seconds)
+
+    def observe_target_prefill(self, tokens: int, seconds: float) -> None:
+        seen = getattr(self.inner, "observe_target_prefill", None)
+        if seen is not None:
+            seen(tokens, seconds)

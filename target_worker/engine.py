@@ -15,12 +15,10 @@ One `step()` is three calls with three owners:
   postprocess the verdicts' tokens are emitted up to the stop rules, finished
               sequences leave, and the step is counted and shown to the policy.
 
-Invariant: a running sequence's KV holds every token but its last one (the
-"pending" token), which is the first input of its next step.
+Invariant: a running sequence's KV holds every token but its last one (the "pending" token), its next input.
 
-The proposer is only an optimisation: if it fails, answers late or answers
-nonsense, the affected sequences decode that step without drafts, and the
-output is exactly what it would have been.
+The proposer is only an optimisation: if it fails, answers late or answers nonsense, the affected
+sequences decode that step without drafts, and the output is exactly what it would have been.
 """
 
 from __future__ import annotations
@@ -66,8 +64,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one step produced for one request. `finished` is a snapshot taken in that step:
-    consumers on other threads read it later, after the request may have moved on."""
+    """What one step produced for one request; `finished` is a snapshot (other threads read it later)."""
 
     request: Request
     new_token_ids: list[int]
@@ -88,8 +85,7 @@ class SeqRound:
 
 @dataclass(eq=False)
 class DecodePlan:
-    """One decode step: the policy's gamma and the sequences that take part, in slot order (the order the
-    proposer is asked in and the pass runs in)."""
+    """One decode step: the policy's gamma and its sequences, in slot order (the proposer's and the pass's)."""
 
     gamma: int
     rounds: list[SeqRound]
@@ -164,8 +160,7 @@ class TargetEngine:
         return self.scheduler.has_work()
 
     def fail_running(self, reason: str) -> list[StepOutput]:
-        """After a step raised: end every running request with `reason` and free its KV. Waiting requests
-        keep their place; the next step starts from a clean cache state."""
+        """After a step raised: end every running request with `reason`, free its KV (waiting ones stay)."""
         failed = list(self.scheduler.running)
         for req in failed:
             self._retire(req)
@@ -225,6 +220,8 @@ class TargetEngine:
                     req.first_token_s = now
                     self._emit(req, [sample_next(lg[0], req.params, req.generator)], outputs)
         self.stats.prefill_s += time.perf_counter() - t0
+        if self.proposer is not None and hasattr(self.policy, "observe_target_prefill"):  # a catch-up's prior
+            self.policy.observe_target_prefill(sum(map(len, feeds.values())), time.perf_counter() - t0)
 
     # ---- run: one decoding step (speculative when gamma > 0) ------------------------------
 
@@ -271,6 +268,7 @@ class TargetEngine:
         shape = self.trees.shape if self.trees is not None else lambda n, g: (g, 0)  # (depth, width) for n
         reqs = [DraftRequest(r.req.draft_key, r.req.draft_synced, r.req.all_ids()[r.req.draft_synced:],
                              *shape(len(want), r.gamma)) for r in want]
+        t0 = time.perf_counter()
         replies = self._ask_proposer(reqs)
         if replies is None:
             for r in want:
@@ -278,7 +276,10 @@ class TargetEngine:
             return
         vocab = self.model.vocab_size
         # Only a prompt the draft took (not one held back or answered resync, every step again) was prefilled.
-        plan.draft_prefill = any(d.start == 0 and reply is not None for d, reply in zip(reqs, replies, strict=True))
+        taken = [d for d, reply in zip(reqs, replies, strict=True) if reply is not None]
+        plan.draft_prefill = any(d.start == 0 for d in taken)
+        if plan.draft_prefill and hasattr(self.policy, "observe_catch_up"):  # it prices lagging drafts with it
+            self.policy.observe_catch_up(sum(len(d.tokens) for d in taken), time.perf_counter() - t0)
         for r, dreq, reply in zip(want, reqs, replies, strict=True):
             if reply is None:
                 self.stats.resyncs += 1
@@ -310,8 +311,7 @@ class TargetEngine:
             self.stats.propose_s += time.perf_counter() - t0
 
     def _tree_cap(self, r: SeqRound) -> int:
-        """Nodes a sequence's tree may keep before selection: gamma without a tree policy (the KV planned
-        for), the policy's cap with one, as long as the KV budget has room for it."""
+        """Nodes a sequence's tree may keep before selection: gamma, or the tree policy's cap while KV has room."""
         if self.trees is None:
             return r.gamma
         room = self.scheduler.kv_budget_tokens - self.cache.tokens_used() - self.num_running * (r.gamma + 1)

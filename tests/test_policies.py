@@ -401,3 +401,76 @@ def test_an_eliminated_arm_comes_back_when_it_becomes_the_best():
     later = run(60000, [0.0075, 0.004, 0.004])
     assert later[1] + later[2] > 0.5 * sum(later), later
     assert run(5000, [0.0075, 0.004, 0.004])[0] < 500
+
+
+def test_a_catch_up_is_priced_at_what_catch_ups_cost_here_when_the_profile_says_less():
+    """Without a profile (serving) or with one that underprices it, the surcharge comes from this process's own
+    measurements: the target's prefill until a draft catch-up has been measured, then the draft's."""
+    from starjar.policies.nightjar import CATCH_UP_MIN_TOKENS
+
+    p = NightjarPlanner(2, seed=0)  # no profile: C_switch is zero
+    p.note_draft_lag([300] * 8, [60] * 8)
+    assert p.surcharge == 0.0
+    p.observe_target_prefill(2400, 2.4)  # 1 ms a token
+    p.note_draft_lag([300] * 8, [60] * 8)
+    assert p.surcharge == pytest.approx(0.001 * 2400 / 480)
+    p.observe_catch_up(CATCH_UP_MIN_TOKENS - 1, 5.0)  # a few tokens' proposing is mostly drafting: not counted
+    p.note_draft_lag([300] * 8, [60] * 8)
+    assert p.surcharge == pytest.approx(0.001 * 2400 / 480)
+    p.observe_catch_up(1000, 0.5)  # the draft catches up at 0.5 ms a token: its own rate wins from now on
+    p.note_draft_lag([300] * 8, [300] * 8)
+    assert p.surcharge == pytest.approx(0.0005 * 2400 / (8 * 256))  # each row repays over at most 256 tokens
+    # A profile that prices it higher keeps its price.
+    q = _lag_planner()
+    q.observe_catch_up(1000, 0.1)
+    q.note_draft_lag([300] * 8, [60] * 8)
+    assert q.surcharge == pytest.approx(LAG_TABLE.catch_up([300] * 8) / 480)
+
+
+def test_measured_prefills_keep_a_flood_of_new_prompts_plain_without_a_profile():
+    """Eight fresh 300-token prompts at batch 8 with 60 tokens each to go, and the target prefilled them at
+    1 ms a token: the draft's catch-up would add 5 ms to every token to come, more than speculation saves per
+    step (5 against 7.5 ms a token), so once each arm has been tried it runs plain. Without the measurement
+    it speculates most of the time."""
+    def run(prior: bool) -> list[int]:
+        p = NightjarPlanner(2, seed=0)
+        if prior:
+            p.observe_target_prefill(2400, 2.4)
+        chosen = []
+        for _ in range(300):
+            p.note_draft_lag([300] * 8, [60] * 8)
+            g = p.choose(8)
+            chosen.append(g)
+            p.observe(8, g, 0.06 if g == 0 else 0.04 * (g + 1), 8 if g == 0 else 8 * (g + 1), 0, 0)
+        return chosen
+
+    priced = run(prior=True)
+    assert sum(1 for g in priced if g) <= 3 and not any(priced[100:])
+    assert sum(1 for g in run(prior=False)[100:] if g) > 100
+
+
+def test_the_engine_reports_prefills_and_draft_catch_ups_to_the_policy(models, spec_prompts, reference):
+    from controller.colocated import colocated_engine
+    from starjar.policy import FixedGamma, Overridable
+    from starjar.sampling import SamplingParams
+
+    seen = {"prefill": [], "catch_up": []}
+
+    class Recording(FixedGamma):
+        def observe_target_prefill(self, tokens, seconds):
+            seen["prefill"].append((tokens, seconds))
+
+        def observe_catch_up(self, tokens, seconds):
+            seen["catch_up"].append((tokens, seconds))
+
+    engine = colocated_engine(models["llama"], models["draft"], 0, 4, policy=Overridable(Recording(2)))
+    prompts = spec_prompts[:3]
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=8))
+    assert [r.output_ids for r in reqs] == [r[:8] for r in reference("llama", 64)[:3]]
+    assert sum(t for t, _ in seen["prefill"]) == sum(map(len, prompts)) and all(s > 0 for _, s in seen["prefill"])
+    # The first drafting step catches the draft up on every prompt and its first token.
+    assert sum(t for t, _ in seen["catch_up"]) == sum(len(p) + 1 for p in prompts)
+    assert all(s > 0 for _, s in seen["catch_up"]) and len(seen["catch_up"]) == engine.stats.draft_prefill_steps
+    seen["prefill"].clear()
+    colocated_engine(models["llama"], None, 0, 4, policy=Recording(0)).generate(prompts, SamplingParams(max_tokens=4))
+    assert seen["prefill"] == []  # no draft, nothing to price

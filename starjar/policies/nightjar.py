@@ -35,6 +35,9 @@ LAG_HORIZON_TOKENS = 256
 # from the process, not the arm (the KV cache growing for a 770-token newcomer made one plain step at batch 8
 # take 665 ms against 55-70 ms; among ten samples it raised plain decoding's mean by 7 ms a token).
 OUTLIER_FACTOR = 4.0
+# Catch-ups and prefills shorter than this are not measured: a short one's time is mostly the drafting passes
+# (or one pass's weight reads), which priced per token would overcharge every longer prompt.
+CATCH_UP_MIN_TOKENS = 256
 
 
 class CSwitchTable:
@@ -196,6 +199,8 @@ class NightjarPlanner:
         self.bounds = sorted((int(b), v) for b, v in (bounds or {}).items())
         self._bound_sizes = [b for b, _ in self.bounds]
         self.surcharge: float | None = None  # seconds per token a speculative step owes the catch-up; None: unknown
+        self.catch_up_seen = [0, 0.0]  # draft catch-ups measured in this process: tokens, seconds
+        self.prefill_seen = [0, 0.0]  # the target's prompt prefills, likewise
         self.elimination_z = math.inf if elimination_z is None else elimination_z  # inf: explore every arm
         if max_gamma < 0:
             raise ValueError("max_gamma must be >= 0")
@@ -237,8 +242,27 @@ class NightjarPlanner:
             self.surcharge = 0.0
             return
         # Spread over the whole batch's tokens to come, as the arms' losses are per token of the whole batch.
-        cost = self.cswitch.catch_up(lagging)
+        # The profile's price, or what catch-ups measured here cost if more: a profile misses what a loaded
+        # process pays (a 770-token prompt priced 0.5 s took 1.9 s), and serving often runs without one.
+        # Before any catch-up is measured, the target's own prefill here stands in for it: an int8 draft
+        # prefilled at 0.67x the fp32 target's rate on the 2-core Xeon, so this errs towards waiting.
+        tokens, seconds = self.catch_up_seen if self.catch_up_seen[0] >= CATCH_UP_MIN_TOKENS else self.prefill_seen
+        measured = seconds / tokens * sum(lagging) if tokens >= CATCH_UP_MIN_TOKENS else 0.0
+        cost = max(self.cswitch.catch_up(lagging), measured)
         self.surcharge = cost / max(1, sum(min(n, LAG_HORIZON_TOKENS) for n in left))
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """A step's proposing, in which the draft caught up on `tokens` prompt tokens: its seconds. (The step
+        itself is kept out of the arms' statistics: the catch-up is a cost of the requests, priced above.)"""
+        if tokens >= CATCH_UP_MIN_TOKENS and seconds > 0:  # a few tokens' proposing is mostly drafting
+            self.catch_up_seen[0] += tokens
+            self.catch_up_seen[1] += seconds
+
+    def observe_target_prefill(self, tokens: int, seconds: float) -> None:
+        """The target prefilled `tokens` prompt tokens in `seconds`: the catch-up's price until one is measured."""
+        if tokens >= CATCH_UP_MIN_TOKENS and seconds > 0:
+            self.prefill_seen[0] += tokens
+            self.prefill_seen[1] += seconds
 
     def _bound(self, batch_size: int, gamma: int) -> float:
         """The best speedup gamma could give at this batch size (the larger of the profiled sizes either side)."""
