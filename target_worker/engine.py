@@ -37,6 +37,7 @@ from starjar.sampling import SamplingParams
 from starjar.token_ids import check_token_ids
 from starjar.token_tree import TokenTree
 from starjar.verify import Verdict, sample_next, verify
+from target_worker.catch_up_meter import catch_up_meter, report_catch_up
 from target_worker.elastic_kv import ElasticKV
 from target_worker.request import Request, Status
 from target_worker.scheduler import Scheduler
@@ -268,7 +269,7 @@ class TargetEngine:
         shape = self.trees.shape if self.trees is not None else lambda n, g: (g, 0)  # (depth, width) for n
         reqs = [DraftRequest(r.req.draft_key, r.req.draft_synced, r.req.all_ids()[r.req.draft_synced:],
                              *shape(len(want), r.gamma)) for r in want]
-        t0 = time.perf_counter()
+        meter = catch_up_meter(self.proposer)
         replies = self._ask_proposer(reqs)
         if replies is None:
             for r in want:
@@ -276,10 +277,8 @@ class TargetEngine:
             return
         vocab = self.model.vocab_size
         # Only a prompt the draft took (not one held back or answered resync, every step again) was prefilled.
-        taken = [d for d, reply in zip(reqs, replies, strict=True) if reply is not None]
-        plan.draft_prefill = any(d.start == 0 for d in taken)
-        if plan.draft_prefill and hasattr(self.policy, "observe_catch_up"):  # it prices lagging drafts with it
-            self.policy.observe_catch_up(sum(len(d.tokens) for d in taken), time.perf_counter() - t0)
+        plan.draft_prefill = any(d.start == 0 and reply is not None for d, reply in zip(reqs, replies, strict=True))
+        report_catch_up(self.policy, self.proposer, meter, want, reqs, replies)
         for r, dreq, reply in zip(want, reqs, replies, strict=True):
             if reply is None:
                 self.stats.resyncs += 1
@@ -392,7 +391,7 @@ class TargetEngine:
             return
         self.cache.free(req.slot)  # keeps the slot of the request it moves current
         req.slot = -1
-        req.draft_synced = 0
+        req.draft_synced = req.spec_through = 0  # the draft is told to drop it: a readmission lags in full
         if self.proposer is not None:
             try:
                 self.proposer.release([req.draft_key])

@@ -65,8 +65,10 @@ class Request:
 
     def draft_lag(self) -> int:
         """Tokens the draft must catch up on before it can propose again, beyond the last speculative step's own
-        verified tokens: a prompt it never saw, or the tokens of the plain steps since; 0 when it is in step."""
-        return self.num_tokens if self.draft_synced == 0 else max(0, self.num_tokens - self.spec_through)
+        verified tokens: a prompt it never saw, or the tokens of the plain steps since; 0 when it is in step.
+        After a failed round the whole sequence is resent, but the draft usually kept what it had been in step
+        with, so only the tokens past that count (a draft that really dropped it costs one catch-up more)."""
+        return max(0, self.num_tokens - self.spec_through)
 
     def tokens_left(self) -> int:
         return max(0, self.params.max_tokens - len(self.output_ids))

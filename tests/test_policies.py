@@ -420,11 +420,15 @@ def test_a_catch_up_is_priced_at_what_catch_ups_cost_here_when_the_profile_says_
     p.observe_catch_up(1000, 0.5)  # the draft catches up at 0.5 ms a token: its own rate wins from now on
     p.note_draft_lag([300] * 8, [300] * 8)
     assert p.surcharge == pytest.approx(0.0005 * 2400 / (8 * 256))  # each row repays over at most 256 tokens
-    # A profile that prices it higher keeps its price.
+    # A profile that prices it higher keeps its price; one that prices it lower gives way to the measurement.
     q = _lag_planner()
     q.observe_catch_up(1000, 0.1)
     q.note_draft_lag([300] * 8, [60] * 8)
     assert q.surcharge == pytest.approx(LAG_TABLE.catch_up([300] * 8) / 480)
+    q.observe_catch_up(1000, 9.9)  # now 5 ms a token over the 2000 measured
+    q.note_draft_lag([300] * 8, [60] * 8)
+    assert q.surcharge == pytest.approx(0.005 * 2400 / 480)
+    assert q.surcharge > LAG_TABLE.catch_up([300] * 8) / 480
 
 
 def test_measured_prefills_keep_a_flood_of_new_prompts_plain_without_a_profile():
@@ -470,7 +474,44 @@ def test_the_engine_reports_prefills_and_draft_catch_ups_to_the_policy(models, s
     assert sum(t for t, _ in seen["prefill"]) == sum(map(len, prompts)) and all(s > 0 for _, s in seen["prefill"])
     # The first drafting step catches the draft up on every prompt and its first token.
     assert sum(t for t, _ in seen["catch_up"]) == sum(len(p) + 1 for p in prompts)
-    assert all(s > 0 for _, s in seen["catch_up"]) and len(seen["catch_up"]) == engine.stats.draft_prefill_steps
+    assert len(seen["catch_up"]) == engine.stats.draft_prefill_steps
+    # Timed by the in-process draft engine's own catch-up clock, not the whole proposing call (which drafts too).
+    assert 0 < sum(s for _, s in seen["catch_up"]) <= engine.proposer.stats.catchup_s
     seen["prefill"].clear()
     colocated_engine(models["llama"], None, 0, 4, policy=Recording(0)).generate(prompts, SamplingParams(max_tokens=4))
     assert seen["prefill"] == []  # no draft, nothing to price
+
+
+def test_a_failed_round_is_not_a_new_catch_up(models, spec_prompts, reference):
+    """After a proposer failure every sequence is resent from its start, but the draft kept what it had: the
+    resend is neither measured as a catch-up (it would make catch-ups look free) nor priced as one (the
+    planner would then keep those requests plain for good)."""
+    from controller.colocated import colocated_engine
+    from starjar.policy import FixedGamma
+    from starjar.sampling import SamplingParams
+
+    seen = {"catch_up": [], "lag": []}
+
+    class Recording(FixedGamma):
+        def observe_catch_up(self, tokens, seconds):
+            seen["catch_up"].append(tokens)
+
+        def note_draft_lag(self, behind, left):
+            seen["lag"].append(list(behind))
+
+    engine = colocated_engine(models["llama"], models["draft"], 0, 4, policy=Recording(2))
+    ask, calls = engine.proposer.propose, []
+
+    def flaky(reqs):
+        calls.append([r.start for r in reqs])
+        if len(calls) == 3:
+            raise RuntimeError("injected proposer failure")
+        return ask(reqs)
+
+    engine.proposer.propose = flaky
+    prompts = spec_prompts[:2]
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=16))
+    assert [r.output_ids for r in reqs] == [r[:16] for r in reference("llama", 64)[:2]]
+    assert engine.stats.proposer_failures == 1 and calls[3] == [0, 0]  # the round after it resent everything
+    assert seen["catch_up"] == [sum(len(p) + 1 for p in prompts)]  # the prompts once, not the resend
+    assert max(seen["lag"][3]) <= 4  # the step after the failure: what the draft lacks, not whole sequences

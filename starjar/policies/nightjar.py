@@ -244,8 +244,8 @@ class NightjarPlanner:
         # Spread over the whole batch's tokens to come, as the arms' losses are per token of the whole batch.
         # The profile's price, or what catch-ups measured here cost if more: a profile misses what a loaded
         # process pays (a 770-token prompt priced 0.5 s took 1.9 s), and serving often runs without one.
-        # Before any catch-up is measured, the target's own prefill here stands in for it: an int8 draft
-        # prefilled at 0.67x the fp32 target's rate on the 2-core Xeon, so this errs towards waiting.
+        # Before any catch-up is measured, the target's own prefill here stands in for it: an int8 draft's
+        # prefill took about 0.67x the fp32 target's time on the 2-core Xeon, so this overprices it a little.
         tokens, seconds = self.catch_up_seen if self.catch_up_seen[0] >= CATCH_UP_MIN_TOKENS else self.prefill_seen
         measured = seconds / tokens * sum(lagging) if tokens >= CATCH_UP_MIN_TOKENS else 0.0
         cost = max(self.cswitch.catch_up(lagging), measured)
