@@ -64,8 +64,8 @@ def isa_limits() -> dict:
     """The ISA_LIMITS this process runs under (empty on a machine used as it is; STARJAR_INT_MM_ONEDNN only when
     it turns oneDNN off). Values are upper-cased: avx2 and AVX2 are one limit."""
     limits = {k: os.environ[k].strip().upper() for k in ISA_LIMITS if os.environ.get(k, "").strip()}
-    if limits.get("STARJAR_INT_MM_ONEDNN", "0") != "0":
-        del limits["STARJAR_INT_MM_ONEDNN"]
+    if int_mm_uses_onednn():
+        limits.pop("STARJAR_INT_MM_ONEDNN", None)
     return limits
 
 

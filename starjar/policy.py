@@ -61,16 +61,16 @@ class Overridable:
         self.inner.observe(batch_size, gamma, step_s, tokens, accepted, drafted)
 
     def note_draft_lag(self, behind: list[int], left: list[int]) -> None:
-        note = getattr(self.inner, "note_draft_lag", None)
-        if note is not None:
-            note(behind, left)
+        self._forward("note_draft_lag", behind, left)
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        seen = getattr(self.inner, "observe_catch_up", None)
-        if seen is not None:
-            seen(tokens, seconds)
+        self._forward("observe_catch_up", tokens, seconds)
 
     def observe_target_prefill(self, tokens: int, seconds: float) -> None:
-        seen = getattr(self.inner, "observe_target_prefill", None)
-        if seen is not None:
-            seen(tokens, seconds)
+        self._forward("observe_target_prefill", tokens, seconds)
+
+    def _forward(self, hook: str, *args) -> None:
+        """An optional hook, passed on where the wrapped policy has it."""
+        fn = getattr(self.inner, hook, None)
+        if fn is not None:
+            fn(*args)

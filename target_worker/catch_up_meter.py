@@ -8,7 +8,12 @@ import time
 
 def catch_up_meter(proposer) -> tuple[float, float | None]:
     """The clocks to read after proposing: wall time, and an in-process draft engine's own catch-up seconds."""
-    return time.perf_counter(), getattr(getattr(proposer, "stats", None), "catchup_s", None)
+    return time.perf_counter(), _draft_clock(proposer)
+
+
+def _draft_clock(proposer) -> float | None:
+    """An in-process draft engine's catch-up seconds so far (draft_server.engine's stats); None for others."""
+    return getattr(getattr(proposer, "stats", None), "catchup_s", None)
 
 
 def report_catch_up(policy, proposer, meter: tuple[float, float | None], want, reqs, replies) -> None:
@@ -23,5 +28,5 @@ def report_catch_up(policy, proposer, meter: tuple[float, float | None], want, r
                  if reply is not None and d.start == 0 and r.req.spec_through == 0)
     if tokens:
         t0, clock0 = meter
-        clock = getattr(getattr(proposer, "stats", None), "catchup_s", None)
+        clock = _draft_clock(proposer)
         seen(tokens, clock - clock0 if clock0 is not None and clock is not None else time.perf_counter() - t0)

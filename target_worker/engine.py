@@ -220,9 +220,10 @@ class TargetEngine:
                 if not req.output_ids:
                     req.first_token_s = now
                     self._emit(req, [sample_next(lg[0], req.params, req.generator)], outputs)
-        self.stats.prefill_s += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.stats.prefill_s += elapsed
         if self.proposer is not None and hasattr(self.policy, "observe_target_prefill"):  # a catch-up's prior
-            self.policy.observe_target_prefill(sum(map(len, feeds.values())), time.perf_counter() - t0)
+            self.policy.observe_target_prefill(sum(map(len, feeds.values())), elapsed)
 
     # ---- run: one decoding step (speculative when gamma > 0) ------------------------------
 

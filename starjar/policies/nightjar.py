@@ -95,6 +95,14 @@ class CSwitchTable:
         return cls([1], [1], [[0.0]])
 
 
+def _add_timing(seen: list, tokens: int, seconds: float) -> None:
+    """Add a catch-up or prefill to [tokens, seconds], if long enough to be priced per token (see
+    CATCH_UP_MIN_TOKENS: a few tokens' time is mostly drafting passes or one pass's weight reads)."""
+    if tokens >= CATCH_UP_MIN_TOKENS and seconds > 0:
+        seen[0] += tokens
+        seen[1] += seconds
+
+
 def _between(grid: list[int], x: float) -> tuple[int, int, float]:
     """The grid points either side of x and x's fraction between them, clamped to [0, 1] at the ends."""
     j = min(max(bisect_right(grid, x), 1), len(grid) - 1)
@@ -254,15 +262,11 @@ class NightjarPlanner:
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A step's proposing, in which the draft caught up on `tokens` prompt tokens: its seconds. (The step
         itself is kept out of the arms' statistics: the catch-up is a cost of the requests, priced above.)"""
-        if tokens >= CATCH_UP_MIN_TOKENS and seconds > 0:  # a few tokens' proposing is mostly drafting
-            self.catch_up_seen[0] += tokens
-            self.catch_up_seen[1] += seconds
+        _add_timing(self.catch_up_seen, tokens, seconds)
 
     def observe_target_prefill(self, tokens: int, seconds: float) -> None:
         """The target prefilled `tokens` prompt tokens in `seconds`: the catch-up's price until one is measured."""
-        if tokens >= CATCH_UP_MIN_TOKENS and seconds > 0:
-            self.prefill_seen[0] += tokens
-            self.prefill_seen[1] += seconds
+        _add_timing(self.prefill_seen, tokens, seconds)
 
     def _bound(self, batch_size: int, gamma: int) -> float:
         """The best speedup gamma could give at this batch size (the larger of the profiled sizes either side)."""
