@@ -111,24 +111,38 @@ def _write_read(keys: Tensor, values: Tensor, ks: Tensor, vs: Tensor, rows: Tens
     return keys[:, :, :kv_len], values[:, :, :kv_len]
 
 
+def padded(t: Tensor, real: Tensor, b: int, q: int) -> Tensor:
+    """A ragged pass's heads [T, 1, H, D] laid out padded [B, Q, H, D] for attention. A padding token's zero
+    K and V land past its row's valid length, where no query looks (RaggedKVCache.begin)."""
+    flat = t.reshape(t.shape[0], t.shape[2], t.shape[3])
+    full = torch.zeros(b * q, flat.shape[1], flat.shape[2], dtype=t.dtype)
+    return full.index_copy_(0, real, flat).view(b, q, flat.shape[1], flat.shape[2])
+
+
 def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.classes.quantized.LinearPackedParamsBase,
                 o: torch.classes.quantized.LinearPackedParamsBase, w_post: Tensor,
                 gate_up: torch.classes.quantized.LinearPackedParamsBase,
                 down: torch.classes.quantized.LinearPackedParamsBase, reduce_range: bool, keys: Tensor, values: Tensor,
                 rows: Tensor | None, write: Tensor | None, start: int, kv_len: int, mask: Tensor, nq: int, nk: int,
-                head_dim: int, eps: float, biases: list[Tensor | None]) -> Tensor:
-    """x [B, Q, hidden]; keys, values, rows, write, start, kv_len: see _write_read; mask [B, 1, Q, K] additive,
-    already folded for Q > 1; biases: of qkv, o, gate_up and down (None where a linear has none)."""
-    b, q = x.shape[0], x.shape[1]
-    heads = _rows_linear(rms_norm(x, w_in, eps), qkv, reduce_range, biases[0]).view(b, q, -1, head_dim)
+                head_dim: int, eps: float, biases: list[Tensor | None], real: Tensor | None, b: int, q: int) -> Tensor:
+    """x [B, Q, hidden], or with `real` only the pass's real tokens [T, 1, hidden] (real: their indices in the
+    flattened B x Q; cos and sin likewise); keys, values, rows, write, start, kv_len: see _write_read; mask
+    [B, 1, Q, K] additive, already folded for Q > 1; biases: of qkv, o, gate_up and down (None where a linear
+    has none). Only attention sees the padded B x Q layout: every other op is per token."""
+    heads = _rows_linear(rms_norm(x, w_in, eps), qkv, reduce_range, biases[0])
+    heads = heads.view(heads.shape[0], heads.shape[1], -1, head_dim)
     half = head_dim // 2
     qk = heads[:, :, : nq + nk]
     qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-    k_att, v_att = _write_read(keys, values, qk[:, :, nq:].transpose(1, 2), heads[:, :, nq + nk:].transpose(1, 2),
-                               rows, write, start, kv_len)
-    query = qk[:, :, :nq].transpose(1, 2).contiguous().reshape(b, nk, (nq // nk) * q, head_dim)
+    qs, ks, vs = qk[:, :, :nq], qk[:, :, nq:], heads[:, :, nq + nk:]
+    if real is not None:
+        qs, ks, vs = padded(qs, real, b, q), padded(ks, real, b, q), padded(vs, real, b, q)
+    k_att, v_att = _write_read(keys, values, ks.transpose(1, 2), vs.transpose(1, 2), rows, write, start, kv_len)
+    query = qs.transpose(1, 2).contiguous().reshape(b, nk, (nq // nk) * q, head_dim)
     att = F.scaled_dot_product_attention(query, k_att, v_att, attn_mask=mask)
     att = att.reshape(b, nq, q, head_dim).transpose(1, 2).contiguous().reshape(b, q, -1)
+    if real is not None:
+        att = att.reshape(b * q, 1, -1).index_select(0, real)
     x = x + _rows_linear(att, o, reduce_range, biases[1])
     gate, up = _rows_linear(rms_norm(x, w_post, eps), gate_up, reduce_range, biases[2]).chunk(2, -1)
     return x + _rows_linear(F.silu(gate) * up, down, reduce_range, biases[3])

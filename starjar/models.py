@@ -108,7 +108,7 @@ class LoadedModel:
             ids[b, : len(t)] = torch.tensor(t, dtype=torch.long)
         position_ids, mask = cache.begin(slots, counts, trees)
         if self.lean is not None:
-            return self.lean.hidden(ids.to(self.device), position_ids, mask, cache)
+            return self.lean.hidden(ids.to(self.device), position_ids, mask, cache, counts)
         return self.model.base_model(input_ids=ids.to(self.device), position_ids=position_ids,
                                      attention_mask=mask, past_key_values=cache, use_cache=True).last_hidden_state
 

@@ -10,9 +10,12 @@ dynamic linear does: with one scale for a whole pass, a prompt's outlier
 tokens (the first ones carry activations orders of magnitude larger) crush
 every other token to a few levels, and in a batch one sequence's rows change
 another's drafts. Per row, the draft's output no longer depends on what else
-is in the pass. On the default pair this took gamma = 3 acceptance from 0.54
-to 0.80 (13 Spec-Bench prompts). One-row passes (batch-1 decode steps, where
-per tensor is per row) keep torch's fused kernel, the fastest path.
+is in the pass (up to one level: the kernel's range is still the pass's
+[min, max] of rows scaled to a peak of 1, short of [-1, 1] when no row peaks
+on one side; a row appended to pin it cost 6-8% of a batched round). On the
+default pair this took gamma = 3 acceptance from 0.54 to 0.80 (13 Spec-Bench
+prompts). One-row passes (batch-1 decode steps, where per tensor is per row)
+keep torch's fused kernel, the fastest path.
 
 A draft directory of this kind holds the tokenizer, the config and a
 `starjar.json` recipe {"kind": "dynamic-int8", "weights_from": "<target dir>"};

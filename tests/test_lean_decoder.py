@@ -174,6 +174,10 @@ def test_scripted_multi_row_passes_are_the_eager_passes_bit_for_bit(tmp_path, mo
     target = with_random_biases(tmp_path, model_dirs[family]) if family == "qwen2" else model_dirs[family]
     draft = load_model(int8_draft_dir(tmp_path, target))
     calls = counted(monkeypatch, "rows_layer_fn")
+    from starjar import lean_decoder
+
+    ragged, real_tokens = [], lean_decoder._real_tokens  # passes whose linears ran on their real tokens only
+    monkeypatch.setattr(lean_decoder, "_real_tokens", lambda c, q: ragged.append(real_tokens(c, q)) or ragged[-1])
 
     def run(env: str):
         monkeypatch.setenv("STARJAR_LEAN_SCRIPT", env)
@@ -197,5 +201,8 @@ def test_scripted_multi_row_passes_are_the_eager_passes_bit_for_bit(tmp_path, mo
     assert not calls
     scripted, scripted_kv = run("1")
     assert len(calls) == 8  # every pass but the first
+    # The first pass and the two padded ones, in each run: 4 + 2 + 3 real tokens of 12, 2 + 1 + 2 of 6, 2 + 1 of 4.
+    assert [r.tolist() for r in ragged if r is not None] == [[0, 1, 2, 3, 4, 5, 8, 9, 10], [0, 1, 2, 4, 5],
+                                                             [0, 1, 2]] * 2
     assert torch.equal(eager, scripted)
     assert all(torch.equal(x, y) for x, y in zip(eager_kv, scripted_kv, strict=True))
