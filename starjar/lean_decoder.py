@@ -141,9 +141,9 @@ class LeanDecoder(torch.nn.Module):
             qs, ks, vs = qk[:, :, :nq], qk[:, :, nq:], heads[:, :, nq + nk:]
             if real is not None:
                 qs, ks, vs = (lean_step.padded(t, real, b, q) for t in (qs, ks, vs))
-            ks, vs = cache.update(ks.transpose(1, 2), vs.transpose(1, 2), i)
-            a, _ = folded_attention(att, qs.transpose(1, 2), ks, vs, mask)
-            a = a.reshape(b, q, -1)
+            ks, vs = cache.update(ks.transpose(1, 2), vs.transpose(1, 2), i)  # in the cache's precision
+            a, _ = folded_attention(att, qs.transpose(1, 2).to(ks.dtype), ks, vs, mask)
+            a = a.to(x.dtype).reshape(b, q, -1)
             x = x + o_proj(a if real is None else a.reshape(b * q, 1, -1).index_select(0, real))
             h = rms_norm(x, w_post, eps)
             if gate_up is not None:

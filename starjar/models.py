@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from starjar import attention, quantized, skinny_linear, smoothing
+from starjar import attention, kv_precision, quantized, skinny_linear, smoothing
 from starjar.errors import InvalidArgument, ModelMismatch
 from starjar.kernels import forced_path
 from starjar.kv_cache import RaggedKVCache
@@ -74,9 +74,10 @@ class LoadedModel:
     # cost, so a 700-token prompt cost it over a second (AMD EPYC, AVX2). The target verifies every draft, so
     # what the draft reads changes its acceptance, never the output.
     prompt_window: int | None = None
+    kv_dtype: torch.dtype | None = None  # an int8 draft's KV precision (starjar.kv_precision); None: dtype
 
     def new_cache(self) -> RaggedKVCache:
-        return RaggedKVCache(self.device, self.dtype)
+        return RaggedKVCache(self.device, self.kv_dtype or self.dtype)
 
     @torch.no_grad()
     def forward(self, cache: RaggedKVCache, slots: list[int], tokens: list[list[int]],
@@ -152,7 +153,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(weights, local_files_only=True, dtype=dt).to(dev).eval()
     vocab = model.get_output_embeddings().weight.shape[0]
-    lean = None
+    lean, kv_dtype = None, None
     if recipe.get("kind") == quantized.KIND:
         leaner = LeanDecoder.supports(model)  # a draft's proposals may differ in the last bits; a target's may not
         act_bits = _act_bits(recipe, what, p)  # checked before smoothing's calibration passes
@@ -164,8 +165,13 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
                                       "int8_kernel": forced_path() or recipe.get("int8_kernel")}  # as it ran
         if leaner:
             lean = LeanDecoder(model, skip=_skip_layers(recipe, model.config.num_hidden_layers, what, p))
+            kv_dtype = _draft_kv_dtype(recipe, lean, what, p)
         elif recipe.get("skip_layers"):
             raise InvalidArgument(what, "skip_layers needs a Llama-family draft (the lean forward)", str(p))
+        elif kv_precision.recipe_choice(recipe.get("kv_dtype"), what, str(p)) not in (None, "float32"):
+            raise InvalidArgument(what, "kv_dtype other than float32 needs a Llama-family draft (the lean forward)",
+                                  str(p))
+        INT8_DRAFTS_LOADED[str(p)]["kv_dtype"] = str(kv_dtype or dt).removeprefix("torch.")
     elif dev.type == "cpu" and dt == torch.float32 and skinny_linear.install(model):
         skinny_linear.choose(model)  # this machine's fastest few-row products (measured once, cached)
     attention.install(model)  # grouped-query heads folded onto their KV head: no K/V copies per pass
@@ -181,7 +187,15 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise InvalidArgument(what, "prompt_window in starjar.json must be a positive integer", window)
     return LoadedModel(str(p), model, tokenizer, dev, dt, vocab, int(max_ctx), eos_ids,
-                       tokenizer_fingerprint(tokenizer), lean, prompt_window=window)
+                       tokenizer_fingerprint(tokenizer), lean, prompt_window=window, kv_dtype=kv_dtype)
+
+
+def _draft_kv_dtype(recipe: dict, lean: LeanDecoder, what: str, p: Path) -> torch.dtype:
+    """The recipe's kv_dtype, checked, or (auto) the one measured faster on this machine for this draft."""
+    choice = kv_precision.recipe_choice(recipe.get("kv_dtype"), what, str(p))
+    cfg = lean.model.config  # the whole model's shape: a skip set must not change the choice
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return kv_precision.draft_kv_dtype(choice, cfg.num_hidden_layers, kv_heads, cfg.num_attention_heads, lean.head_dim)
 
 
 def _skip_layers(recipe: dict, layers: int, what: str, p: Path) -> tuple[int, ...]:
@@ -236,4 +250,4 @@ def kv_bytes_per_token(model: LoadedModel) -> int:
     cfg = model.model.config
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * heads * head_dim * model.dtype.itemsize
+    return 2 * cfg.num_hidden_layers * heads * head_dim * (model.kv_dtype or model.dtype).itemsize
