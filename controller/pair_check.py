@@ -104,14 +104,15 @@ def measurement_key() -> str:
 
 def _machine(info: dict) -> dict:
     """What a measurement holds for: this CPU and torch (and the ISA limits it ran under), a kernel path forced
-    by STARJAR_INT8_KERNEL, and the draft forward that was timed (a measurement of another revision of it, or
-    of the eager path, is stale)."""
-    from starjar import lean_step, skinny_linear
-    from starjar.kernels import forced_path
+    by STARJAR_INT8_KERNEL, a KV precision forced by STARJAR_DRAFT_KV, and the draft forward that was timed (a
+    measurement of another revision of it, or of the eager path, is stale)."""
+    from starjar import kv_precision, lean_step, skinny_linear
+    from starjar.kernels import forced_choice, forced_path
 
     limits = info.get("isa_limits") or {}  # named only when set, so a machine used as it is keys as before
+    kv = forced_choice(kv_precision.ENV, tuple(kv_precision.KV_DTYPES))  # likewise
     return {**{k: info[k] for k in ("cpu_model", "cpu_capability", "torch", "threads")},
-            **({"isa_limits": limits} if limits else {}),
+            **({"isa_limits": limits} if limits else {}), **({"draft_kv_forced": kv} if kv else {}),
             "int8_kernel_forced": forced_path(), "agreement": AGREEMENT,
             "draft_forward": f"{DRAFT_FORWARD_REVISION}{'' if lean_step.enabled() else '-eager'}",
             "target_forward": f"{TARGET_FORWARD_REVISION}"

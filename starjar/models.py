@@ -157,6 +157,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     if recipe.get("kind") == quantized.KIND:
         leaner = LeanDecoder.supports(model)  # a draft's proposals may differ in the last bits; a target's may not
         act_bits = _act_bits(recipe, what, p)  # checked before smoothing's calibration passes
+        kv_choice = kv_precision.recipe_choice(recipe.get("kv_dtype"), what, str(p))  # likewise
         _smooth(model, tokenizer, recipe, what, p)
         if leaner:
             LeanDecoder.attach_fused(model, recipe.get("head_vocab"))
@@ -165,10 +166,10 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
                                       "int8_kernel": forced_path() or recipe.get("int8_kernel")}  # as it ran
         if leaner:
             lean = LeanDecoder(model, skip=_skip_layers(recipe, model.config.num_hidden_layers, what, p))
-            kv_dtype = _draft_kv_dtype(recipe, lean, what, p)
+            kv_dtype = kv_precision.draft_kv_dtype(kv_choice)
         elif recipe.get("skip_layers"):
             raise InvalidArgument(what, "skip_layers needs a Llama-family draft (the lean forward)", str(p))
-        elif kv_precision.recipe_choice(recipe.get("kv_dtype"), what, str(p)) not in (None, "float32"):
+        elif kv_choice not in (None, "float32"):
             raise InvalidArgument(what, "kv_dtype other than float32 needs a Llama-family draft (the lean forward)",
                                   str(p))
         INT8_DRAFTS_LOADED[str(p)]["kv_dtype"] = str(kv_dtype or dt).removeprefix("torch.")
@@ -188,14 +189,6 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
         raise InvalidArgument(what, "prompt_window in starjar.json must be a positive integer", window)
     return LoadedModel(str(p), model, tokenizer, dev, dt, vocab, int(max_ctx), eos_ids,
                        tokenizer_fingerprint(tokenizer), lean, prompt_window=window, kv_dtype=kv_dtype)
-
-
-def _draft_kv_dtype(recipe: dict, lean: LeanDecoder, what: str, p: Path) -> torch.dtype:
-    """The recipe's kv_dtype, checked, or (auto) the one measured faster on this machine for this draft."""
-    choice = kv_precision.recipe_choice(recipe.get("kv_dtype"), what, str(p))
-    cfg = lean.model.config  # the whole model's shape: a skip set must not change the choice
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    return kv_precision.draft_kv_dtype(choice, cfg.num_hidden_layers, kv_heads, cfg.num_attention_heads, lean.head_dim)
 
 
 def _skip_layers(recipe: dict, layers: int, what: str, p: Path) -> tuple[int, ...]:

@@ -1,7 +1,5 @@
-"""An int8 draft's KV cache precision: float16 where it measures clearly faster here (or forced), float32
-otherwise; a float16 cache halves the draft's KV bytes and keeps greedy output the target's."""
-
-import json
+"""An int8 draft's KV cache precision: float32 unless its recipe or STARJAR_DRAFT_KV says float16; a float16
+cache halves the draft's KV bytes and keeps greedy output the target's."""
 
 import pytest
 import torch
@@ -14,40 +12,35 @@ from starjar.sampling import SamplingParams
 from tests.test_lean_decoder import int8_draft_dir
 
 
-@pytest.fixture
-def fresh_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("STARJAR_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr("starjar.kernels._entries", {})
+@pytest.mark.parametrize("recipe,env,chosen", [(None, None, torch.float32), ("float16", None, torch.float16),
+                                                ("float32", "float16", torch.float16), ("float16", "float32",
+                                                                                       torch.float32)])
+def test_float32_unless_the_recipe_or_the_environment_says_otherwise(monkeypatch, recipe, env, chosen):
+    if env:
+        monkeypatch.setenv(kv_precision.ENV, env)
+    else:
+        monkeypatch.delenv(kv_precision.ENV, raising=False)
+    assert kv_precision.draft_kv_dtype(recipe) == chosen
+
+
+def test_a_bad_forced_precision_says_what_is_allowed(monkeypatch):
+    monkeypatch.setenv(kv_precision.ENV, "int4")
+    with pytest.raises(ValueError, match="float16"):
+        kv_precision.draft_kv_dtype(None)
+
+
+def test_a_forced_precision_keys_the_pair_measurement_apart(monkeypatch):
+    from controller.pair_check import _machine
+    from starjar.kernels import machine_info
+
     monkeypatch.delenv(kv_precision.ENV, raising=False)
-    return tmp_path / "home" / "kernels.json"
+    plain = _machine(machine_info())
+    assert "draft_kv_forced" not in plain  # a machine used as it is keys as before
+    monkeypatch.setenv(kv_precision.ENV, "float16")
+    assert _machine(machine_info())["draft_kv_forced"] == "float16"
 
 
-@pytest.mark.parametrize("ms16,chosen", [(5.0, torch.float16), (9.4, torch.float16), (9.8, torch.float32),
-                                         (20.0, torch.float32)])
-def test_auto_keeps_float16_only_when_clearly_faster_and_caches_the_choice(fresh_cache, monkeypatch, ms16, chosen):
-    monkeypatch.setattr(kv_precision, "time_attention", lambda *a: {"float32": 10.0, "float16": ms16})
-    assert kv_precision.draft_kv_dtype(None, 2, 2, 4, 16) == chosen
-    entry = next(v for k, v in json.loads(fresh_cache.read_text()).items() if f"|{kv_precision.KIND}|" in k)
-    assert entry["ms"] == {"float32": 10.0, "float16": ms16}
-    monkeypatch.setattr(kv_precision, "time_attention", lambda *a: pytest.fail("measured twice"))
-    monkeypatch.setattr("starjar.kernels._entries", {})  # a new process: read from the file, not measured
-    assert kv_precision.draft_kv_dtype(None, 2, 2, 4, 16) == chosen
-
-
-@pytest.mark.parametrize("name", sorted(kv_precision.KV_DTYPES))
-def test_a_forced_or_recipe_precision_is_not_measured(fresh_cache, monkeypatch, name):
-    monkeypatch.setattr(kv_precision, "time_attention", lambda *a: pytest.fail("a forced precision is not measured"))
-    assert kv_precision.draft_kv_dtype(name, 2, 2, 4, 16) == kv_precision.KV_DTYPES[name]
-    monkeypatch.setenv(kv_precision.ENV, name)
-    assert kv_precision.draft_kv_dtype("float32", 2, 2, 4, 16) == kv_precision.KV_DTYPES[name]  # env wins
-
-
-def test_the_real_measurement_times_both_precisions():
-    ms = kv_precision.time_attention(2, 2, 4, 16, rows=2, keys=32, reps=1)
-    assert set(ms) == set(kv_precision.KV_DTYPES) and all(v > 0 for v in ms.values())
-
-
-@pytest.mark.parametrize("value", ["int8", 16, True, "Float16"])
+@pytest.mark.parametrize("value", ["int8", 16, True, "Float16", "auto"])
 def test_a_bad_kv_dtype_is_invalid_argument_naming_it(tmp_path, model_dirs, value):
     with pytest.raises(InvalidArgument, match="kv_dtype"):
         load_model(int8_draft_dir(tmp_path, model_dirs["llama"], kv_dtype=value), what="draft")

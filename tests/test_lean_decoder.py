@@ -94,7 +94,8 @@ def counted(monkeypatch, name: str) -> list:
 
 
 @pytest.mark.parametrize("family,cache_kw", [("llama", {}), ("qwen2", {}),
-                                             ("llama", {"initial_capacity": 8}), ("llama", {"max_cells": 64})])
+                                             ("llama", {"initial_capacity": 8}), ("llama", {"max_cells": 64}),
+                                             ("llama", {"dtype": torch.float16, "max_cells": 64})])
 def test_scripted_one_token_steps_are_the_eager_steps_bit_for_bit(tmp_path, model_dirs, family, cache_kw,
                                                                  monkeypatch):
     """starjar.lean_step runs a one-row, one-token pass as one scripted function per layer: the logits and the
@@ -109,7 +110,7 @@ def test_scripted_one_token_steps_are_the_eager_steps_bit_for_bit(tmp_path, mode
 
     def run(env: str):
         monkeypatch.setenv("STARJAR_LEAN_SCRIPT", env)
-        cache = RaggedKVCache(draft.device, draft.dtype, **cache_kw)
+        cache = RaggedKVCache(draft.device, **{"dtype": draft.dtype, **cache_kw})  # dtype: the KV precision
         other, slot = cache.allocate(), cache.allocate()
         draft.forward(cache, [other], [[9, 8, 7]], [[2]])
         outs = [draft.forward(cache, [slot], [[5, 6, 7, 8, 9]], [[4]])[0]]
@@ -162,7 +163,8 @@ def with_random_biases(tmp_path, target_dir):
 
 
 @pytest.mark.parametrize("family,cache_kw", [("llama", {}), ("qwen2", {"initial_capacity": 8}),
-                                             ("llama", {"max_cells": 96})])
+                                             ("llama", {"max_cells": 96}), ("qwen2", {"dtype": torch.float16}),
+                                             ("llama", {"dtype": torch.float16, "max_cells": 96})])
 def test_scripted_multi_row_passes_are_the_eager_passes_bit_for_bit(tmp_path, model_dirs, family, cache_kw,
                                                                    monkeypatch):
     """Several rows or several tokens (batched drafting, catch-ups, prefill into a grown cache) run as
@@ -182,7 +184,7 @@ def test_scripted_multi_row_passes_are_the_eager_passes_bit_for_bit(tmp_path, mo
 
     def run(env: str):
         monkeypatch.setenv("STARJAR_LEAN_SCRIPT", env)
-        cache = RaggedKVCache(draft.device, draft.dtype, **cache_kw)
+        cache = RaggedKVCache(draft.device, **{"dtype": draft.dtype, **cache_kw})  # dtype: the KV precision
         a, b, c = cache.allocate(), cache.allocate(), cache.allocate()
         outs = [torch.cat(draft.forward(cache, [a, b, c], [[5, 6, 7, 8], [9, 10], [11, 12, 13]],
                                         [[3], [1], [2]]))]  # the first pass: buffers allocated, eager
