@@ -7,7 +7,9 @@ memory (a draft server fits twice the tokens in the same budget). Measured on th
 AVX512 capability, 2 threads; scripts/measure_draft_kv.py), a gamma-4 draft round in float16 over float32:
 1 x 128 tokens 1.00x, 1 x 1024 0.90x, 8 x 512 0.87x, 16 x 1024 0.79x. But the draft proposes worse from a
 float16 cache (the int8 activations amplify its rounding): `bench core` at batch 1 went from 1.52x to 1.45x,
-acceptance at gamma 5 0.80 -> 0.76, and batch 8 and 16 lost 3-7% at their short contexts. So float32 stays
+acceptance at gamma 5 0.80 -> 0.76, and batch 8 and 16 lost 3-7% at their short contexts. Most of that loss
+is attention computed in float16: kept in float16 but attended in float32, acceptance was 0.79, and the
+conversion cost what the smaller reads saved (0.998-1.026x at every shape above). So float32 stays
 the default, and float16 is for drafts that serve long contexts or many sequences, where the reads (and the
 memory) dominate. The draft only proposes: either way the output is the target's.
 `kv_dtype` in a draft's starjar.json, or STARJAR_DRAFT_KV, chooses (the variable wins).
