@@ -34,6 +34,9 @@ def _add_draft_parser(ssub) -> None:
     d.add_argument("--mode", default="batched", choices=["batched", "fifo"],
                    help="batched: one draft pass for every pending round; fifo: one round at a time")
     d.add_argument("--max-targets", type=int, default=8, help="N_max: targets admitted at once")
+    d.add_argument("--max-batch-rounds", type=int, default=64,
+                   help="batched mode: most rounds drafted together; the rest wait for a place (default 64). "
+                        "Below N_max it staggers the targets, so that some draft while others verify")
     d.add_argument("--max-sequences-per-target", type=int, default=256, help="live sequences per target")
     add_deprecated_alias(d, "--max-sequences", "--max-sequences-per-target", "max_sequences_per_target", type=int)
     d.add_argument("--max-gamma", type=int, default=16)
@@ -141,6 +144,7 @@ def _draft_config(args):
 
     try:
         return DraftServerConfig(host=args.host, port=args.port, mode=args.mode, max_targets=args.max_targets,
+                                 max_batch_rounds=args.max_batch_rounds,
                                  max_sequences_per_target=args.max_sequences_per_target, max_gamma=args.max_gamma,
                                  lease_s=args.lease, offload_after_s=args.offload_after,
                                  max_kv_tokens=args.max_kv_tokens,

@@ -114,3 +114,13 @@ def test_a_config_error_names_the_flag(capsys):
     assert "invalid --draft-deadline: must be > 0" in capsys.readouterr().err
     assert main(["serve", "draft", "--lease", "0"]) == 2
     assert "invalid --lease: must be > 0" in capsys.readouterr().err
+    assert main(["serve", "draft", "--max-batch-rounds", "0"]) == 2
+    assert "invalid --max-batch-rounds: must be in [1, 4096]" in capsys.readouterr().err
+
+
+def test_the_draft_servers_batch_cap_reaches_its_config():
+    from controller.cli import _parser
+    from controller.serve_cmd import _draft_config
+
+    assert _draft_config(_parser().parse_args(["serve", "draft"])).max_batch_rounds == 64
+    assert _draft_config(_parser().parse_args(["serve", "draft", "--max-batch-rounds", "4"])).max_batch_rounds == 4

@@ -71,6 +71,24 @@ def test_a_round_arriving_mid_way_joins_the_next_pass_in_batched_mode(models, mo
     loop.join(10)
 
 
+@pytest.mark.parametrize("cap,order", [(64, [3, 1, 2]), (2, [1, 2, 3])])
+def test_the_batch_cap_keeps_rounds_past_it_waiting_for_a_place(models, cap, order):
+    """Three rounds are queued at once: two of four drafts, then one of a single draft. Uncapped, all three share
+    the first pass and the short one is answered first; with max_batch_rounds=2 it waits until both long
+    rounds are done (`serve draft --max-batch-rounds`)."""
+    replies = Replies()
+    queue = make_queue("batched", cap)
+    for round_id, seq, gamma in ((1, 1, 4), (2, 2, 4), (3, 3, 1)):
+        queue.put(rnd(replies, round_id, seq, 0, [5 + seq, 6, 7], gamma))
+    loop = ComputeLoop(DraftEngine(models["draft"]), queue, ServerStats(), mode="batched", max_batch_rounds=cap)
+    loop.start()
+    replies.wait(3)
+    assert replies.order == order
+    assert replies.got[3] == [hf_greedy(models["draft"], [8, 6, 7], 1)[:1]]
+    queue.close()
+    loop.join(10)
+
+
 def test_a_sequence_has_one_job_at_a_time_and_its_release_waits(models):
     replies = Replies()
     freed = []
