@@ -361,7 +361,6 @@ def _pass_tokens(model: LoadedModel, max_kv_tokens: int | None) -> int:
     if max_kv_tokens is None:
         return MAX_PASS_TOKENS
     heads = model.model.config.num_attention_heads
-    itemsize = (model.kv_dtype or model.dtype).itemsize  # the scratch is in the cache's precision, as its bytes
-    per_query = 3 * model.max_context * heads * itemsize
+    per_query = 3 * model.max_context * heads * model.cache_dtype.itemsize  # scratch in the cache's precision
     return max(SHORT_FEED, min(MAX_PASS_TOKENS, max_kv_tokens * kv_bytes_per_token(model) // 10 // per_query))
 

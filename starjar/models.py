@@ -76,8 +76,13 @@ class LoadedModel:
     prompt_window: int | None = None
     kv_dtype: torch.dtype | None = None  # an int8 draft's KV precision (starjar.kv_precision); None: dtype
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """What its KV cache holds: the int8 draft's kv_dtype, else the model's own dtype."""
+        return self.kv_dtype or self.dtype
+
     def new_cache(self) -> RaggedKVCache:
-        return RaggedKVCache(self.device, self.kv_dtype or self.dtype)
+        return RaggedKVCache(self.device, self.cache_dtype)
 
     @torch.no_grad()
     def forward(self, cache: RaggedKVCache, slots: list[int], tokens: list[list[int]],
@@ -243,4 +248,4 @@ def kv_bytes_per_token(model: LoadedModel) -> int:
     cfg = model.model.config
     heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * heads * head_dim * (model.kv_dtype or model.dtype).itemsize
+    return 2 * cfg.num_hidden_layers * heads * head_dim * model.cache_dtype.itemsize
