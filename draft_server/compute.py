@@ -160,8 +160,18 @@ class ComputeLoop(threading.Thread):
             self.stats.record_round(wait, service, a.work.worker_id)
             replies = self.faults.before_reply(a.replies)
             a.work.reply(a.work, replies, wait, service, len(finished) + len(self._active))
-            if self.tide is not None:  # after the reply: learning stays off the round's path
-                self.tide.observe_round(a.work.requests, a.replies, a.work.train)
+        if self.tide is not None and finished:  # after every reply: learning stays off the rounds' path
+            self._observe(self.tide, finished)
+
+    def _observe(self, tide, finished) -> None:
+        """Show the adaptation the finished rounds. A failing observer is switched off, as a failing trainer
+        is: it must never cost a round its reply or the server its drafting."""
+        try:
+            for a in finished:
+                tide.observe_round(a.work.requests, a.replies, a.work.train)
+        except Exception:
+            log.exception("draft adaptation failed; it is off until restart (drafting goes on)")
+            self.tide = None
 
     def _idle_train(self, tide) -> float:
         """One training micro-step (the queue was empty); its seconds count as idle time: no round waited.

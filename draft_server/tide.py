@@ -60,7 +60,10 @@ class Tide:
         if not train:
             return
         for req, drafts in zip(requests, replies, strict=False):
-            outcome = self.buffer.observe(req.seq_id, req.start, req.tokens, drafts, self.control.collecting)
+            # A token tree's acceptance is not a chain's prefix: its round still records the verified tokens,
+            # but no drafts to score (the acceptance control reads chains only).
+            chain = drafts if isinstance(drafts, list) else None
+            outcome = self.buffer.observe(req.seq_id, req.start, req.tokens, chain, self.control.collecting)
             if outcome is not None:
                 self.accepted += outcome[0]
                 self.proposed += outcome[1]

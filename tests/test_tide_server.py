@@ -24,6 +24,7 @@ from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 from target_worker.draft_client import RemoteProposer
 from target_worker.engine import EngineConfig, TargetEngine
+from target_worker.tree_score import TreeConfig
 
 MAX_NEW = 48  # the session's reference() length: its outputs are shared with the other suites
 # Collect from the first round and train after a few sequences: the tiny runs are short.
@@ -207,3 +208,23 @@ def test_a_round_preempts_training_within_one_micro_step(models, alone):
         rp.close()
     assert len(pauses) > 5 and len(waits) >= 5
     assert max(waits) < 0.3 + 0.25, max(waits)  # at most the one micro-step in progress (and some scheduling)
+
+
+def test_token_trees_beside_adaptation_keep_their_replies_and_the_adaptation(models, far_draft, alone, caplog):
+    """A target drafting token trees on an adapting server: every round is answered with its tree (before, the
+    adaptation's observer raised on a tree reply, and the rounds after it in that pass were never answered),
+    outputs stay the target's, and the adaptation is still on afterwards."""
+    prompts, ref = alone
+    with BackgroundDraftServer(far_draft, DraftServerConfig(tide=FAST)) as srv:
+        rp = RemoteProposer(srv.address, models["llama"].fingerprint, "trees", 5.0, backoff_s=(0.02, 0.2))
+        assert rp.wait_attached(10)
+        cfg = EngineConfig(max_batch_size=4, max_gamma=4, tree=TreeConfig("adaserve", width=3, budget=32, cap=8))
+        eng = TargetEngine(models["llama"], rp, FixedGamma(3), cfg)
+        assert _generate(eng, prompts[:6]) == ref[:6]
+        rp.close()
+        assert srv.server.tide is not None and srv.server.compute.tide is not None
+    assert eng.stats.tree_rounds > 0  # trees were drafted and verified
+    assert eng.stats.proposer_failures == 0 and sum(rp.stats.fallbacks.values()) == 0, rp.stats.fallbacks
+    # A failed pass answers every round in flight with resync and drops the draft's KV: none may happen.
+    assert eng.stats.resyncs == 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
