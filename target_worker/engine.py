@@ -4,14 +4,12 @@ One `step()` is three calls with three owners:
   schedule    the Scheduler admits waiting requests (batch size, KV budget);
   run         newcomers are prefilled (their first token), then every other
               running sequence takes one decoding step:
-                plan     the policy picks gamma for the batch size, capped per
-                         sequence; the newest are preempted if the KV would
-                         overflow;
+                plan     the policy picks gamma for the batch size, capped per sequence; the newest are
+                         preempted if the KV would overflow;
                 propose  the proposer drafts up to gamma tokens per sequence;
-                score    one ragged forward pass over gamma_i + 1 positions per
-                         sequence; speculative sampling accepts a prefix of each
-                         draft plus one recovered or bonus token (the verdicts),
-                         and rejected KV is rolled back;
+                score    one ragged forward pass over gamma_i + 1 positions per sequence; speculative sampling
+                         accepts a prefix of each draft plus one recovered or bonus token (the verdicts), and
+                         rejected KV is rolled back;
   postprocess the verdicts' tokens are emitted up to the stop rules, finished
               sequences leave, and the step is counted and shown to the policy.
 
@@ -119,6 +117,7 @@ class TargetEngine:
         self.step_listener: Callable[[int, int], None] | None = None  # (batch size, gamma) per decode step
         self.elastic = elastic
         self.trees = TreeSelector(self.config.tree) if self.config.tree is not None else None
+        self._outputs: dict[int, StepOutput] = {}  # the step in flight's, by request id
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -161,12 +160,14 @@ class TargetEngine:
         return self.scheduler.has_work()
 
     def fail_running(self, reason: str) -> list[StepOutput]:
-        """After a step raised: end every running request with `reason`, free its KV (waiting ones stay)."""
+        """After a step raised: end every running request with `reason`, free its KV (waiting ones stay). A
+        request the step finished before it raised (already retired) gets its output as it was."""
         failed = list(self.scheduler.running)
         for req in failed:
             self._retire(req)
             req.finish_reason = "error"
-        return [StepOutput(req, [], finished=True, error=reason) for req in failed]
+        done = [o for o in self._outputs.values() if o.finished]
+        return done + [StepOutput(req, [], finished=True, error=reason) for req in failed]
 
     @property
     def num_running(self) -> int:
@@ -179,11 +180,11 @@ class TargetEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        outputs = self._outputs = {}  # kept: a step that raises still delivers what it finished
         self.stats.steps += 1
         if self.elastic is not None:
             self.elastic.before_step(self.scheduler, self.cache.tokens_used())
         joined = self.scheduler.admit(self.cache.tokens_used())
-        outputs: dict[int, StepOutput] = {}
         if joined:
             self._prefill(joined, outputs)
         decoding = [r for r in self.scheduler.running if r not in joined and not r.finished]

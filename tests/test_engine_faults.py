@@ -3,6 +3,7 @@ reaches the sampler, and a step that raises fails only the requests in it; an en
 its worker NOT_SERVING."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -86,3 +87,48 @@ def test_an_engine_that_keeps_failing_is_dead_and_refuses_new_work(models, spec_
     assert died.wait(10) and runner.dead.is_set()
     after = _run(runner, spec_prompts[5], SamplingParams(max_tokens=4))  # answered at once, with a reason
     assert after[-1].error == "engine stopped"
+
+
+def test_a_request_the_failing_step_finished_still_gets_its_output(models, spec_prompts, reference):
+    """A one-token request is prefilled (and finished) in the step whose decode pass then raises: it gets its
+    token, not a wait for ever (before, only the still-running requests were answered, with the error)."""
+    eng = colocated_engine(models["llama"], None, 0, 4)
+    runner = EngineRunner(eng)
+    forward, short = eng.model.forward, list(spec_prompts[1])
+    armed = {"prefilled": False, "raised": False}
+
+    def flaky(cache, slots, tokens, *a, **k):  # fault injection: the pass after the short prompt's prefill raises
+        if armed["prefilled"] and not armed["raised"]:
+            armed["raised"] = True
+            raise RuntimeError("injected")
+        out = forward(cache, slots, tokens, *a, **k)
+        armed["prefilled"] = armed["prefilled"] or any(list(t) == short for t in tokens)
+        return out
+
+    eng.model = type(eng.model)(**{**eng.model.__dict__})
+    object.__setattr__(eng.model, "forward", flaky)
+    long_done, long_outs = threading.Event(), []
+
+    def on_long(out):
+        long_outs.append(out)
+        if out.finished:
+            long_done.set()
+    runner.start()
+    try:
+        runner.submit(spec_prompts[0], SamplingParams(max_tokens=200, ignore_eos=True), "long", on_long)
+        deadline = time.monotonic() + 30
+        while len(long_outs) < 3 and time.monotonic() < deadline:  # the long request is decoding
+            time.sleep(0.01)
+        done, outs = threading.Event(), []
+
+        def on_short(out):
+            outs.append(out)
+            if out.finished:
+                done.set()
+        runner.submit(short, SamplingParams(max_tokens=1), "short", on_short)
+        assert done.wait(20), "the request finished by the failing step was never answered"
+        assert armed["raised"]
+        assert outs[-1].error is None and [t for o in outs for t in o.new_token_ids] == reference("llama")[1][:1]
+        assert long_done.wait(20) and long_outs[-1].error  # the decoding request failed with the step
+    finally:
+        runner.stop()
