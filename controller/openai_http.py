@@ -187,7 +187,13 @@ class OpenAIServer:
         return text, end
 
     async def _whole(self, parsed: Parsed, envelope: Envelope) -> web.Response:
-        results = await asyncio.gather(*(self._collect(r, parsed.stops) for r in parsed.requests))
+        tasks = [asyncio.create_task(self._collect(r, parsed.stops)) for r in parsed.requests]
+        try:  # the first choice to fail fails the request: the others must not generate on for nobody
+            results = await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         tokens = [0, 0]
         for _, end in results:
             _add_usage(tokens, end)

@@ -164,3 +164,23 @@ def test_a_prompt_being_tokenized_does_not_hold_up_other_requests(models, spec_p
         t.join(30)
         w.close()
     assert slow_result["out"].finish_reason in ("stop", "length")
+
+
+def test_a_failing_choice_stops_the_other_choices_of_a_whole_response(models, spec_prompts):
+    """A non-streaming request with several prompts, one of them rejected by the worker: the client gets the
+    error at once, and the other prompts' generations stop with it (before, they ran to max_tokens)."""
+    w = Worker(slowed(models["llama"], 0.02), "w")  # 300 tokens would take 6 s or more
+    fe = FrontEnd("llama", models["llama"].tokenizer).start()
+    try:
+        fe.set_targets({"w": w.address})
+        bad = [models["llama"].vocab_size + 7]  # out of the vocabulary: only the worker rejects it
+        status, body = _post(f"http://127.0.0.1:{fe.http_port}/v1/completions",
+                             {"prompt": [spec_prompts[0], spec_prompts[1], bad], "max_tokens": 300,
+                              "ignore_eos": True})
+        assert status == 400, body
+        t0 = time.monotonic()
+        assert wait_until(lambda: w.server.runner.engine.num_running == 0 and fe.in_flight() == {"w": 0}, 3)
+        assert w.server.runner.engine.stats.decode_steps < 300 and time.monotonic() - t0 < 3
+    finally:
+        fe.stop(0.5)
+        w.close()
