@@ -71,12 +71,17 @@ def parse_json(raw: bytes, content_type: str) -> dict:
     # JSON only: a web page may POST text/plain or a form to a local server without a CORS preflight.
     if content_type != "application/json":
         raise HttpError(415, f"Content-Type must be application/json (got {content_type!r})", "Content-Type")
-    try:
+    try:  # ValueError: also an integer past Python's 4300 digits; RecursionError: nesting too deep
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise HttpError(400, f"malformed JSON body: {exc}", "body") from None
+    except (ValueError, RecursionError) as exc:
+        raise HttpError(400, f"malformed JSON body: {str(exc)[:200]}", "body") from None
     if not isinstance(body, dict):
         raise HttpError(400, "the JSON body must be an object", "body")
+    try:  # JSON may escape a lone UTF-16 surrogate ("\ud800"): not text, and no protobuf string takes it
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise HttpError(400, "the JSON body holds a lone UTF-16 surrogate (\\ud800-\\udfff): not text",
+                        "body") from None
     return body
 
 
@@ -171,6 +176,15 @@ def _field(body: dict, name: str, types: tuple, default: Any = None, what: str =
     return value
 
 
+def _real(body: dict, name: str, default: float) -> float:
+    """A number field as a float; an integer too large for one is refused, not an overflow."""
+    value = _field(body, name, (int, float), default, "a number")
+    try:
+        return float(value)
+    except OverflowError:
+        raise InvalidArgument(name, "must be a finite number", value) from None
+
+
 def _unsupported(body: dict, name: str, allowed: tuple) -> None:
     if body.get(name) not in allowed:
         raise InvalidArgument(name, f"not supported (only {allowed[-1]!r})", body.get(name))
@@ -190,8 +204,7 @@ def _sampling(body: dict, default_max_tokens: int) -> SamplingParams:
     _unsupported(body, "best_of", (None, 1))
     _unsupported(body, "logit_bias", (None, {}))
     return SamplingParams(max_tokens=max_tokens,
-                          temperature=float(_field(body, "temperature", (int, float), 1.0, "a number")),
-                          top_p=float(_field(body, "top_p", (int, float), 1.0, "a number")),
+                          temperature=_real(body, "temperature", 1.0), top_p=_real(body, "top_p", 1.0),
                           top_k=_field(body, "top_k", (int,), 0, "an integer"),
                           seed=seed, ignore_eos=_field(body, "ignore_eos", (bool,), False, "a boolean"))
 

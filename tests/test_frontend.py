@@ -80,6 +80,37 @@ def test_requests_route_around_a_dead_worker_and_health_follows(models, worker, 
         fe.stop(0.5)
 
 
+def _raw_post(url: str, raw: bytes):
+    req = urllib.request.Request(url, data=raw, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+@pytest.mark.parametrize("raw,param,needle", [
+    (b'{"prompt": "a\\ud800b", "max_tokens": 4}', "body", "surrogate"),  # valid JSON, not text
+    (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", "body", "malformed JSON"),  # past 4300 digits
+    (b"[" * 100000 + b"]" * 100000, "body", "malformed JSON"),  # nesting deeper than the parser recurses
+    (b'{"prompt": "hi", "max_tokens": 4, "temperature": 1' + b"0" * 400 + b"}", "temperature", "finite"),
+    (b'{"prompt": "hi", "max_tokens": 4, "top_p": 1' + b"0" * 400 + b"}", "top_p", "finite"),
+])
+def test_bodies_python_cannot_take_are_400s_naming_the_part(models, worker, caplog, raw, param, needle):
+    """Before, each of these was a 500 'internal error' with a traceback in the log."""
+    fe = FrontEnd("llama", models["llama"].tokenizer).start()
+    try:
+        fe.set_targets({"w0": worker})
+        status, out = _raw_post(f"http://127.0.0.1:{fe.http_port}/v1/completions", raw)
+        assert status == 400 and out["error"]["param"] == param and needle in out["error"]["message"], out
+        assert not [r for r in caplog.records if r.levelname == "ERROR"]
+        status, out = _raw_post(f"http://127.0.0.1:{fe.http_port}/v1/completions",
+                                b'{"prompt": "\\ud83d\\ude00 hi", "max_tokens": 4}')
+        assert status == 200  # a surrogate pair is text
+    finally:
+        fe.stop(0.5)
+
+
 def test_only_json_bodies_are_accepted_and_top_k_past_int32_is_a_400(models, worker):
     """Issue 15, item 9: a page can POST text/plain to a local server without a preflight; that is refused (415).
     top_k above 2^31 names its field (it was a 500)."""
