@@ -1,11 +1,10 @@
 """The remote proposer: a target worker's client of the draft service.
 
-The engine calls `propose()` synchronously once per speculative step. Every
-failure (refused at admission, not attached yet, a missed deadline, a broken
-stream, a malformed reply) raises `DraftUnavailable`, which the engine turns
-into a speculation-free step; sequences answered with `resync` are resent
-from position 0 next time. Meanwhile a background thread reattaches with
-exponential backoff. Nothing here can fail or change a request.
+The engine calls `propose()` synchronously once per speculative step. Every failure (refused at admission,
+not attached yet, a missed deadline, a broken stream, a malformed reply) raises `DraftUnavailable`, which the
+engine turns into a speculation-free step; sequences answered with `resync` are resent from position 0 next
+time. Meanwhile a background thread reattaches with exponential backoff. Nothing here can fail or change a
+request.
 
 All gRPC runs on the proposer's own event loop (target_worker.wire_loop): a
 round goes to the loop in one hand-off and its reply comes back on a queue.
@@ -56,6 +55,7 @@ class ClientStats:
     fallbacks: Counter = field(default_factory=Counter)  # reason -> steps without drafts
     attaches: int = 0
     refusals: Counter = field(default_factory=Counter)  # reason -> refused Attach calls
+    unasked_replies: int = 0  # answers to no round in flight (a faulty server's): dropped on arrival
     # The last rounds' timings (bounded: a worker runs for weeks; metrics keep the long view).
     round_s: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # as seen by the target
     server_queue_s: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
@@ -349,7 +349,7 @@ class RemoteProposer:
 
     def _open_stream(self, resp: pb.AttachResponse) -> bool:
         """Open the Speculate stream of a new tag; False if it ended before it could be used."""
-        stream = SpeculateCall(self._wire, self._replies.put, self._stream_ended)
+        stream = SpeculateCall(self._wire, self._take_reply, self._stream_ended)
         shared = likely_shares_cores(self.address, compute_threads())  # may look up a name: not under the lock
         with self._lock:
             self._tag, self.limits, self._stream = resp.tag, resp.limits, stream
@@ -365,6 +365,15 @@ class RemoteProposer:
             self.attached_at = time.time()
             self._attached.set()
         return True
+
+    def _take_reply(self, resp: pb.SpeculateResponse) -> None:
+        """On the loop, each answer as it arrives: kept for the engine thread only if it answers a round in
+        flight and the queue has room for it, else dropped. A faulty server's unasked or repeated answers must not
+        pile up while nothing drafts (the queue is read only when a step proposes)."""
+        if resp.round_id in self._outstanding and self._replies.qsize() <= MAX_OUTSTANDING:
+            self._replies.put(resp)
+        else:
+            self.stats.unasked_replies += 1
 
     def _stream_ended(self, stream: SpeculateCall, error: BaseException | None) -> None:
         """On the loop, when a stream ends: steps fall back at once, the attach loop tries again."""

@@ -14,17 +14,19 @@ CI runs ~150 corrupt replies from the real server and ~50 per garbage kind; `-m 
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 
 import grpc
 import pytest
+from fault_servers import wait_until
 
 from draft_server.background import BackgroundDraftServer
 from starjar.policy import FixedGamma
 from starjar.sampling import SamplingParams
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
-from target_worker.draft_client import RemoteProposer
+from target_worker.draft_client import MAX_OUTSTANDING, RemoteProposer
 from target_worker.engine import EngineConfig, TargetEngine
 
 MAX_NEW = 48
@@ -84,9 +86,10 @@ class GarbageDraftService(pb_grpc.DraftServiceServicer):
 
     def Speculate(self, request_iterator, context):
         for req in request_iterator:
-            yield self._garbage(req)
-            with self._lock:
-                self.replies += 1
+            for _ in range(FLOOD if self.kind == "flood" else 1):
+                yield self._garbage(req)
+                with self._lock:
+                    self.replies += 1
 
     def _garbage(self, req: pb.SpeculateRequest) -> pb.SpeculateResponse:
         k, v = self.kind, self.vocab
@@ -112,6 +115,7 @@ class GarbageDraftService(pb_grpc.DraftServiceServicer):
         return resp
 
 
+FLOOD = 200  # "flood": every round answered this many times (a faulty server repeating itself)
 KINDS = ["wrong_round", "wrong_seq", "missing_sequence", "extra_sequence", "out_of_vocab", "too_many_huge",
          "last_draft_out_of_vocab", "resync_with_tokens"]
 
@@ -166,3 +170,23 @@ def test_garbage_replies_become_steps_without_drafts(models, spec_prompts, refer
         assert cs.fallbacks[expected_reason] >= replies - 2, dict(cs.fallbacks)
     else:  # out-of-vocabulary drafts: refused by the engine, one failure per sequence
         assert es.proposer_failures >= replies
+
+
+def test_a_server_flooding_answers_cannot_grow_the_targets_memory(models, spec_prompts, reference, garbage_server):
+    """Every round answered 200 times: the repeats are dropped as they arrive (before, each was queued until a
+    later step proposed, and nothing drains the queue while no step drafts). Outputs stay the target's."""
+    svc, address = garbage_server("flood")
+    rp = RemoteProposer(address, models["llama"].fingerprint, "flooded", 2.0, backoff_s=(0.02, 0.2))
+    eng = TargetEngine(models["llama"], rp, FixedGamma(4), EngineConfig(max_batch_size=2))
+    assert rp.wait_attached(10)
+    try:
+        outs = [r.output_ids for r in eng.generate(spec_prompts[:2], GREEDY)]
+        assert wait_until(lambda: svc.replies >= FLOOD * rp.stats.rounds)  # the last round's repeats were sent
+        time.sleep(0.5)  # and reached the target's stream reader
+        queued = rp._replies.qsize()
+    finally:
+        rp.close()
+    assert outs == reference("llama", MAX_NEW)[:2]
+    # A repeat may be queued while its round is unread (the queue's room), every other one is dropped.
+    assert rp.stats.rounds >= 10 and rp.stats.unasked_replies >= (FLOOD - 2 - MAX_OUTSTANDING) * rp.stats.rounds
+    assert queued <= MAX_OUTSTANDING + 1, queued
