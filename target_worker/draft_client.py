@@ -260,8 +260,7 @@ class RemoteProposer:
         return self._stub is not None
 
     def _no_drafts(self, reason: str, detail: str = "") -> DraftUnavailable:
-        """Count a step without drafts by reason, and hand back the error to raise (the engine then decodes
-        that step alone)."""
+        """Count a step without drafts by reason; the error to raise (the engine then decodes that step alone)."""
         self.stats.fallbacks[reason] += 1
         return DraftUnavailable(reason, detail)
 
