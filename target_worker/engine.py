@@ -14,7 +14,6 @@ One `step()` is three calls with three owners:
               sequences leave, and the step is counted and shown to the policy.
 
 Invariant: a running sequence's KV holds every token but its last one (the "pending" token), its next input.
-
 The proposer is only an optimisation: if it fails, answers late or answers nonsense, the affected
 sequences decode that step without drafts, and the output is exactly what it would have been.
 """
