@@ -73,6 +73,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
             s = self.sessions.attach(request.worker_id, caller_identity(context), request.no_training)
         except AdmissionRefused as exc:
             raise self._refused(exc.reason, exc) from None
+        self.stats.worker_attached(s.worker_id)
         log.info("attached worker %s (%d/%d targets)", s.worker_id, len(self.sessions), self.sessions.max_targets)
         c = self.cfg
         return pb.AttachResponse(tag=s.tag, draft_model=self.draft_name, limits=pb.Limits(
@@ -149,8 +150,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
         # The engine applies this release after the tag's rounds in flight (it waits for their jobs).
         if ids:
             self.queue.put(ReleaseWork([(session.tag, q) for q in ids]))
-        if not any(s.worker_id == session.worker_id for s in self.sessions.sessions()):
-            self.stats.forget_worker(session.worker_id)
+        self.stats.forget_worker(session.worker_id)
         log.info("detached worker %s (%s; %d sequences freed)", session.worker_id, why, len(ids))
         return len(ids)
 

@@ -34,6 +34,7 @@ class ServerStats:
         self.idle_gaps = 0
         self.wait_s = 0.0
         self.rounds_by_worker: Counter[str] = Counter()
+        self._attached: Counter[str] = Counter()  # worker id -> its attached sessions: only those are counted
         self.reclaimed_sequences = 0
         self.queue_full = 0  # streams ended because the global queue was full
         self.bad_sequences = 0  # sequences answered resync for breaking a limit (the stream went on)
@@ -77,14 +78,23 @@ class ServerStats:
             self.rounds += 1
             self.wait_s += wait_s
             self.service_s += service_s
-            self.rounds_by_worker[worker] += 1
+            if self._attached[worker] > 0:  # a round finishing after its target detached is not kept for it
+                self.rounds_by_worker[worker] += 1
         if self.observer is not None:
             self.observer.observe_round(wait_s, service_s)
 
-    def forget_worker(self, worker: str) -> None:
-        """A detached target's per-worker figures go (a worker id is the caller's choice: unbounded)."""
+    def worker_attached(self, worker: str) -> None:
         with self._lock:
-            self.rounds_by_worker.pop(worker, None)
+            self._attached[worker] += 1
+
+    def forget_worker(self, worker: str) -> None:
+        """A detached target's session is gone; with its last one its per-worker figures go (a worker id is the
+        caller's choice: unbounded), and rounds of it that finish later are not counted for it again."""
+        with self._lock:
+            self._attached[worker] -= 1
+            if self._attached[worker] <= 0:
+                self._attached.pop(worker, None)
+                self.rounds_by_worker.pop(worker, None)
 
     def snapshot(self) -> dict:
         with self._lock:

@@ -185,3 +185,27 @@ def test_close_ends_the_proposers_own_threads(models, spec_prompts, reference):
         except DraftUnavailable as exc:
             assert exc.reason == "detached"
         assert time.perf_counter() - t0 < 0.1
+
+
+def test_a_round_finishing_after_its_target_left_is_not_kept_for_it(models, spec_prompts, monkeypatch):
+    """Per-target figures are bounded by the targets attached: a round still drafting when its target detaches
+    is not counted for that target again (before, each such round re-created the forgotten entry)."""
+    from starjar.proposer import DraftRequest
+    from target_worker.draft_client import DraftUnavailable
+
+    monkeypatch.setenv("STARJAR_DRAFT_FAULTS", "slow_step_ms=100")  # a gamma-8 round takes about a second
+    with BackgroundDraftServer(models["draft"]) as srv:
+        for k in range(3):
+            rp = RemoteProposer(srv.address, models["llama"].fingerprint, f"gone-{k}", 0.05, backoff_s=(0.02, 0.2))
+            assert rp.wait_attached(10)
+            try:
+                rp.propose([DraftRequest(1, 0, list(spec_prompts[k]), 8)])
+            except DraftUnavailable:
+                pass  # the deadline: the round drafts on without anyone waiting
+            rp.close()  # detached while its round is in flight
+        deadline = time.monotonic() + 20
+        while srv.server.stats.snapshot()["rounds"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = srv.server.stats.snapshot()
+    assert stats["rounds"] == 3  # the rounds finished after their targets left
+    assert stats["per_worker"] == {}
