@@ -67,14 +67,49 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
-    def make_generator(self) -> torch.Generator:
-        """A private RNG per request: seeded runs repeat, unseeded ones never collide."""
+    def make_draws(self) -> PositionDraws:
+        """A request's own randomness: seeded runs repeat, unseeded ones never collide."""
+        return PositionDraws(self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+
+
+class PositionDraws:
+    """A sampled request's randomness, one independent draw per sequence position.
+
+    The token at position t is p_t's inverse CDF at u_t, a uniform drawn from (seed, t) alone: an exact sample of
+    p_t. A plain step and a verification (chain or tree) that choose the token at t use the same u_t, so what a
+    request outputs depends on its seed and the target's distributions only, never on what was drafted, nor on
+    whether a draft came at all. With a deterministic draft, "keep d while it is the token the draw picks"
+    accepts d with probability p_t(d), classic speculative sampling's acceptance, and the token picked in its
+    place is distributed as p_t without d, renormalised."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def uniform(self, position: int) -> float:
+        """u_t in [0, 1): 53 bits of the position's mixed seed."""
+        return (_mix(self.seed, position) >> 10) * 2.0 ** -53
+
+    def sample(self, probs: torch.Tensor, position: int) -> int:
+        """probs [V] (zeros allowed, not all): the token at `position`."""
         import torch
 
-        gen = torch.Generator(device="cpu")
-        seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        gen.manual_seed(seed)
-        return gen
+        cdf = probs.double().cumsum(-1)
+        pick = int(torch.searchsorted(cdf, self.uniform(position) * float(cdf[-1]), right=True))
+        if pick >= cdf.shape[-1] or float(probs[pick]) <= 0.0:  # rounding at the top: the last token with mass
+            pick = int(probs.nonzero()[-1])
+        return pick
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, position: int) -> int:
+    """63 bits mixed from (seed, position): splitmix64's finaliser over seed + (position + 1) x the golden
+    ratio, so neighbouring positions and seeds give unrelated draws."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -86,7 +121,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     assert not params.greedy, "greedy requests use argmax"
     import torch
 
-    x = finite_logits(logits) / params.temperature
+    x = finite_logits(logits)
+    # Less the row's maximum first: a +inf logit (the largest float after finite_logits) divided by a
+    # temperature below 1 would overflow back to inf, and softmax would turn the row into NaN.
+    x = (x - x.max(-1, keepdim=True).values) / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

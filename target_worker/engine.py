@@ -219,7 +219,7 @@ class TargetEngine:
             for req, lg in zip(done.rows, done.logits, strict=True):
                 if not req.output_ids:
                     req.first_token_s = now
-                    self._emit(req, [sample_next(lg[0], req.params, req.generator)], outputs)
+                    self._emit(req, [sample_next(lg[0], req.params, req.draws, req.num_tokens)], outputs)
         elapsed = time.perf_counter() - t0
         self.stats.prefill_s += elapsed
         if self.proposer is not None and hasattr(self.policy, "observe_target_prefill"):  # a catch-up's prior
@@ -326,7 +326,7 @@ class TargetEngine:
         scored = forward_pass(self.model, self.cache, plan.rounds, lambda r: [r.req.output_ids[-1]] + r.draft,
                               lambda r: r.req.slot, all_logits=True)
         for r, lg in zip(scored.rows, scored.logits, strict=True):
-            r.verdict = verify(lg, r.draft, r.req.params, r.req.generator)
+            r.verdict = verify(lg, r.draft, r.req.params, r.req.draws, r.req.num_tokens)
             # KV now holds the pending token and every draft; keep it and the accepted ones.
             self.cache.truncate(r.req.slot, r.req.num_tokens + r.verdict.num_accepted)
 

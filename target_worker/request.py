@@ -7,9 +7,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
-from starjar.sampling import SamplingParams
+from starjar.sampling import PositionDraws, SamplingParams
 
 _ids = itertools.count()
 _draft_keys = itertools.count(1)
@@ -29,7 +27,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" (EOS or a stop id) or "length"
-    generator: torch.Generator | None = None
+    draws: PositionDraws | None = None  # a sampled request's randomness, per position (seeded: repeatable)
     # Timing, in time.perf_counter() seconds.
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
@@ -48,8 +46,8 @@ class Request:
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (stop ids, EOS unless ignored), set at enqueue
 
     def __post_init__(self) -> None:
-        if self.generator is None and not self.params.greedy:
-            self.generator = self.params.make_generator()
+        if self.draws is None and not self.params.greedy:
+            self.draws = self.params.make_draws()
 
     def count_round(self, drafted: int, accepted: int) -> None:
         """One decode step's drafts: `drafted` verified, `accepted` of them kept."""

@@ -33,9 +33,9 @@ def score_rounds(model: LoadedModel, cache: RaggedKVCache, rounds: Sequence) -> 
     for r, lg in zip(ordered, logits, strict=True):
         base = r.req.num_tokens - 1  # the pending token's cache position
         if r.tree is None:
-            r.verdict = verify(lg, r.draft, r.req.params, r.req.generator)
+            r.verdict = verify(lg, r.draft, r.req.params, r.req.draws, r.req.num_tokens)
         else:
-            r.verdict = verify_tree(lg, r.tree, r.req.params, r.req.generator)
+            r.verdict = verify_tree(lg, r.tree, r.req.params, r.req.draws, r.req.num_tokens)
             keep_path(cache, r.req.slot, base, r.verdict.path)
         cache.truncate(r.req.slot, base + 1 + r.verdict.num_accepted)
 

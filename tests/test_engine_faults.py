@@ -10,7 +10,7 @@ import torch
 
 from controller.colocated import colocated_engine
 from starjar.errors import InvalidArgument
-from starjar.sampling import BadLogits, SamplingParams, finite_logits
+from starjar.sampling import BadLogits, PositionDraws, SamplingParams, finite_logits
 from starjar.verify import sample_next
 from target_worker.runner import MAX_FAILED_STEPS, EngineRunner
 
@@ -24,10 +24,10 @@ def test_a_temperature_of_1e_39_is_greedy_and_does_not_raise(models, spec_prompt
 def test_nan_and_inf_logits_never_reach_the_sampler():
     logits = torch.tensor([[0.5, float("nan"), 2.0, float("-inf")]])
     assert finite_logits(logits).isnan().sum() == 0
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(50):  # NaN is never sampled, -inf never; a sampled step picks a real token
-        assert sample_next(logits[0], SamplingParams(temperature=1.0), gen) in (0, 2)
-    assert sample_next(logits[0], SamplingParams(), gen) == 2  # argmax ignores the NaN (torch's would not)
+    draws = PositionDraws(0)
+    for pos in range(50):  # NaN is never sampled, -inf never; a sampled step picks a real token
+        assert sample_next(logits[0], SamplingParams(temperature=1.0), draws, pos) in (0, 2)
+    assert sample_next(logits[0], SamplingParams(), None) == 2  # argmax ignores the NaN (torch's would not)
     with pytest.raises(BadLogits):
         finite_logits(torch.full((1, 4), float("nan")))
 

@@ -114,6 +114,20 @@ def test_sampled_runs_repeat_with_a_seed(models, spec_prompts):
     assert outputs(a) == outputs(b)
 
 
+def test_seeded_sampled_output_is_the_target_alones_whatever_the_draft_does(models, spec_prompts):
+    """A seeded sampled request outputs the same tokens with no draft, a working draft, or a flaky one (failures,
+    garbage and resyncs): the draws belong to positions, not to how many draws a step took (before, a step with
+    drafts took gamma + 1 draws and a step without took one, so every later token moved)."""
+    p = [SamplingParams(max_tokens=32, temperature=0.9, top_k=50, seed=100 + i) for i in range(6)]
+    alone = colocated_engine(models["llama"], None, 0, 4).generate(spec_prompts[:6], p)
+    drafted = colocated_engine(models["llama"], models["draft"], 3, 4)
+    flaky = TargetEngine(models["llama"], FlakyProposer(DraftEngine(models["draft"]), models["llama"].vocab_size),
+                         FixedGamma(3), EngineConfig(max_batch_size=4))
+    assert outputs(drafted.generate(spec_prompts[:6], p)) == outputs(alone)
+    assert outputs(flaky.generate(spec_prompts[:6], p)) == outputs(alone)
+    assert drafted.stats.accepted_tokens > 0 and flaky.stats.proposer_failures > 0
+
+
 def test_step_outputs_snapshot_finished(models, spec_prompts):
     """A consumer reading an older step's output must not see the request's later state
     (a streaming server once ended a stream one step early because of that)."""

@@ -10,7 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 from starjar.kv_cache import RaggedKVCache
-from starjar.sampling import SamplingParams, logits_to_probs
+from starjar.sampling import PositionDraws, SamplingParams, logits_to_probs
 from starjar.token_tree import TokenTree
 from starjar.tree_attention import feed_parents, tree_layout
 from starjar.tree_verify import verify_tree
@@ -87,11 +87,12 @@ def _tree_logits(prefix, tree):
     return torch.stack(rows)
 
 
-def _two_tokens(params, gen, tree):
-    """Decode two tokens with tree rounds (a second round when the first emitted only one)."""
+def _two_tokens(params, draws, tree, base):
+    """Decode two tokens at positions base, base + 1 with tree rounds (a second round when the first emitted
+    only one)."""
     out: tuple[int, ...] = ()
     while len(out) < 2:
-        out += tuple(verify_tree(_tree_logits(out, tree), tree, params, gen).tokens)
+        out += tuple(verify_tree(_tree_logits(out, tree), tree, params, draws, base + len(out)).tokens)
     return out[:2]
 
 
@@ -111,10 +112,10 @@ def _chi2(counts: np.ndarray, p: np.ndarray) -> float:
 def test_joint_of_two_tokens_matches_the_target(params):
     """Several candidates per node (the root has two, node 0 two), leaves with bonus tokens, and rejection
     of every candidate (the residual path): the first two tokens' joint law is the target's."""
-    gen = torch.Generator().manual_seed(1234)
+    draws = PositionDraws(1234)
     counts = np.zeros(V * V)
-    for _ in range(N_SAMPLES):
-        a, b = _two_tokens(params, gen, TREE)
+    for i in range(N_SAMPLES):
+        a, b = _two_tokens(params, draws, TREE, 16 * i)
         counts[a * V + b] += 1
     p1 = logits_to_probs(_world(()), params).double().numpy()
     joint = np.concatenate([p1[a] * logits_to_probs(_world((a,)), params).double().numpy() for a in range(V)])
@@ -128,10 +129,10 @@ def test_residual_path_with_three_rejectable_candidates():
     p = logits_to_probs(_world(()), params).double().numpy()
     rare = [int(i) for i in np.argsort(p)[:3]]
     tree = TokenTree(rare, [-1, -1, -1])
-    gen = torch.Generator().manual_seed(7)
+    draws = PositionDraws(7)
     counts, rejected_all = np.zeros(V), 0
-    for _ in range(N_SAMPLES):
-        v = verify_tree(_tree_logits((), tree), tree, params, gen)
+    for i in range(N_SAMPLES):
+        v = verify_tree(_tree_logits((), tree), tree, params, draws, 16 * i)
         counts[v.tokens[0]] += 1
         rejected_all += v.num_accepted == 0
     assert rejected_all > N_SAMPLES // 2
@@ -168,3 +169,20 @@ def test_cache_move_keeps_a_path_contiguous():
     cache.move(s, [3, 5], [1, 2])
     cache.truncate(s, 3)
     assert cache._keys[0][s, 0, :3, 0].tolist() == [0.0, 3.0, 5.0]
+
+
+def test_a_tree_emits_plain_decodings_tokens_whatever_its_candidates():
+    """Each token a tree round emits is the one plain decoding with the same seed picks at its position."""
+    from starjar.verify import sample_next
+
+    params = SamplingParams(temperature=1.0, seed=21)
+    draws, g, walked = params.make_draws(), torch.Generator().manual_seed(2), 0
+    for trial in range(200):
+        tokens = [int(t) for t in torch.randint(V, (7,), generator=g)]
+        tree = TokenTree(tokens, list(TREE.parents))
+        logits = _tree_logits((trial,), tree)
+        v = verify_tree(logits, tree, params, draws, 100 * trial)
+        rows = [0] + [i + 1 for i in v.path]  # the rows the walk read, one per emitted token
+        assert v.tokens == [sample_next(logits[r], params, draws, 100 * trial + d) for d, r in enumerate(rows)]
+        walked += v.num_accepted
+    assert walked > 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from starjar.sampling import SamplingParams, logits_to_probs
+from starjar.sampling import PositionDraws, SamplingParams, logits_to_probs
 from starjar.verify import verify
 
 N_SAMPLES = 20_000
@@ -42,11 +42,12 @@ def _target_logits(models, gamma):
 
 
 def _chi2_first_token(logits, draft, params, seed, sampler=verify):
+    """N_SAMPLES independent rounds: one request's draws at N_SAMPLES positions far apart."""
     p = logits_to_probs(logits[0], params).double().numpy()
-    gen = torch.Generator().manual_seed(seed)
+    draws = PositionDraws(seed)
     counts = np.zeros(len(p))
-    for _ in range(N_SAMPLES):
-        counts[sampler(logits, draft, params, gen).tokens[0]] += 1
+    for i in range(N_SAMPLES):
+        counts[sampler(logits, draft, params, draws, 16 * i).tokens[0]] += 1
     expected = p * N_SAMPLES
     # Pool rare tokens so every bin expects >= 5 (the chi-square approximation needs it).
     big = expected >= 5
@@ -78,9 +79,11 @@ def test_chi_square_has_power_against_a_biased_sampler(models):
     logits, chain = _target_logits(models, gamma=3)
     params = SamplingParams(temperature=1.0)
 
-    def biased(lg, draft, prm, gen):
-        v = verify(lg, draft, prm, gen)
-        return v if torch.rand(1, generator=gen) < 0.8 else type(v)(tokens=[draft[0]], num_accepted=1)
+    coin = torch.Generator().manual_seed(5)
+
+    def biased(lg, draft, prm, draws, position):
+        v = verify(lg, draft, prm, draws, position)
+        return v if torch.rand(1, generator=coin) < 0.8 else type(v)(tokens=[draft[0]], num_accepted=1)
 
     assert _chi2_first_token(logits, chain, params, seed=99, sampler=biased) < 0.01
 
@@ -96,6 +99,41 @@ def test_top_k_and_top_p_cut_the_support():
 def test_seeded_requests_repeat():
     logits = torch.randn(4, 50)
     params = SamplingParams(temperature=0.9, seed=7)
-    a = [verify(logits, [1, 2, 3], params, g).tokens for g in [params.make_generator()] for _ in range(20)]
-    b = [verify(logits, [1, 2, 3], params, g).tokens for g in [params.make_generator()] for _ in range(20)]
-    assert a == b
+    a = [verify(logits, [1, 2, 3], params, d, pos).tokens for d in [params.make_draws()] for pos in range(20)]
+    b = [verify(logits, [1, 2, 3], params, d, pos).tokens for d in [params.make_draws()] for pos in range(20)]
+    assert a == b and len({tuple(t) for t in a}) > 1  # the same draws again, and not one draw everywhere
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=11),
+                                    SamplingParams(temperature=1.2, top_k=5, seed=12),
+                                    SamplingParams(temperature=1.0, top_p=0.8, seed=13)], ids=["t", "topk", "topp"])
+def test_every_emitted_token_is_plain_decodings_whatever_the_draft(params):
+    """Each token a verification emits is the one plain decoding with the same seed picks at its position, for
+    any draft (likely, unlikely, none): a request's output cannot depend on what was drafted."""
+    from starjar.verify import sample_next
+
+    g = torch.Generator().manual_seed(0)
+    draws, rejected = params.make_draws(), 0
+    for trial in range(300):
+        logits = torch.randn(5, 40, generator=g) * 2
+        base = 10 * trial
+        plain = [sample_next(logits[i], params, draws, base + i) for i in range(5)]
+        for draft in (plain[:4], [int(t) for t in torch.randint(40, (4,), generator=g)], plain[:2] + [39, 38], []):
+            v = verify(logits[:len(draft) + 1], draft, params, draws, base)
+            assert v.tokens == plain[:len(v.tokens)], (draft, v.tokens, plain)
+            rejected += v.num_accepted < len(draft)
+    assert rejected > 100  # the recovered-token path was exercised
+
+
+def test_a_row_after_the_first_rejection_cannot_fail_the_round():
+    """Rows past a rejected draft are never computed by the target alone: a non-finite one there is not looked at
+    (it raised BadLogits for the whole step before). A +inf logit at a temperature below 1 is that token."""
+    nan = float("nan")
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 1.0, 2.0], [nan, nan, nan]])
+    assert verify(logits, [0, 1], SamplingParams(), None).tokens == [1]
+    sampled = SamplingParams(temperature=0.5, top_k=1)
+    assert verify(logits, [0, 1], sampled, PositionDraws(1), 0).tokens == [1]
+    inf_row = torch.tensor([[float("inf"), 0.0, 1.0], [0.0, 1.0, 2.0]])
+    p = logits_to_probs(inf_row[0], SamplingParams(temperature=0.5))
+    assert not p.isnan().any() and p[0] == 1.0
+    assert verify(inf_row, [2], SamplingParams(temperature=0.5), PositionDraws(3), 0).tokens == [0]
