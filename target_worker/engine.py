@@ -110,8 +110,8 @@ class TargetEngine:
         budget = self.config.kv_budget_tokens or self.config.max_batch_size * model.max_context
         self.cache = model.new_cache()
         self.scheduler = Scheduler(self.config.max_batch_size, budget, self.config.max_gamma + 1)
-        # One sequence may hold at most this many tokens (prompt + output).
-        self.max_seq_tokens = min(model.max_context, budget - self.config.max_gamma - 1)
+        # Tokens one sequence may hold (prompt + output), as the model alone: _cap_gamma keeps drafts within it.
+        self.max_seq_tokens = min(model.max_context, budget)
         self.stats = EngineStats()
         self.step_listener: Callable[[int, int], None] | None = None  # (batch size, gamma) per decode step
         self.elastic = elastic

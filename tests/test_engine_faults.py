@@ -10,6 +10,7 @@ import torch
 
 from controller.colocated import colocated_engine
 from starjar.errors import InvalidArgument
+from starjar.reference import hf_greedy
 from starjar.sampling import BadLogits, PositionDraws, SamplingParams, finite_logits
 from starjar.verify import sample_next
 from target_worker.runner import MAX_FAILED_STEPS, EngineRunner
@@ -132,3 +133,17 @@ def test_a_request_the_failing_step_finished_still_gets_its_output(models, spec_
         assert long_done.wait(20) and long_outs[-1].error  # the decoding request failed with the step
     finally:
         runner.stop()
+
+
+@pytest.mark.parametrize("gamma", [0, 3])
+def test_a_sequence_runs_to_the_models_context_as_the_model_alone_does(models, spec_prompts, gamma):
+    """One slot, the default KV budget: a request ends at the model's context, not max_gamma + 1 tokens short of
+    it (before, 9 tokens were held back and prompts that long were refused)."""
+    m = models["llama"]
+    eng = colocated_engine(m, models["draft"] if gamma else None, gamma, 1)
+    prompt = (list(spec_prompts[0]) * 64)[:m.max_context - 6]
+    assert eng.validate_prompt(prompt) == prompt
+    out = eng.generate([prompt], SamplingParams(max_tokens=64, ignore_eos=True))[0]
+    assert len(prompt) + len(out.output_ids) == m.max_context and out.finish_reason == "length"
+    assert out.output_ids == hf_greedy(m, prompt, 6)  # the target alone's tokens, up to its last position
+    eng.validate_prompt((prompt * 2)[:m.max_context - 1])  # one token left to generate: accepted
