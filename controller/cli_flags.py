@@ -13,6 +13,25 @@ from starjar.errors import InvalidArgument
 from starjar.tree_select import TREE_CHOICES, TREE_MAX_DEPTH, trees_on
 
 
+def check_output_path(flag: str, path: str) -> None:
+    """Before any work: the file a command writes at its end can be written (its folder exists, it is not a
+    folder), so minutes of results are not lost to a typo."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise InvalidArgument(flag, "must be a file path, not a folder", path)
+    if not os.path.isdir(folder):
+        raise InvalidArgument(flag, "its folder must exist", path)
+    if not os.access(folder, os.W_OK):
+        raise InvalidArgument(flag, "its folder must be writable", path)
+
+
+def check_port(flag: str, port: int | None) -> None:
+    if port is not None and not 0 <= port <= 65535:
+        raise InvalidArgument(flag, "must be in [0, 65535] (0 = any free port)", port)
+
+
 def flag_of(field: str) -> str:
     """The flag that sets a config field: draft_deadline_s -> --draft-deadline."""
     return "--" + field.removesuffix("_s").replace("_", "-")

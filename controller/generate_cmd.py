@@ -9,6 +9,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from controller.cli_flags import check_output_path
 from starjar.errors import InvalidArgument
 from starjar.policies import policy_help
 from starjar.sampling import SamplingParams
@@ -41,22 +42,25 @@ def read_prompts(path: str) -> list[str]:
     p = Path(path)
     if not p.is_file():
         raise InvalidArgument("--prompts", "must be an existing JSONL file", path)
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument("--prompts", f"must be UTF-8 text (byte {exc.start} is not)", path) from None
     prompts = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidArgument(f"--prompts line {n}", f"must be valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise InvalidArgument(f"--prompts line {n}", 'must be an object with a string "prompt"')
-            if not obj["prompt"]:
-                raise InvalidArgument(f"--prompts line {n}: prompt", "must not be empty")
-            if len(obj["prompt"]) > MAX_PROMPT_CHARS:
-                raise InvalidArgument(f"--prompts line {n}: prompt", f"at most {MAX_PROMPT_CHARS} characters")
-            prompts.append(obj["prompt"])
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError) as exc:  # also a 4300-digit integer, or nesting past the parser
+            raise InvalidArgument(f"--prompts line {n}", f"must be valid JSON ({getattr(exc, 'msg', exc)})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise InvalidArgument(f"--prompts line {n}", 'must be an object with a string "prompt"')
+        if not obj["prompt"]:
+            raise InvalidArgument(f"--prompts line {n}: prompt", "must not be empty")
+        if len(obj["prompt"]) > MAX_PROMPT_CHARS:
+            raise InvalidArgument(f"--prompts line {n}: prompt", f"at most {MAX_PROMPT_CHARS} characters")
+        prompts.append(obj["prompt"])
     if not prompts:
         raise InvalidArgument("--prompts", "must contain at least one prompt", path)
     return prompts
@@ -120,6 +124,7 @@ def run_generate(args) -> int:
         raise InvalidArgument("--batch-size", "must be >= 1", args.batch_size)
     base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     SamplingParams(**base, seed=args.seed)  # fail on bad flags before loading anything
+    check_output_path("--out", args.out)
     prompts = read_prompts(args.prompts)
     target, engine = _engine(args)
     ids = _encode_all(engine, target.tokenizer, prompts, args.chat)

@@ -44,8 +44,10 @@ def run_models_build(args) -> int:
 
 
 def run_profile_cmd(args) -> int:
+    from controller.cli_flags import check_output_path
     from controller.profiler import profile_to_file
 
+    check_output_path("--out", args.out)
     result = profile_to_file(args.target, args.draft, args.out, quick=args.quick)
     print(f"wrote {args.out}: D0 {result['d0_s'] * 1000:.1f} ms, T(1) {result['t_of_n']['1'] * 1000:.1f} ms",
           file=sys.stderr)

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 
-from controller.cli_flags import add_deprecated_alias, add_tree_flags, as_flag_error, tree_speculation
+from controller.cli_flags import add_deprecated_alias, add_tree_flags, as_flag_error, check_port, tree_speculation
 from starjar.errors import InvalidArgument
 from starjar.policies import policy_help
 from target_worker.admission import DEFAULT_MAX_WAITING
@@ -136,6 +136,8 @@ def _announce(kind: str, host: str, registry=None, metrics_port: int | None = No
 
 
 def run_serve(args) -> int:
+    check_port("--port", args.port)
+    check_port("--metrics-port", args.metrics_port)
     return _run_draft(args) if args.serve_cmd == "draft" else _run_target(args)
 
 

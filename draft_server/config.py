@@ -8,6 +8,7 @@ from draft_server.tide_config import TideConfig
 from starjar.errors import InvalidArgument
 
 MODES = ("batched", "fifo")
+MAX_INTERVAL_S = 7 * 86400  # a week: keepalive and idle intervals in ms fit gRPC's int32
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,8 @@ class DraftServerConfig:
             v = getattr(self, name)
             if not lo <= v <= hi:
                 raise InvalidArgument(name, f"must be in [{lo}, {hi}]", v)
-        for name in ("keepalive_s", "keepalive_timeout_s", "stream_idle_s"):
-            if not getattr(self, name) > 0:
-                raise InvalidArgument(name, "must be > 0", getattr(self, name))
+        for name in ("keepalive_s", "keepalive_timeout_s", "stream_idle_s"):  # gRPC takes them as int32 ms
+            if not 0 < getattr(self, name) <= MAX_INTERVAL_S:
+                raise InvalidArgument(name, f"must be in (0, {MAX_INTERVAL_S}] seconds", getattr(self, name))
         if not self.lease_s > 0:
             raise InvalidArgument("lease_s", "must be > 0", self.lease_s)

@@ -37,7 +37,10 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def parse_device(name: str) -> torch.device:
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise InvalidArgument("device", "must be cpu or cuda[:N]", name) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InvalidArgument("device", "cuda requested but no CUDA device is available", name)
     if dev.type not in ("cpu", "cuda"):

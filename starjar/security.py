@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from starjar.drain import same_kind_handler
-from starjar.errors import InvalidArgument
+from starjar.errors import InvalidArgument, StarjarError
 
 TOKEN_ENV = "STARJAR_AUTH_TOKEN"
 AUTH_METADATA = "authorization"
@@ -92,13 +92,18 @@ class Security:
         return [TokenCheck(self.token)] if self.token else []
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
-        if not self.tls_cert:
-            return server.add_insecure_port(address)
-        creds = grpc.ssl_server_credentials(
-            [(_read(self.tls_key, "--tls-key"), _read(self.tls_cert, "--tls-cert"))],
-            root_certificates=_read(self.tls_client_ca, "--tls-client-ca"),
-            require_client_auth=bool(self.tls_client_ca))
-        return server.add_secure_port(address, creds)
+        """Listen on address; a port in use (or an address not this host's) is a StarjarError naming it."""
+        try:
+            if not self.tls_cert:
+                return server.add_insecure_port(address)
+            creds = grpc.ssl_server_credentials(
+                [(_read(self.tls_key, "--tls-key"), _read(self.tls_cert, "--tls-cert"))],
+                root_certificates=_read(self.tls_client_ca, "--tls-client-ca"),
+                require_client_auth=bool(self.tls_client_ca))
+            return server.add_secure_port(address, creds)
+        except RuntimeError as exc:  # grpc's "Failed to bind to address"
+            raise StarjarError(f"cannot listen on {address}: the port is in use or the address is not this "
+                               f"host's ({exc})") from None
 
     # ---- clients --------------------------------------------------------------------------
 

@@ -76,3 +76,40 @@ def test_cli_mismatched_draft(tmp_path, capsys, model_dirs):
 def test_cli_missing_model_dir(tmp_path, capsys):
     rc, err = _cli(tmp_path, capsys, "--target", str(tmp_path / "nope"))
     assert rc == 2 and "invalid target: must be a local directory" in err
+
+
+def test_cli_inputs_python_cannot_take_are_one_line_errors(tmp_path, capsys, model_dirs, monkeypatch):
+    """Each of these was a traceback: a prompts file that is not UTF-8, a --out whose folder does not exist
+    (found only after every generation had run), a --device torch cannot parse, ports past 65535, a keepalive
+    too long for gRPC's milliseconds, and a port another server holds."""
+    import socket
+
+    from controller.cli import main
+
+    src = tmp_path / "latin1.jsonl"
+    src.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    rc = main(["generate", "--target", model_dirs["llama"], "--prompts", str(src), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "invalid --prompts: must be UTF-8 text" in err and "Traceback" not in err
+    src.write_text('{"prompt": "hi"}\n')
+    for out in (tmp_path / "no" / "such" / "o.jsonl", tmp_path):
+        rc = main(["generate", "--target", model_dirs["llama"], "--prompts", str(src), "--out", str(out)])
+        err = capsys.readouterr().err
+        assert rc == 2 and "invalid --out" in err and "Traceback" not in err, err
+    rc = main(["generate", "--target", model_dirs["llama"], "--prompts", str(src), "--out", str(tmp_path / "o"),
+               "--device", "gpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "invalid device: must be cpu or cuda[:N]" in err, err
+    for flags, needle in ((["--metrics-port", "70000"], "invalid --metrics-port"),
+                          (["--port", "-2"], "invalid --port"),
+                          (["--keepalive", "inf"], "invalid --keepalive")):
+        rc = main(["serve", "draft", "--model", model_dirs["draft"], *flags])
+        err = capsys.readouterr().err
+        assert rc == 2 and needle in err and "Traceback" not in err, err
+    with socket.socket() as held:  # a port in use: the draft server cannot listen on it
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        rc = main(["serve", "draft", "--model", model_dirs["draft"], "--host", "127.0.0.1",
+                   "--port", str(held.getsockname()[1])])
+    err = capsys.readouterr().err
+    assert rc == 1 and "cannot listen on 127.0.0.1:" in err and "Traceback" not in err, err
