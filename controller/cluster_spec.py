@@ -16,12 +16,14 @@ from controller.frontend_limits import (
     check_request_timeout,
 )
 from starjar.errors import InvalidArgument
+from starjar.security import MIN_TOKEN_CHARS
 from target_worker.admission import DEFAULT_MAX_WAITING
 
 NAMESPACE = "starjar"
 CONTROLLER = "starjar-controller"
 DRAFT = "starjar-draft"
 FRONTEND = "starjar-frontend"
+DTYPE_NAMES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")  # starjar.models.DTYPES, without torch
 READY_TIMEOUT_S = 900.0  # `up`: until every actor serves, loading the models on every node included
 
 
@@ -117,8 +119,13 @@ class ClusterSpec:
             raise InvalidArgument("--draft-mode", "must be batched or fifo", self.draft_mode)
         if self.admission not in ("fixed", "auto"):
             raise InvalidArgument("--admission", "must be fixed or auto", self.admission)
-        if self.max_targets < 1:
-            raise InvalidArgument("--max-targets", "must be >= 1", self.max_targets)
+        if not 1 <= self.max_targets <= 4096:  # the draft server's own bound (DraftServerConfig)
+            raise InvalidArgument("--max-targets", "must be in [1, 4096]", self.max_targets)
+        if str(self.dtype).lower() not in DTYPE_NAMES:  # checked here: in the actors it costs a 15-minute wait
+            raise InvalidArgument("--dtype", f"one of {', '.join(DTYPE_NAMES)}", self.dtype)
+        if self.auth_token is not None and len(self.auth_token) < MIN_TOKEN_CHARS:
+            raise InvalidArgument("--auth-token", f"a token must have at least {MIN_TOKEN_CHARS} characters",
+                                  f"{len(self.auth_token)}")
         if not 1 <= self.draft_servers <= 64:
             raise InvalidArgument("--draft-servers", "must be in [1, 64]", self.draft_servers)
         if self.autoscale_drafts is not None:

@@ -104,8 +104,9 @@ def start_local(spec: ClusterSpec) -> dict:
     run_dir().mkdir(parents=True, exist_ok=True)
     log_path = run_dir() / "cluster.log"
     spec_path = run_dir() / "spec.json"
-    spec_path.write_text(json.dumps(spec.to_dict()))
-    os.chmod(spec_path, 0o600)  # may hold the auth token
+    spec_path.unlink(missing_ok=True)  # created afresh, owner-only from its first byte: it may hold the tokens
+    with os.fdopen(os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(json.dumps(spec.to_dict()))
     with open(log_path, "ab") as log_file:
         keeper = subprocess.Popen([sys.executable, "-m", "controller.keeper", str(spec_path), str(state_path())],
                                   stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,

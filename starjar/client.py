@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from starjar.errors import StarjarError
+from starjar.errors import InvalidArgument, StarjarError
 from starjar.sampling import SamplingParams
 from starjar.status import error_field
 from starjar.v1 import generate_pb2 as pb
@@ -131,6 +131,13 @@ def _chunk(resp: pb.GenerateResponse) -> GenerationChunk:
 
 
 def _credentials(tls, root_certificates, private_key=None, certificate_chain=None):
+    """Channel credentials, or None for plaintext. Certificates given without tls turn TLS on: dropping them
+    would send the bearer token in clear; with tls=False they are a contradiction, refused."""
+    given = any(x is not None for x in (root_certificates, private_key, certificate_chain))
+    if tls is False and given:
+        raise InvalidArgument("tls", "is False, but certificates were given (pass tls=True, or no certificates)")
+    if tls is None and given:
+        tls = True
     if tls is None or tls is False:
         return None
     if isinstance(tls, grpc.ChannelCredentials):

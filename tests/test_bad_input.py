@@ -113,3 +113,42 @@ def test_cli_inputs_python_cannot_take_are_one_line_errors(tmp_path, capsys, mod
                    "--port", str(held.getsockname()[1])])
     err = capsys.readouterr().err
     assert rc == 1 and "cannot listen on 127.0.0.1:" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("fields,flag", [
+    ({"max_targets": 5000}, "--max-targets"),  # the draft server refused it inside its actor: a 15-minute wait
+    ({"dtype": "fp17"}, "--dtype"),
+    ({"auth_token": "short"}, "--auth-token"),  # every other token is held to 16 characters
+])
+def test_up_refuses_before_starting_anything(model_dirs, fields, flag):
+    from controller.cluster_spec import DTYPE_NAMES, ClusterSpec
+    from starjar.models import DTYPES
+
+    with pytest.raises(InvalidArgument, match=flag):
+        ClusterSpec(model_dirs["llama"], model_dirs["draft"], **fields).validate()
+    assert set(DTYPE_NAMES) == set(DTYPES)  # the spec's list is the loader's
+    ClusterSpec(model_dirs["llama"], model_dirs["draft"], dtype="bf16", max_targets=4096,
+                auth_token="x" * 16).validate()
+
+
+def test_the_spec_file_holding_the_tokens_is_owner_only_from_its_creation(model_dirs, tmp_path, monkeypatch):
+    """It was written world-readable (umask 022) and narrowed after: a reader in between kept its file open."""
+    import os
+    import stat
+
+    from controller import local_cluster
+    from controller.cluster_spec import ClusterSpec
+
+    monkeypatch.setenv("STARJAR_HOME", str(tmp_path))
+    modes = []
+
+    def popen(*a, **k):  # the keeper would start here: look at the file it would read, then stop
+        modes.append(stat.S_IMODE(os.stat(local_cluster.run_dir() / "spec.json").st_mode))
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(local_cluster.subprocess, "Popen", popen)
+    monkeypatch.setattr(local_cluster.os, "chmod", lambda *a, **k: None)  # no narrowing after the fact counts
+    spec = ClusterSpec(model_dirs["llama"], model_dirs["draft"], auth_token="t" * 32).validate()
+    for _ in range(2):  # a second start replaces the file the first left
+        with pytest.raises(RuntimeError, match="stop here"):
+            local_cluster.start_local(spec)
+    assert modes == [0o600, 0o600]

@@ -210,3 +210,25 @@ def test_a_metrics_endpoint_serves_on_an_ipv6_host():
         pytest.skip("no IPv6 loopback here")
     port = serve(new_registry("draft_server"), "::1", 0, token="v" * 40)
     assert "starjar_build_info" in scrape(f"[::1]:{port}", "v" * 40)
+
+
+def test_the_sdk_given_certificates_speaks_tls_and_never_sends_the_token_in_clear(models, pki):
+    """Client(..., root_certificates=CA) without tls=True: before, the certificate was dropped and the token went
+    out in plaintext metadata (the TLS worker refused the connection). Now certificates turn TLS on, and
+    tls=False with certificates is refused before any connection."""
+    from starjar import Client
+    from starjar.errors import InvalidArgument
+
+    security = Security(token=TOKEN, tls_cert=pki["server.pem"], tls_key=pki["server.key"])
+    server = TargetServer(models["llama"], TargetWorkerConfig(worker_id="w"), security=security)
+    loop = BackgroundLoop("tls-target")
+    loop.run(server.start())
+    ca = open(pki["ca.pem"], "rb").read()
+    try:
+        with Client(f"127.0.0.1:{server.port}", timeout=30, auth_token=TOKEN, root_certificates=ca) as c:
+            assert len(c.generate(prompt_token_ids=[5, 6, 7], max_tokens=4).token_ids) == 4
+        with pytest.raises(InvalidArgument, match="tls"):
+            Client(f"127.0.0.1:{server.port}", auth_token=TOKEN, tls=False, root_certificates=ca)
+    finally:
+        loop.run(server.stop())
+        loop.stop()
