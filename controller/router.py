@@ -77,6 +77,9 @@ class TargetRouter:
         self._auth = self.security.metadata()
         check_max_requests(max_requests)
         self._targets: dict[str, _Target] = {}
+        # Workers dropped from the set while relays to them run: their counts still hold a place under
+        # max_requests, and a worker back at the same address gets its count back (a missed poll, not a move).
+        self._leaving: dict[str, _Target] = {}
         self._rr = itertools.count()
         self.max_attempts = max_attempts
         self.max_requests = max_requests
@@ -84,14 +87,23 @@ class TargetRouter:
 
     def update(self, addresses: dict[str, str]) -> None:
         """Set the workers (name -> HOST:PORT); a moved worker gets a fresh channel."""
+        self._leaving = {n: t for n, t in self._leaving.items() if t.in_flight > 0}
         for name in list(self._targets):
             t = self._targets[name]
             if addresses.get(name) != t.address:
                 del self._targets[name]
                 # Streams in flight keep the old channel alive until they end; then it is collected.
+                if t.in_flight > 0:
+                    self._leaving[name] = t
                 log.info("target %s left (%s)", name, t.address)
         for name, address in addresses.items():
             if name not in self._targets:
+                back = self._leaving.pop(name, None)
+                if back is not None and back.address == address:
+                    self._targets[name] = back
+                    continue
+                if back is not None:  # moved: the old address's relays still count until they end
+                    self._leaving[name] = back
                 ch = self.security.channel(address, aio=True)
                 self._targets[name] = _Target(name, address, ch, pb_grpc.GenerateServiceStub(ch))
                 log.info("target %s at %s", name, address)
@@ -122,7 +134,7 @@ class TargetRouter:
         """Stream one request from the least-loaded worker. Closing the iterator cancels the upstream
         call, which frees the worker's sequence and its draft session. timeout bounds the whole request,
         retries included."""
-        relaying = sum(t.in_flight for t in self._targets.values())
+        relaying = sum(t.in_flight for t in (*self._targets.values(), *self._leaving.values()))
         if relaying >= self.max_requests:
             self.refused[FRONT_END_FULL] += 1
             raise Overloaded(f"the front end is relaying {relaying} requests, its limit (--max-requests "

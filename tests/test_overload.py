@@ -16,6 +16,7 @@ from fault_servers import FakeWorker, Worker, slowed, wait_until
 from prometheus_client import generate_latest
 
 from controller.frontend import FrontEnd
+from controller.router import Overloaded as RouterFull
 from controller.router import TargetRouter
 from starjar import Client, Overloaded
 from starjar.sampling import SamplingParams
@@ -158,3 +159,46 @@ def test_the_router_never_retries_a_request_that_may_have_run(models, code, spec
     finally:
         fake.close()
         real.close()
+
+
+def test_relays_to_a_worker_that_missed_a_poll_still_count(models):
+    """A worker dropped from the set for one missed poll and put back at the same address keeps its relays'
+    count, and while it is out they still count against --max-requests (before, it came back at 0: the front
+    end went past its limit and sent it the next requests as if idle)."""
+    hung = FakeWorker(None)  # every request stays in flight
+
+    async def relay():
+        router = TargetRouter(max_requests=3)
+        router.update({"w": hung.address})
+        req = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=sampling_to_proto(SamplingParams(max_tokens=4)))
+
+        async def one():
+            async for _ in router.generate(req, timeout=30):
+                pass
+        tasks = [asyncio.create_task(one()) for _ in range(3)]
+        try:
+            for _ in range(200):
+                await asyncio.sleep(0.01)
+                if router.in_flight() == {"w": 3}:
+                    break
+            router.update({})  # a missed poll
+            with pytest.raises(RouterFull):
+                await one()  # no worker: but three relays still hold every place
+            router.update({"w": hung.address})  # back at the same address
+            assert router.in_flight() == {"w": 3}
+            with pytest.raises(RouterFull):
+                await one()
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            assert router.in_flight() == {"w": 0}
+            router.update({})
+            assert not router._leaving  # nothing in flight: nothing kept of a worker that left
+        finally:
+            for t in tasks:
+                t.cancel()
+            await router.close()
+    try:
+        asyncio.run(relay())
+    finally:
+        hung.close()
