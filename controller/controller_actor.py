@@ -67,6 +67,7 @@ class Controller:
         self.started_s = time.time()
         self._polls = 0
         self.override: int | None = None  # a user's forced gamma (set_gamma)
+        self._override_due: set[str] = set()  # targets that did not answer set_gamma: told again each sample
         from controller.fleet_watch import FleetWatch
         from controller.saturation import SaturationGuard
 
@@ -152,7 +153,7 @@ class Controller:
             return
         stats = None  # N_full is estimated from the draft servers alone; admission and the guard need the targets
         try:  # one sample of the targets serves every draft server's admission and guard
-            stats = await asyncio.wait_for(self.target_stats(), STATS_TIMEOUT_S) if w.active else None
+            stats = await self.target_stats() if w.active else None  # each target's answer bounded on its own
         except Exception as exc:
             log.info("target stats sample skipped: %r", exc)
         n_maxes = {n: s.n_max for n, s in self.fleet.slots.items()}
@@ -166,8 +167,9 @@ class Controller:
             if n != n_maxes[name]:
                 log.info("%s: N_max %d -> %d", name, n_maxes[name], n)
             self.fleet.slots[name].n_max = n
-        await asyncio.gather(*(self.targets[t].set_gamma.remote(g) for t, g in plan.gamma.items()),
-                             return_exceptions=True)
+        await _each_within([self.targets[t].set_gamma.remote(g) for t, g in plan.gamma.items()], INFO_TIMEOUT_S)
+        if self._override_due:  # a user's gamma some target was down for
+            await self._tell_override(sorted(self._override_due & set(self.targets)))
 
     async def _retire(self, name: str, handle) -> None:
         self.watch.forgets(name)
@@ -249,14 +251,23 @@ class Controller:
     async def target_stats(self) -> dict:
         """Every answering target's stats (one dead or restarting target must not blind the whole fleet's
         admission and saturation guard)."""
-        stats = await asyncio.gather(*(h.stats.remote() for h in self.targets.values()), return_exceptions=True)
+        stats = await _each_within([h.stats.remote() for h in self.targets.values()], STATS_TIMEOUT_S)
         return {t: s for t, s in zip(self.targets, stats, strict=True) if not isinstance(s, BaseException)}
 
     async def set_gamma(self, gamma: int | None) -> None:
         """Force every target's gamma (0 = speculation off); None = back to the configured policy."""
         self.override = gamma
         self.watch.cancel()
-        await asyncio.gather(*(h.set_gamma.remote(gamma) for h in self.targets.values()))
+        await self._tell_override(list(self.targets))
+
+    async def _tell_override(self, names: list[str]) -> None:
+        """Tell targets the user's gamma, each call bounded: a restarting target would hold it for as long as
+        it is down, so one that does not answer is told again at each sample until it does."""
+        done = await _each_within([self.targets[t].set_gamma.remote(self.override) for t in names], INFO_TIMEOUT_S)
+        late = {t for t, r in zip(names, done, strict=True) if isinstance(r, BaseException)}
+        self._override_due = (self._override_due - set(names)) | late
+        if late:
+            log.warning("gamma %s not yet taken by %s (not answering)", self.override, ", ".join(sorted(late)))
 
     async def describe(self) -> dict:
         """The cluster's settings (the auth token left out)."""
@@ -317,3 +328,10 @@ async def _bounded(ref, timeout: float = INFO_TIMEOUT_S * 5):
     except Exception as exc:  # noqa: BLE001 - shutting down: one unresponsive actor must not stop the rest
         log.info("shutdown: an actor call failed: %r", exc)
         return None
+
+
+async def _each_within(calls: list, timeout: float) -> list:
+    """Await Ray calls, each for at most `timeout` s: an answer, or the exception (a TimeoutError for one that
+    does not answer). An actor being restarted, or waiting for a node, holds its calls instead of failing them
+    (max_restarts=-1), and one such actor must not hold up the controller's loop."""
+    return await asyncio.gather(*(asyncio.wait_for(c, timeout) for c in calls), return_exceptions=True)

@@ -137,7 +137,7 @@ def _controller(watch: FleetWatch):
     fleet.assignment.of.update(_assignment())  # (placement alternates; this split keeps the snapshots' targets)
     assert fleet.settle() == []
     ctl = Controller.__new__(Controller)
-    ctl.fleet, ctl.watch, ctl.override = fleet, watch, None
+    ctl.fleet, ctl.watch, ctl.override, ctl._override_due = fleet, watch, None, set()
     ctl.spec = ClusterSpec(target="target", draft="draft", policy="nightjar")
     ctl.targets = {t: _TargetActor(t, clock) for t in TARGETS}
 
@@ -193,3 +193,34 @@ def test_a_draft_server_with_no_round_in_the_window_is_measured_idle():
         asyncio.run(fleet.sample_loads())
         loads.append(round(fleet.slots[D0].load, 2))
     assert loads == [0.0, 0.99, 0.0]
+
+
+class _Hung:
+    """A call to an actor Ray is restarting (max_restarts=-1): it neither answers nor fails."""
+
+    def remote(self, *args):
+        return asyncio.Event().wait()
+
+
+def test_a_target_being_restarted_holds_up_neither_the_loop_nor_a_users_gamma(monkeypatch):
+    """Before, one target whose calls hung (being restarted, or waiting for a node) stopped the controller's
+    loop at its set_gamma, blinded every draft server's admission and guard (the whole stats sample timed out),
+    and hung a user's set_gamma. Now each call is bounded: the others are sampled and told as before, and the
+    user's gamma reaches the hung target once it answers."""
+    import controller.controller_actor as ca
+
+    monkeypatch.setattr(ca, "INFO_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(ca, "STATS_TIMEOUT_S", 0.2)
+    ctl, drafts, fleet, sample = _controller(_watch())
+    hung = ctl.targets[TARGETS[0]]
+    real_stats, real_set = hung.stats, hung.set_gamma
+    hung.stats = hung.set_gamma = _Hung()
+    for k in range(3):
+        asyncio.run(asyncio.wait_for(sample(k), 5))
+    assert [ctl.targets[t].gammas for t in TARGETS[1:]] == [[], [0], [0]]  # as with every target answering
+    assert drafts[D1].n_max_set == [1]  # admission still acted on the others' stats
+    asyncio.run(asyncio.wait_for(ctl.set_gamma(2), 5))
+    assert ctl._override_due == {TARGETS[0]} and all(ctl.targets[t].gammas[-1] == 2 for t in TARGETS[1:])
+    hung.stats, hung.set_gamma = real_stats, real_set  # it is back
+    asyncio.run(asyncio.wait_for(sample(2), 5))  # (the recordings hold three samples: the last again)
+    assert hung.gammas[-1] == 2 and not ctl._override_due
