@@ -18,6 +18,7 @@ import grpc
 from starjar.errors import InvalidArgument, StarjarError
 from starjar.sampling import SamplingParams
 from starjar.status import error_field
+from starjar.token_ids import WIRE_LIMIT, first_out_of_range
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
 from starjar.wire import refusal_reason, sampling_to_proto
@@ -111,12 +112,30 @@ class GenerationResult:
 
 
 def _request(prompt, prompt_token_ids, chat, request_id, model, tpot_slo_s=None, **sampling) -> pb.GenerateRequest:
-    params = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})  # validates locally first
-    req = pb.GenerateRequest(request_id=request_id or "", prompt=prompt or "",
-                             prompt_token_ids=list(prompt_token_ids or ()), chat=chat, model=model or "",
-                             sampling=sampling_to_proto(params))
-    if tpot_slo_s is not None:
-        req.tpot_slo_s = float(tpot_slo_s)
+    """The request, checked here first: a bad argument is an InvalidRequest naming it, as the server's would be
+    (not a ValueError or TypeError from protobuf, which names nothing)."""
+    try:
+        for name, ids in (("prompt_token_ids", prompt_token_ids), ("stop_token_ids", sampling.get("stop_token_ids"))):
+            if ids and (not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+                        or first_out_of_range(ids, WIRE_LIMIT) is not None):
+                raise InvalidArgument(name, "token ids must be integers in [0, 2^32)")
+        numbers = {"temperature": (int, float), "top_p": (int, float), "tpot_slo_s": (int, float),
+                   "max_tokens": (int,), "top_k": (int,), "seed": (int,)}
+        for name, value in (*sampling.items(), ("tpot_slo_s", tpot_slo_s)):
+            if name in numbers and value is not None and (isinstance(value, bool)
+                                                          or not isinstance(value, numbers[name])):
+                raise InvalidArgument(name, f"must be {'an integer' if numbers[name] == (int,) else 'a number'}",
+                                      value)
+        params = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})  # validates locally
+        req = pb.GenerateRequest(request_id=request_id or "", prompt=prompt or "",
+                                 prompt_token_ids=list(prompt_token_ids or ()), chat=chat, model=model or "",
+                                 sampling=sampling_to_proto(params))
+        if tpot_slo_s is not None:
+            req.tpot_slo_s = float(tpot_slo_s)
+    except InvalidArgument as exc:
+        raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, str(exc), field=exc.field) from None
+    except (TypeError, ValueError) as exc:  # a value of the wrong type for its field
+        raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {exc}") from None
     return req
 
 

@@ -232,3 +232,20 @@ def test_the_sdk_given_certificates_speaks_tls_and_never_sends_the_token_in_clea
     finally:
         loop.run(server.stop())
         loop.stop()
+
+
+@pytest.mark.parametrize("kw,field", [(dict(max_tokens=0), "max_tokens"),
+                                      (dict(prompt_token_ids=[-1]), "prompt_token_ids"),
+                                      (dict(stop_token_ids=[-1]), "stop_token_ids"),
+                                      (dict(temperature="0.5"), "temperature"), (dict(tpot_slo_s="fast"), "tpot_slo_s"),
+                                      (dict(seed=1.5), "seed")])
+def test_the_sdk_refuses_bad_arguments_as_the_server_would(kw, field):
+    """Checked before any connection (nothing listens at port 1), and raised as the InvalidRequest the README
+    promises, naming the field: before, these were a ValueError or TypeError from protobuf naming nothing, and
+    starjar.InvalidArgument for the rest."""
+    from starjar import Client, ClientError, InvalidRequest
+
+    with Client("127.0.0.1:1", timeout=5) as c:
+        with pytest.raises(InvalidRequest) as err:
+            c.generate(None if "prompt_token_ids" in kw else "hi", **kw)
+    assert isinstance(err.value, ClientError) and err.value.field == field, (err.value.field, str(err.value))
