@@ -18,7 +18,7 @@ import grpc
 from starjar.errors import InvalidArgument, StarjarError
 from starjar.sampling import SamplingParams
 from starjar.status import error_field
-from starjar.token_ids import WIRE_LIMIT, first_out_of_range
+from starjar.token_ids import WIRE_LIMIT, check_token_ids
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
 from starjar.wire import refusal_reason, sampling_to_proto
@@ -111,21 +111,16 @@ class GenerationResult:
             self.tpot_s, self.tpot_slo_met = chunk.tpot_s, chunk.tpot_slo_met
 
 
+# Sampling arguments that protobuf would take only of these types (its own errors name no field).
+_NUMBER_TYPES = {"temperature": (int, float), "top_p": (int, float), "tpot_slo_s": (int, float),
+                 "max_tokens": (int,), "top_k": (int,), "seed": (int,)}
+
+
 def _request(prompt, prompt_token_ids, chat, request_id, model, tpot_slo_s=None, **sampling) -> pb.GenerateRequest:
     """The request, checked here first: a bad argument is an InvalidRequest naming it, as the server's would be
     (not a ValueError or TypeError from protobuf, which names nothing)."""
     try:
-        for name, ids in (("prompt_token_ids", prompt_token_ids), ("stop_token_ids", sampling.get("stop_token_ids"))):
-            if ids and (not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-                        or first_out_of_range(ids, WIRE_LIMIT) is not None):
-                raise InvalidArgument(name, "token ids must be integers in [0, 2^32)")
-        numbers = {"temperature": (int, float), "top_p": (int, float), "tpot_slo_s": (int, float),
-                   "max_tokens": (int,), "top_k": (int,), "seed": (int,)}
-        for name, value in (*sampling.items(), ("tpot_slo_s", tpot_slo_s)):
-            if name in numbers and value is not None and (isinstance(value, bool)
-                                                          or not isinstance(value, numbers[name])):
-                raise InvalidArgument(name, f"must be {'an integer' if numbers[name] == (int,) else 'a number'}",
-                                      value)
+        _check_arguments(prompt_token_ids, {**sampling, "tpot_slo_s": tpot_slo_s})
         params = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})  # validates locally
         req = pb.GenerateRequest(request_id=request_id or "", prompt=prompt or "",
                                  prompt_token_ids=list(prompt_token_ids or ()), chat=chat, model=model or "",
@@ -137,6 +132,18 @@ def _request(prompt, prompt_token_ids, chat, request_id, model, tpot_slo_s=None,
     except (TypeError, ValueError) as exc:  # a value of the wrong type for its field
         raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"invalid request: {exc}") from None
     return req
+
+
+def _check_arguments(prompt_token_ids, values: dict) -> None:
+    """InvalidArgument for token ids that are not integers on the wire, or a number argument of another type."""
+    for name, ids in (("prompt_token_ids", prompt_token_ids), ("stop_token_ids", values.get("stop_token_ids"))):
+        if ids and not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidArgument(name, "token ids must be integers")
+        check_token_ids(name, ids or (), WIRE_LIMIT)
+    for name, types in _NUMBER_TYPES.items():
+        value = values.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise InvalidArgument(name, "must be an integer" if types == (int,) else "must be a number", value)
 
 
 def _chunk(resp: pb.GenerateResponse) -> GenerationChunk:
