@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from starjar import lean_step
+from starjar import kernels, lean_step
 from starjar.attention import fold_mask, folded_attention
 from starjar.lean_step import rms_norm
 
@@ -53,10 +53,13 @@ class LeanDecoder(torch.nn.Module):
         linears = [lin for p in self.plan for lin in (p[1], p[5], p[7], p[9])]
         self.scriptable = all(hasattr(lin, "_packed") for lin in linears) and \
             len({lin._reduce_range for lin in linears}) == 1
-        # Per layer, the float biases of those four (RowInt8Linear keeps them beside its packed weights).
+        # Per layer, the float biases of those four (RowInt8Linear keeps them beside its packed weights), and their
+        # int_mm weights and scales where that is their multi-row path (None on the fused one; a linear's path is
+        # fixed when it is quantized).
         self._biases = [[p[i].bias for i in (1, 5, 7, 9)] for p in self.plan] if self.scriptable else []
-        # Several rows take the scripted layer only on the fused kernel (a machine where starjar.kernels chose
-        # int_mm keeps the eager forward, which calls it); a linear's path is fixed when it is quantized.
+        self._mats = [[m for i in (1, 5, 7, 9) for m in (p[i].w_t, p[i].w_scale)] for p in self.plan] \
+            if self.scriptable else []
+        # int_mm's generic kernel (STARJAR_INT_MM_ONEDNN=0) is chosen per call, so its passes stay eager.
         self.rows_fused = self.scriptable and all(lin.path == "fused" for lin in linears)
         if self.scriptable and lean_step.enabled():
             lean_step.layer_fn()
@@ -66,12 +69,13 @@ class LeanDecoder(torch.nn.Module):
         """Run without these decoder layers from now on (indices of the whole model; () runs them all). A cache
         filled before is not valid after: its layers are the plan's."""
         if not hasattr(self, "_whole"):
-            self._whole = (list(self.plan), list(self._biases), self.skipped)
-        plan, biases, skipped = self._whole
+            self._whole = (list(self.plan), list(self._biases), list(self._mats), self.skipped)
+        plan, biases, mats, skipped = self._whole
         kept = [i for i in range(len(plan) + len(skipped)) if i not in skipped]
         self.skipped = tuple(sorted(set(skip) | set(skipped)))
         self.plan = [p for i, p in zip(kept, plan, strict=True) if i not in skip]
         self._biases = [b for i, b in zip(kept, biases, strict=True) if i not in skip] if biases else []
+        self._mats = [m for i, m in zip(kept, mats, strict=True) if i not in skip] if mats else []
 
     @staticmethod
     def attach_fused(model: torch.nn.Module, head_vocab: int | None = None) -> None:
@@ -114,7 +118,8 @@ class LeanDecoder(torch.nn.Module):
         if real is not None:  # x, cos and sin as [T, 1, ...]: the real tokens only
             x, cos, sin = (t.reshape(b * q, 1, *t.shape[2:]).index_select(0, real) for t in (x, cos, sin))
         views = None
-        if self.scriptable and lean_step.enabled() and (b == 1 and q == 1 or self.rows_fused):
+        if self.scriptable and lean_step.enabled() and (b == 1 and q == 1 or self.rows_fused
+                                                         or kernels.int_mm_uses_onednn()):
             views = cache.pass_views(len(self.plan))
         if views is not None:
             x = self._scripted_layers(x, cos, sin, mask, *views, real=real, padded=(b, q))
@@ -169,14 +174,14 @@ class LeanDecoder(torch.nn.Module):
             return x
         layer = lean_step.rows_layer_fn()
         folded = {}  # the mask folded per group size once per pass, as starjar.attention does
-        for (w_in, qkv, _, nq, nk, o_proj, w_post, gate_up, _, down), k, v, biases in zip(
-                self.plan, keys, values, self._biases, strict=True):
+        for (w_in, qkv, _, nq, nk, o_proj, w_post, gate_up, _, down), k, v, biases, mats in zip(
+                self.plan, keys, values, self._biases, self._mats, strict=True):
             g = nq // nk
             if g not in folded:
                 folded[g] = mask if q == 1 else fold_mask(mask, g)
             x = layer(x, cos, sin, w_in, qkv._packed, o_proj._packed, w_post, gate_up._packed, down._packed,
                       qkv._reduce_range, k, v, rows, write, start, kv_len, folded[g], nq, nk, d, eps, biases,
-                      real, b, q)
+                      mats, real, b, q)
         return x
 
 

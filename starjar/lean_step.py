@@ -13,10 +13,11 @@ way (same machine, 2 threads, eager -> scripted): a 4-row step 30.2 -> 18.6 ms, 
 a one-row 2-token catch-up 27.1 -> 16.4 ms, again bit-identical.
 
 The one-row one-token step runs torch's dynamic int8 kernel as is (one range per tensor is the row's own); the
-multi-row layer runs the `fused` per-row path only (a machine where starjar.kernels chose int_mm keeps the
-eager forward for several rows). Rows on consecutive cache slots are written through views of their buffers,
-others through the whole buffers and then gathered, as RaggedKVCache.update does; tree passes and float drafts keep
-the eager forward. STARJAR_LEAN_SCRIPT=0 turns both off (to compare, or to force the eager path).
+multi-row layer runs the path starjar.kernels chose for this machine, `fused` or `int_mm` (only int_mm's generic
+kernel, STARJAR_INT_MM_ONEDNN=0, keeps the eager forward: it is switched per call, which scripting cannot). Rows
+on consecutive cache slots are written through views of their buffers, others through the whole buffers and then
+gathered, as RaggedKVCache.update does; tree passes and float drafts keep the eager forward. STARJAR_LEAN_SCRIPT=0
+turns both off (to compare, or to force the eager path).
 """
 
 from __future__ import annotations
@@ -87,13 +88,22 @@ def layer_fn():
 
 
 def _rows_linear(x: Tensor, packed: torch.classes.quantized.LinearPackedParamsBase, reduce_range: bool,
-                 bias: Tensor | None) -> Tensor:
-    """starjar.quantized.RowInt8Linear.fused_rows: each row scaled to an absolute maximum of 1 first, so the
-    kernel's one activation range is every row's own; the packed bias, scaled with the row, is put right."""
+                 bias: Tensor | None, w_t: Tensor | None, w_scale: Tensor | None) -> Tensor:
+    """starjar.quantized.RowInt8Linear's multi-row paths, the same ops. w_t None (fused_rows): each row scaled to
+    an absolute maximum of 1 first, so the kernel's one activation range is every row's own, and the packed bias,
+    scaled with the row, put right. w_t and w_scale given (int_mm): rows quantized symmetrically to 8 bits and
+    multiplied with torch._int_mm (oneDNN's VNNI/AMX kernel; the generic one is never scripted)."""
     rows = x.reshape(-1, x.shape[-1])
     peak = rows.abs().amax(-1, keepdim=True).clamp_min_(1e-12)  # as quantized._row_peak
-    y = torch.ops.quantized.linear_dynamic(rows / peak, packed, reduce_range)
-    y = y * peak if bias is None else (y - bias) * peak + bias
+    if w_t is not None and w_scale is not None:
+        scale = peak / 127
+        acc = torch._int_mm(torch.round(rows / scale).to(torch.int8), w_t)
+        y = acc.float() * (scale * w_scale)
+        if bias is not None:
+            y = y + bias
+    else:
+        y = torch.ops.quantized.linear_dynamic(rows / peak, packed, reduce_range)
+        y = y * peak if bias is None else (y - bias) * peak + bias
     return y.reshape(x.shape[0], x.shape[1], -1)
 
 
@@ -134,12 +144,14 @@ def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.cl
                 gate_up: torch.classes.quantized.LinearPackedParamsBase,
                 down: torch.classes.quantized.LinearPackedParamsBase, reduce_range: bool, keys: Tensor, values: Tensor,
                 rows: Tensor | None, write: Tensor | None, start: int, kv_len: int, mask: Tensor, nq: int, nk: int,
-                head_dim: int, eps: float, biases: list[Tensor | None], real: Tensor | None, b: int, q: int) -> Tensor:
+                head_dim: int, eps: float, biases: list[Tensor | None], mats: list[Tensor | None], real: Tensor | None,
+                b: int, q: int) -> Tensor:
     """x [B, Q, hidden], or with `real` only the pass's real tokens [T, 1, hidden] (real: their indices in the
     flattened B x Q; cos and sin likewise); keys, values, rows, write, start, kv_len: see _write_read; mask
     [B, 1, Q, K] additive, already folded for Q > 1; biases: of qkv, o, gate_up and down (None where a linear
-    has none). Only attention sees the padded B x Q layout: every other op is per token."""
-    heads = _rows_linear(rms_norm(x, w_in, eps), qkv, reduce_range, biases[0])
+    has none); mats: their int_mm weights and scales, (w_t, w_scale) each, None on the fused path. Only attention
+    sees the padded B x Q layout: every other op is per token."""
+    heads = _rows_linear(rms_norm(x, w_in, eps), qkv, reduce_range, biases[0], mats[0], mats[1])
     heads = heads.view(heads.shape[0], heads.shape[1], -1, head_dim)
     half = head_dim // 2
     qk = heads[:, :, : nq + nk]
@@ -153,9 +165,10 @@ def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.cl
     att = att.reshape(b, nq, q, head_dim).transpose(1, 2).contiguous().reshape(b, q, -1)
     if real is not None:
         att = att.reshape(b * q, 1, -1).index_select(0, real)
-    x = x + _rows_linear(att, o, reduce_range, biases[1])
-    gate, up = _rows_linear(rms_norm(x, w_post, eps), gate_up, reduce_range, biases[2]).chunk(2, -1)
-    return x + _rows_linear(F.silu(gate) * up, down, reduce_range, biases[3])
+    x = x + _rows_linear(att, o, reduce_range, biases[1], mats[2], mats[3])
+    gate, up = _rows_linear(rms_norm(x, w_post, eps), gate_up, reduce_range, biases[2], mats[4],
+                           mats[5]).chunk(2, -1)
+    return x + _rows_linear(F.silu(gate) * up, down, reduce_range, biases[3], mats[6], mats[7])
 
 
 def rows_layer_fn():

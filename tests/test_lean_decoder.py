@@ -162,20 +162,24 @@ def with_random_biases(tmp_path, target_dir):
     return d
 
 
-@pytest.mark.parametrize("family,cache_kw", [("llama", {}), ("qwen2", {"initial_capacity": 8}),
-                                             ("llama", {"max_cells": 96}), ("qwen2", {"dtype": torch.float16}),
-                                             ("llama", {"dtype": torch.float16, "max_cells": 96})])
-def test_scripted_multi_row_passes_are_the_eager_passes_bit_for_bit(tmp_path, model_dirs, family, cache_kw,
+@pytest.mark.parametrize("family,cache_kw,kernel", [
+    ("llama", {}, "fused"), ("qwen2", {"initial_capacity": 8}, "fused"), ("llama", {"max_cells": 96}, "fused"),
+    ("qwen2", {"dtype": torch.float16}, "fused"), ("llama", {"dtype": torch.float16, "max_cells": 96}, "fused"),
+    ("llama", {}, "int_mm"), ("qwen2", {"initial_capacity": 8}, "int_mm"),
+    ("llama", {"dtype": torch.float16, "max_cells": 96}, "int_mm")])
+def test_scripted_multi_row_passes_are_the_eager_passes_bit_for_bit(tmp_path, model_dirs, family, cache_kw, kernel,
                                                                    monkeypatch):
     """Several rows or several tokens (batched drafting, catch-ups, prefill into a grown cache) run as
-    starjar.lean_step's scripted multi-row layer: ragged rows (scattered writes, a padded row), rows that write
-    one span, a two-token catch-up, rows of non-consecutive slots (written through the whole buffers, then
-    gathered). Logits and every layer's K/V must be exactly the eager forward's."""
+    starjar.lean_step's scripted multi-row layer, on either int8 kernel: ragged rows (scattered writes, a padded
+    row), rows that write one span, a two-token catch-up, rows of non-consecutive slots (written through the whole
+    buffers, then gathered). Logits and every layer's K/V must be exactly the eager forward's."""
     from starjar.kv_cache import RaggedKVCache
 
-    monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")  # the multi-row layer's kernel, whatever this machine chose
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", kernel)  # the multi-row layer's kernel, whatever this machine chose
     target = with_random_biases(tmp_path, model_dirs[family]) if family == "qwen2" else model_dirs[family]
     draft = load_model(int8_draft_dir(tmp_path, target))
+    mats = [m for layer in draft.lean._mats for m in layer]  # the int_mm weights the scripted layer is given
+    assert mats and all((m is not None) == (kernel == "int_mm") for m in mats)
     calls = counted(monkeypatch, "rows_layer_fn")
     from starjar import lean_decoder
 
@@ -209,3 +213,30 @@ def test_scripted_multi_row_passes_are_the_eager_passes_bit_for_bit(tmp_path, mo
                                                              [0, 1, 2]] * 2
     assert torch.equal(eager, scripted)
     assert all(torch.equal(x, y) for x, y in zip(eager_kv, scripted_kv, strict=True))
+
+
+def test_int_mm_on_its_generic_kernel_keeps_the_eager_multi_row_passes(tmp_path, model_dirs, monkeypatch):
+    """The generic _int_mm kernel (STARJAR_INT_MM_ONEDNN=0, the AVX2 cliff emulated) is chosen per call with oneDNN
+    switched off around it, which a scripted layer cannot do: its multi-row passes stay eager, its one-token steps
+    scripted, and the output is the same as with oneDNN's kernel."""
+    from starjar.kv_cache import RaggedKVCache
+
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", "int_mm")
+    draft = load_model(int8_draft_dir(tmp_path, model_dirs["llama"]))
+    rows_calls, step_calls = counted(monkeypatch, "rows_layer_fn"), counted(monkeypatch, "layer_fn")
+
+    def run() -> torch.Tensor:
+        cache = RaggedKVCache(draft.device, dtype=draft.dtype)
+        a, b = cache.allocate(), cache.allocate()
+        outs = list(draft.forward(cache, [a, b], [[5, 6, 7], [9, 10]], [[2], [1]]))
+        outs += draft.forward(cache, [a, b], [[20], [30]], [[0]] * 2)  # two rows: the multi-row layer
+        outs += draft.forward(cache, [a], [[21]], [[0]])  # one row, one token: the one-token step
+        return torch.cat(outs)
+
+    monkeypatch.setenv("STARJAR_INT_MM_ONEDNN", "0")
+    generic = run()
+    assert not rows_calls and len(step_calls) == 1
+    monkeypatch.setenv("STARJAR_INT_MM_ONEDNN", "1")
+    onednn = run()
+    assert len(rows_calls) == 1 and len(step_calls) == 2
+    assert torch.allclose(generic, onednn, atol=1e-4)  # int32 sums: both kernels exact, bar the float rescale

@@ -125,6 +125,21 @@ def test_the_pair_check_measures_once_per_machine_and_keeps_the_choice(tmp_path,
     assert [m["machine"] for m in saved["measured_elsewhere"]] == [other]  # theirs kept for their turn
 
 
+def test_layers_are_scanned_only_for_a_draft_that_pays(monkeypatch):
+    """Self-speculation scans the best draft with each layer left out (one scoring per layer). Where even the best
+    predicts below PAYS (a cliff kernel) the scan is skipped: it cost minutes there and could only say gamma 0."""
+    from controller import layer_skip, pair_check
+
+    asked = []
+    monkeypatch.setattr(layer_skip, "candidates",
+                        lambda target, draft_dir, base, *rest: asked.append(base["name"]) or ([], {"0": 0.5}))
+    rows = [{"name": "slow", "agreement": 0.88, "predicted_speedup": 1.0},
+            {"name": "cliff", "agreement": None, "predicted_speedup": 0.0}]
+    assert pair_check._skip_candidates(None, "draft", rows, [], [], []) == {} and not asked
+    rows.append({"name": "pays", "agreement": 0.85, "predicted_speedup": pair_check.PAYS})
+    assert pair_check._skip_candidates(None, "draft", rows, [], [], []) == {"0": 0.5} and asked == ["pays"]
+
+
 def test_agreement_is_measured_in_the_steps_drafting_takes(model_dirs):
     from controller.colocated import colocated_engine
     from controller.pair_check import _agreement
