@@ -140,6 +140,22 @@ def test_layers_are_scanned_only_for_a_draft_that_pays(monkeypatch):
     assert pair_check._skip_candidates(None, "draft", rows, [], [], []) == {"0": 0.5} and asked == ["pays"]
 
 
+def test_where_no_draft_pays_the_one_kept_is_the_least_bad_at_a_forced_gamma():
+    """All scored, all at gamma 0 (the int_mm cliff, AVX2 held): the draft kept for a gamma forced by hand is the
+    one that loses least when speculating, not the one whose ceiling (every draft accepted) is highest."""
+    from controller import pair_check
+
+    verify = [1.0, 0.91, 1.10, 0.89, 1.13, 1.42, 1.66]  # as measured there
+    saturated = {"name": "8-bit", "agreement": 0.375, "cost_b1": 0.19, "cost_catchup": 3.25, "ceiling": 1.2,
+                 "predicted_speedup": 1.0}
+    smoothed = {"name": "smoothed", "agreement": 0.885, "cost_b1": 0.21, "cost_catchup": 3.52, "ceiling": 1.1,
+                "predicted_speedup": 1.0}
+    ruled_out = {"name": "dearer", "agreement": None, "cost_b1": 0.2, "cost_catchup": 9.0, "ceiling": 1.5,
+                 "predicted_speedup": 0.0}
+    assert pair_check._best([saturated, ruled_out, smoothed], verify)["name"] == "smoothed"
+    assert pair_check._best([dict(ruled_out, ceiling=0.6), ruled_out], verify) is ruled_out  # none scored
+
+
 def test_agreement_is_measured_in_the_steps_drafting_takes(model_dirs):
     from controller.colocated import colocated_engine
     from controller.pair_check import _agreement
