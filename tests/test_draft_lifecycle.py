@@ -176,6 +176,15 @@ def test_speculation_resumes_after_a_slow_spell_of_the_draft_server(models, spec
         reqs = eng.generate(spec_prompts, SamplingParams(max_tokens=32))
         assert [r.output_ids for r in reqs] == ref
         assert rp.breaker.opened >= 1 and rp.stats.fallbacks["deadline"] >= 1
-        assert not rp.breaker.is_open  # the last probe was answered
-        assert rp.stats.rounds >= 3 + 20  # most rounds after the spell drafted again
+        # The spell holds the server for 2.1 s and the probes back off to 0.6 s: a fast machine (a 2-core Zen 5
+        # EPYC) decodes every prompt before the probe that finds it well. Decode on until it has (at most 10 s).
+        until = time.monotonic() + 10
+        while rp.breaker.is_open and time.monotonic() < until:
+            again = eng.generate(spec_prompts[:2], SamplingParams(max_tokens=32))
+            assert [r.output_ids for r in again] == ref[:2]
+        assert not rp.breaker.is_open  # a probe was answered
+        rounds = rp.stats.rounds
+        again = eng.generate(spec_prompts[:4], SamplingParams(max_tokens=32))
+        assert [r.output_ids for r in again] == ref[:4]
+        assert rp.stats.rounds >= rounds + 20  # after the spell the steps draft again
         rp.close()
