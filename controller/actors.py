@@ -75,7 +75,8 @@ class DraftServerActor:
         model = load_model(self.spec.draft, _device(self.spec), self.spec.dtype, what="draft")
         self.fingerprint = model.fingerprint  # the controller gives it only targets with this tokenizer
         hand_threads_to_compute()  # the draft compute thread owns the cores from here
-        cfg = DraftServerConfig(host=self.host, port=0, mode=self.spec.draft_mode, max_targets=self.spec.max_targets)
+        cfg = DraftServerConfig(host=self.host, port=0, mode=self.spec.draft_mode, max_targets=self.spec.max_targets,
+                                max_batch_rounds=self.spec.max_batch_rounds)
         self.server = BackgroundDraftServer(model, cfg, _security(self.spec)).start()
         registry = self.server.server.metrics.registry
         self.metrics = _start_metrics(registry, self.host, self.spec) if self.spec.metrics else None

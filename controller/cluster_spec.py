@@ -63,6 +63,7 @@ class ClusterSpec:
     max_waiting: int = DEFAULT_MAX_WAITING  # requests queued per worker beyond its batch; then queue_full
     draft_mode: str = "batched"  # batched | fifo
     max_targets: int = 8  # N_max on each draft server (with admission "auto": its upper bound)
+    max_batch_rounds: int = 64  # rounds a batched draft server drafts at once (`serve draft --max-batch-rounds`)
     draft_servers: int = 1  # draft server actors; the controller assigns each target to one (draft_assignment)
     autoscale_drafts: str | None = None  # "MIN..MAX": the controller adds and retires draft servers (draft_autoscale)
     admission: str = "fixed"  # fixed: N_max = max_targets | auto: the controller recomputes N_max (StarSD 4.2)
@@ -121,6 +122,8 @@ class ClusterSpec:
             raise InvalidArgument("--admission", "must be fixed or auto", self.admission)
         if not 1 <= self.max_targets <= 4096:  # the draft server's own bound (DraftServerConfig)
             raise InvalidArgument("--max-targets", "must be in [1, 4096]", self.max_targets)
+        if not 1 <= self.max_batch_rounds <= 4096:  # likewise
+            raise InvalidArgument("--max-batch-rounds", "must be in [1, 4096]", self.max_batch_rounds)
         if str(self.dtype).lower() not in DTYPE_NAMES:  # checked here: in the actors it costs a 15-minute wait
             raise InvalidArgument("--dtype", f"one of {', '.join(DTYPE_NAMES)}", self.dtype)
         if self.auth_token is not None and len(self.auth_token) < MIN_TOKEN_CHARS:

@@ -46,6 +46,8 @@ def _add_up_parser(sub) -> None:
     u.add_argument("--batch-size", type=int, default=8, help="running requests per target (default 8)")
     u.add_argument("--draft-mode", default="batched", choices=["batched", "fifo"])
     u.add_argument("--max-targets", type=int, default=8, help="N_max on each draft server (its cap with auto)")
+    u.add_argument("--max-batch-rounds", type=int, default=64,
+                   help="rounds each batched draft server drafts at once (default 64)")
     u.add_argument("--autoscale-drafts", default=None, metavar="MIN..MAX",
                    help="add a draft server while targets wait for one (every one at N_max or saturated), retire "
                         "one (drain, then stop) when the others can carry its targets; starts with --draft-servers "
@@ -97,7 +99,8 @@ def _spec(args) -> ClusterSpec:
     return local_spec(args.target, args.draft, args.no_draft, targets=args.targets, gamma=spec_on.gamma,
                       policy=spec_on.policy, profile=os.path.abspath(args.profile) if args.profile else None,
                       buckets=args.buckets, batch_size=args.batch_size, draft_mode=args.draft_mode,
-                      max_targets=args.max_targets, draft_servers=_draft_servers(args),
+                      max_targets=args.max_targets, max_batch_rounds=args.max_batch_rounds,
+                      draft_servers=_draft_servers(args),
                       autoscale_drafts=args.autoscale_drafts, admission=args.admission,
                       saturation_guard=not args.no_saturation_guard, threads=args.threads,
                       draft_threads=args.draft_threads, device=args.device, dtype=args.dtype, host=args.host,

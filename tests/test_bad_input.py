@@ -125,6 +125,7 @@ def test_cli_inputs_python_cannot_take_are_one_line_errors(tmp_path, capsys, mod
 
 @pytest.mark.parametrize("fields,flag", [
     ({"max_targets": 5000}, "--max-targets"),  # the draft server refused it inside its actor: a 15-minute wait
+    ({"max_batch_rounds": 0}, "--max-batch-rounds"),
     ({"dtype": "fp17"}, "--dtype"),
     ({"auth_token": "short"}, "--auth-token"),  # every other token is held to 16 characters
 ])

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from starjar.reference import hf_greedy
 from starjar.workloads import spec_bench_prompts
 
@@ -124,3 +126,18 @@ def test_the_draft_servers_batch_cap_reaches_its_config():
 
     assert _draft_config(_parser().parse_args(["serve", "draft"])).max_batch_rounds == 64
     assert _draft_config(_parser().parse_args(["serve", "draft", "--max-batch-rounds", "4"])).max_batch_rounds == 4
+
+
+def test_up_gives_its_draft_servers_the_batch_cap(model_dirs, tmp_path, monkeypatch):
+    """`starjar up --max-batch-rounds N` reaches the ClusterSpec every draft server actor builds its config from
+    (before, only `serve draft` took the cap); a bad value is refused naming the flag, before anything starts."""
+    from controller.cli import _parser
+    from controller.up_cmd import _spec
+    from starjar.errors import InvalidArgument
+
+    monkeypatch.setenv("STARJAR_HOME", str(tmp_path))
+    base = ["up", "--target", model_dirs["llama"], "--draft", model_dirs["draft"], "--gamma", "2"]
+    assert _spec(_parser().parse_args(base)).max_batch_rounds == 64
+    assert _spec(_parser().parse_args([*base, "--max-batch-rounds", "4"])).max_batch_rounds == 4
+    with pytest.raises(InvalidArgument, match="--max-batch-rounds"):
+        _spec(_parser().parse_args([*base, "--max-batch-rounds", "0"]))
