@@ -6,8 +6,8 @@ template, no data set needed), in about a minute:
   1. the target alone decodes them at batch 1 (its greedy output, and the baseline speed);
   2. every draft candidate (the int8 copy with each int8 kernel path, with a full head and with a head over
      the first HEAD_VOCAB ids; then the best of those with finer activations, NUMERICS; then the best so far
-     without 1, 2 or 4 of its layers, the ones whose loss lowers agreement least, controller.layer_skip, when
-     that best one pays) is scored on the target's own output, teacher-forced:
+     without 1, 2 or 4 of its layers, the ones whose loss lowers agreement least, controller.layer_skip, unless
+     that best one loses at every gamma) is scored on the target's own output, teacher-forced:
      alpha = how often its top token is the target's next token (the per-token acceptance of a
      deterministic draft);
   3. step costs are timed on this machine, interleaved so that a noisy neighbour hits both sides: a draft
@@ -255,10 +255,11 @@ def _skip_candidates(target, draft_dir: str, candidates: list[dict], prompts, ou
     scored = [r for r in candidates if r.get("agreement") is not None]
     best = max(scored, key=lambda r: r["predicted_speedup"], default=None)
     # Leaving layers out trades agreement for a few percent of a pass (one layer of the default pair: 0.906 ->
-    # 0.734 for 3% of a step on a 2-core AMD EPYC); where even the best draft does not pay, the scan (one
-    # scoring per layer) is not run: on the int_mm cliff (AVX2 held, generic kernel) it had run over 4 minutes
-    # of the demo's measurement, still scanning, for a verdict of gamma 0.
-    if best is None or best["predicted_speedup"] < PAYS:
+    # 0.734 for 3% of a step on a 2-core AMD EPYC); where the best draft is slower than no draft at every gamma,
+    # the scan (one scoring per layer) is not run: on the int_mm cliff (AVX2 held, generic kernel) it had run over
+    # 4 minutes of the demo's measurement, still scanning, for a verdict of gamma 0. A draft just short of PAYS is
+    # still scanned: a cheaper copy may carry it over.
+    if best is None or best["best_gamma"] == 0:
         return {}
     rows, scan = layer_skip.candidates(target, draft_dir, best, prompts, outputs, verify_cost)
     for row in rows:

@@ -125,19 +125,20 @@ def test_the_pair_check_measures_once_per_machine_and_keeps_the_choice(tmp_path,
     assert [m["machine"] for m in saved["measured_elsewhere"]] == [other]  # theirs kept for their turn
 
 
-def test_layers_are_scanned_only_for_a_draft_that_pays(monkeypatch):
+def test_layers_are_scanned_only_for_a_draft_that_speculates(monkeypatch):
     """Self-speculation scans the best draft with each layer left out (one scoring per layer). Where even the best
-    predicts below PAYS (a cliff kernel) the scan is skipped: it cost minutes there and could only say gamma 0."""
+    loses to no draft at every gamma (a cliff kernel: gamma 0) the scan is skipped: it cost minutes there and could
+    only say gamma 0. A draft just short of PAYS is scanned: a cheaper copy may carry it over."""
     from controller import layer_skip, pair_check
 
     asked = []
     monkeypatch.setattr(layer_skip, "candidates",
                         lambda target, draft_dir, base, *rest: asked.append(base["name"]) or ([], {"0": 0.5}))
-    rows = [{"name": "slow", "agreement": 0.88, "predicted_speedup": 1.0},
-            {"name": "cliff", "agreement": None, "predicted_speedup": 0.0}]
+    rows = [{"name": "slow", "agreement": 0.88, "best_gamma": 0, "predicted_speedup": 1.0},
+            {"name": "cliff", "agreement": None, "best_gamma": 0, "predicted_speedup": 0.0}]
     assert pair_check._skip_candidates(None, "draft", rows, [], [], []) == {} and not asked
-    rows.append({"name": "pays", "agreement": 0.85, "predicted_speedup": pair_check.PAYS})
-    assert pair_check._skip_candidates(None, "draft", rows, [], [], []) == {"0": 0.5} and asked == ["pays"]
+    rows.append({"name": "almost", "agreement": 0.85, "best_gamma": 2, "predicted_speedup": pair_check.PAYS - 0.02})
+    assert pair_check._skip_candidates(None, "draft", rows, [], [], []) == {"0": 0.5} and asked == ["almost"]
 
 
 def test_where_no_draft_pays_the_one_kept_is_the_least_bad_at_a_forced_gamma():
