@@ -186,8 +186,7 @@ def _candidates(target, draft_dir: str, variants: list[dict], prompts, outputs, 
     for row in candidates:
         variant = {k: row[k] for k in VARIANT_KEYS if k in row}
         # The speedup model with every draft accepted: what no agreement could improve on.
-        row["ceiling"] = ceiling = round(max(round_speedup(1.0, g, row["cost_b1"], row["cost_catchup"], verify_cost)
-                                             for g in range(1, len(verify_cost))), 3)
+        row["ceiling"] = ceiling = round(speculating_speedup(1.0, row["cost_b1"], row["cost_catchup"], verify_cost), 3)
         if row["cost_catchup"] > 1.5 * cheapest:  # a cliff kernel: scoring it would take minutes for nothing
             row.update(agreement=None, best_gamma=0, predicted_speedup=0.0,
                        note=f"not scored: a catch-up pass costs {row['cost_catchup'] / cheapest:.1f}x the cheapest")
@@ -216,9 +215,7 @@ def _forced_speedup(row: dict, verify_cost: list[float]) -> float:
     one not scored."""
     if row.get("agreement") is None:
         return -1.0
-    alpha = min(row["agreement"], 0.999)
-    return max(round_speedup(alpha, g, row["cost_b1"], row["cost_catchup"], verify_cost)
-               for g in range(1, len(verify_cost)))
+    return speculating_speedup(min(row["agreement"], 0.999), row["cost_b1"], row["cost_catchup"], verify_cost)
 
 
 def explicit(variant: dict) -> dict:
@@ -369,6 +366,11 @@ def round_speedup(alpha: float, g: int, cost: float, catchup: float, verify_cost
         return 1.0
     expected = g + 1 if alpha >= 1.0 else (1 - alpha ** (g + 1)) / (1 - alpha)
     return expected / (verify_cost[g] + catchup + (g - 1) * cost)
+
+
+def speculating_speedup(alpha: float, cost: float, catchup: float, verify_cost: list[float]) -> float:
+    """The highest round_speedup at a gamma above 0 (below 1 where every gamma loses to no speculation)."""
+    return max(round_speedup(alpha, g, cost, catchup, verify_cost) for g in range(1, len(verify_cost)))
 
 
 def best_gamma(alpha: float, cost: float, catchup: float, verify_cost: list[float]) -> tuple[int, float]:
