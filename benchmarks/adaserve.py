@@ -49,7 +49,7 @@ def run(args) -> dict:
         torch.set_num_threads(1)  # the draft server process has the other core
     source = DraftSource(target, draft, draft_dir, args.in_process_draft)
     try:
-        prompts = prompt_ids(target.tokenizer, 24)
+        prompts = prompt_ids(target.tokenizer, 24, args)
         engine_for(target, None, "none", 1, 1, 8).generate(prompts[:2], SamplingParams(max_tokens=8))  # warm-up
         budget = earlier.get("budget_profile") or measure_verify_budget(target, prompts[0])
         # On a CPU the pass time grows from the second token on (compute-bound), so the profiled budget can be

@@ -79,7 +79,7 @@ def run(args) -> dict:
     n_requests, max_new = (24, 16) if args.quick else (100, 32)
     target_dir, draft_dir, note = pair_dirs(args)
     target = load_model(target_dir)
-    prompts = (prompt_ids(target.tokenizer, 50) * 2)[:n_requests]
+    prompts = (prompt_ids(target.tokenizer, 50, args) * 2)[:n_requests]
     ref = [hf_greedy(target, p, max_new) for p in tqdm(prompts, desc="HF generate (reference)", file=sys.stderr)]
     del target
     if read_state() is not None:

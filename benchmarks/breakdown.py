@@ -1,6 +1,6 @@
 """`starjar bench breakdown`: where the speedup goes between co-located and `starjar up`.
 
-The demo's prompts (Spec-Bench, chat template, 48 new tokens), one request at
+The demo's prompts (starjar's own unless --dataset, chat template, 48 new tokens), one request at
 a time, greedy, without speculation and at one fixed gamma, in three
 deployments on this machine:
 - co-located: the draft engine in the target's process (one thread);
@@ -26,7 +26,7 @@ import time
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from benchmarks.common import pair_dirs
+from benchmarks.common import pair_dirs, prompt_texts
 from starjar.sampling import SamplingParams
 from target_worker.metrics import ENGINE_PHASES as PHASES
 
@@ -38,7 +38,6 @@ def run(args) -> dict:
     from transformers import AutoTokenizer
 
     from starjar.text import encode_prompt
-    from starjar.workloads import spec_bench_mix
 
     target_dir, draft_dir, note = pair_dirs(args)
     n = args.requests or (8 if args.quick else 16)
@@ -48,7 +47,7 @@ def run(args) -> dict:
     torch.set_num_threads(threads)  # the measurement this looks up is per thread count
     gamma = args.gamma if args.gamma is not None else _measured_gamma(target_dir, draft_dir)
     tok = AutoTokenizer.from_pretrained(target_dir)  # the model itself loads in the co-located part only
-    prompts = [encode_prompt(tok, p, chat=True) for p in spec_bench_mix(n)]
+    prompts = [encode_prompt(tok, p.text, chat=True) for p in prompt_texts(args, n)]
     # Servers first, beside a process that has loaded no model yet. Whether that matters is unsettled: one
     # comparison gave 214 against 180 ms per prompt prefill in `serve target`, a later servers-first run 213.
     runs = _processes(target_dir, draft_dir, prompts, gamma, threads)
@@ -62,7 +61,8 @@ def run(args) -> dict:
     table = _speedups(runs)
     _print(runs, table)
     return {"pair": {"target": os.path.basename(target_dir), "draft": os.path.basename(draft_dir), "note": note},
-            "workload": {"prompts": n, "source": "spec_bench_mix, chat", "max_new_tokens": MAX_NEW,
+            "workload": {"prompts": n, "source": (getattr(args, "dataset", None) or "own") + ", chat",
+                         "max_new_tokens": MAX_NEW,
                          "concurrency": 1}, "gamma": gamma, "threads_per_process": threads,
             "runs": runs, "speedup": table}
 

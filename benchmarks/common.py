@@ -5,8 +5,10 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from starjar import workloads
 from starjar.sampling import SamplingParams
-from starjar.workloads import spec_bench_prompts
+
+MAX_PROMPT_TOKENS = 1024  # serving benchmarks' usual cap on a sampled ShareGPT prompt (and at least 4 tokens)
 
 
 def pair_dirs(args) -> tuple[str, str, str]:
@@ -20,8 +22,26 @@ def pair_dirs(args) -> tuple[str, str, str]:
     return args.target or pair["target"], args.draft or pair["draft"], note
 
 
-def prompt_ids(tokenizer, n: int) -> list[list[int]]:
-    return [list(tokenizer(p)["input_ids"]) for p in spec_bench_prompts(n)]
+def prompt_texts(args, n: int, default: str = "own", categories: set[str] | None = None) -> list[workloads.Prompt]:
+    """n prompts of the workload the flags name (--dataset, --dataset-path), else of `default`."""
+    dataset = getattr(args, "dataset", None) or default
+    return workloads.load(dataset, n, getattr(args, "dataset_path", None), categories)
+
+
+def prompt_ids(tokenizer, n: int, args=None) -> list[list[int]]:
+    """n tokenized prompts for a serving benchmark: ShareGPT unless the flags name another workload. ShareGPT's
+    sample skips prompts under 4 or over MAX_PROMPT_TOKENS tokens, as serving benchmarks do."""
+    dataset = getattr(args, "dataset", None) or "sharegpt"
+    if dataset != "sharegpt":
+        return [list(tokenizer(p.text)["input_ids"]) for p in prompt_texts(args, n, dataset)]
+    out: list[list[int]] = []
+    for p in workloads.load("sharegpt", 8 * n + 64, getattr(args, "dataset_path", None)):
+        ids = list(tokenizer(p.text)["input_ids"])
+        if 4 <= len(ids) <= MAX_PROMPT_TOKENS:
+            out.append(ids)
+        if len(out) == n:
+            break
+    return out
 
 
 def target_continuations(target, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """`starjar bench core`: the co-located engine on a real pair.
 
-Measures, on Spec-Bench first turns (no chat template), in one run:
+Measures, on starjar's own prompts (no chat template; --dataset for another set), in one run:
   - HF generate() greedy per prompt: the reference outputs and the HF target-alone speed;
   - starjar at batch sizes {1, 4, 8, 16} x gamma {0..5}: tokens/s, acceptance rate,
     mean accepted length, and how many outputs equal the reference token for token;
@@ -18,13 +18,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.common import pair_dirs
+from benchmarks.common import pair_dirs, prompt_texts
 from controller.colocated import colocated_engine, load_pair
 from draft_server.engine import DraftEngine
 from starjar.proposer import DraftRequest
 from starjar.reference import hf_greedy
 from starjar.sampling import SamplingParams
-from starjar.workloads import spec_bench_prompts
 
 
 def run(args) -> dict:
@@ -34,7 +33,7 @@ def run(args) -> dict:
     gammas = [0, 1, 2, 3] if quick else [0, 1, 2, 3, 4, 5]
     target_dir, draft_dir, note = pair_dirs(args)
     target, draft = load_pair(target_dir, draft_dir)
-    prompts = [target.tokenizer(p)["input_ids"] for p in spec_bench_prompts(n_prompts)]
+    prompts = [target.tokenizer(p.text)["input_ids"] for p in prompt_texts(args, n_prompts)]
     params = SamplingParams(max_tokens=max_new)
 
     # Warm-up: first passes pay allocator and thread-pool start-up.
@@ -93,7 +92,8 @@ def run(args) -> dict:
     result = {
         "pair": {"target": Path(target_dir).name, "draft": Path(draft_dir).name, "note": note,
                  "dtype": "float32", "device": "cpu", "draft_variant": _variant(draft)},
-        "workload": {"prompts": len(prompts), "source": "spec_bench first turns", "max_new_tokens": max_new},
+        "workload": {"prompts": len(prompts), "source": getattr(args, "dataset", None) or "own",
+                     "max_new_tokens": max_new},
         "runs": runs,
         "hf_assisted": hf_assisted,
         "target_alone_batch1_tokens_per_s": alone1,

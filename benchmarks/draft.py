@@ -1,7 +1,7 @@
 """`starjar bench draft`: how well the default draft predicts the target, and what it buys.
 
-- Acceptance at gamma = 3 per Spec-Bench category (the draft is not trained on
-  anything, so every category is held out) and on prompts of our own. Prompts
+- Acceptance at gamma = 3 per prompt category (starjar's own set, or Spec-Bench's
+  with --dataset; the draft is not trained on anything, so every category is held out), and on pair_check's six. Prompts
   go through the chat template: the target is an instruct model, and without
   it several categories answer with EOS at once, leaving nothing to measure.
 - Batch 1, greedy, same prompts, one run: the target alone vs speculative at
@@ -17,12 +17,11 @@ from collections import defaultdict
 
 from tqdm import tqdm
 
-from benchmarks.common import pair_dirs
+from benchmarks.common import pair_dirs, prompt_texts
 from controller.colocated import colocated_engine, load_pair
 from controller.pair_check import OWN_PROMPTS
 from starjar.sampling import SamplingParams
 from starjar.text import encode_prompt
-from starjar.workloads import spec_bench_questions
 
 
 def _step_ms(model, prompt, q: int = 1, reps: int = 15) -> float:
@@ -44,9 +43,9 @@ def run(args) -> dict:
     target, draft = load_pair(target_dir, draft_dir)
     tok = target.tokenizer
     by_cat: dict[str, list[str]] = defaultdict(list)
-    for q in spec_bench_questions():
-        if len(by_cat[q["category"]]) < per_cat:
-            by_cat[q["category"]].append(q["turns"][0])
+    for p in prompt_texts(args, None):
+        if len(by_cat[p.category]) < per_cat:
+            by_cat[p.category].append(p.text)
     by_cat["own prompts"] = OWN_PROMPTS[: per_cat + 2]
     params = SamplingParams(max_tokens=max_new)
 
@@ -58,7 +57,7 @@ def run(args) -> dict:
                            "mean_accepted_len": round(eng.stats.mean_accepted_len, 3), "prompts": len(texts)}
     overall = [v["acceptance_rate"] for v in acceptance.values()]
 
-    # Speed at batch 1: a mixed set, two prompts of each Spec-Bench category.
+    # Speed at batch 1: a mixed set, two prompts of each category.
     prompts = [encode_prompt(tok, t, chat=True)[:400] for cat, texts in sorted(by_cat.items()) if cat != "own prompts"
                for t in texts[:1 if args.quick else 2]]
     colocated_engine(target, draft, 3, 1).generate(prompts[:2], SamplingParams(max_tokens=8))  # warm-up

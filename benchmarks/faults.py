@@ -21,13 +21,13 @@ import grpc
 import psutil
 
 from controller.launch import ServerProcess
+from starjar import workloads
 from starjar.models import kv_bytes_per_token, load_model
 from starjar.policy import FixedGamma
 from starjar.sampling import SamplingParams
 from starjar.tiny_models import make_tiny_model
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
-from starjar.workloads import spec_bench_prompts
 from target_worker.draft_client import RemoteProposer
 from target_worker.engine import EngineConfig, TargetEngine
 
@@ -48,7 +48,7 @@ def run(args) -> dict:
 def _hung(target_dir: str, draft_dir: str, n: int) -> dict:
     target = load_model(target_dir)
     tok = target.tokenizer
-    prompts = [tok(p)["input_ids"][:160] for p in spec_bench_prompts(n)]
+    prompts = [tok(p.text)["input_ids"][:160] for p in workloads.load("own", n)]
     params = SamplingParams(max_tokens=48)
     alone = TargetEngine(target, None, FixedGamma(0), EngineConfig(max_batch_size=1))
     alone.generate(prompts[:2], params)  # warm-up

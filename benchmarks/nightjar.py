@@ -9,7 +9,8 @@ machine's capacity: half of capacity, with a middle third whose rate rises to
 1.5x capacity and falls back (dynamic); and Poisson arrivals from 0.1x to 1.3x
 capacity (static). (A base of 0.2x left the machine idle most of the time:
 every policy's throughput was then the arrival rate, 47.08 +- 0.02 tok/s.) Output
-lengths come from the trace (8 to 256 tokens), prompt lengths from Spec-Bench.
+lengths come from the trace (8 to 256 tokens), prompt lengths from starjar's own prompts.
+The trace ships in benchmarks/fixtures/azure (its source and license are in the README there).
 Capacity is what the target alone sustains when every request is queued at
 once. Each figure is the mean over seeds.
 
@@ -42,12 +43,13 @@ from benchmarks.nightjar_sim import (
     simulate,
     warp_trace,
 )
+from starjar import workloads
 from starjar.policies import make_policy
 from starjar.policies.nightjar import CSwitchTable
-from starjar.workloads import data_dir
 from target_worker.elastic_kv import T_PERSIST_STEPS, TAU_LOW_TOKENS, ElasticRule
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TRACE = Path(__file__).resolve().parent / "fixtures" / "azure" / "AzureLLMInferenceTrace_conv.csv"
 MAX_GAMMA = 4
 MAX_BATCH = 16
 DYNAMIC_LOW, DYNAMIC_PEAK = 0.5, 1.5  # fractions of capacity
@@ -58,16 +60,16 @@ POLICIES = ["nightjar", "nightjar_paper", "none"] + [f"fixed_{g}" for g in range
 
 
 def _trace(n: int) -> tuple[list[float], list[int], list[int]]:
-    rows = list(csv.DictReader((data_dir() / "azure" / "AzureLLMInferenceTrace_conv.csv").open()))[: n + 1]
+    with TRACE.open() as f:
+        rows = list(csv.DictReader(f))[: n + 1]
     from datetime import datetime
 
     ts = [datetime.strptime(r["TIMESTAMP"][:26], "%Y-%m-%d %H:%M:%S.%f").timestamp() for r in rows]
     gaps = [max(1e-3, b - a) for a, b in zip(ts[:-1], ts[1:], strict=True)]
     outs = [min(256, max(8, int(r["GeneratedTokens"]))) for r in rows[:n]]
-    # Prompts are Spec-Bench's (chat template included: about 4 characters per token plus 30 template tokens).
-    from starjar.workloads import spec_bench_mix
-
-    texts = spec_bench_mix(80)
+    # Prompt lengths are those of starjar's own prompts (chat template included: about 4 characters per token
+    # plus 30 template tokens).
+    texts = workloads.texts(workloads.load("own", 80))
     prompts = [30 + len(texts[k % len(texts)]) // 4 for k in range(n)]
     return gaps, outs, prompts
 
@@ -253,12 +255,11 @@ def run_real(args, profile: dict) -> dict:
     from benchmarks.common import pair_dirs
     from controller.colocated import load_pair
     from starjar.text import encode_prompt
-    from starjar.workloads import spec_bench_mix
 
     target_dir, draft_dir, note = pair_dirs(args)
     target, draft = load_pair(target_dir, draft_dir)
     n = 12 if args.quick else 32
-    prompts = [encode_prompt(target.tokenizer, t, chat=True) for t in spec_bench_mix(n)]
+    prompts = [encode_prompt(target.tokenizer, t, chat=True) for t in workloads.texts(workloads.load("own", n))]
     _, trace_outs, _ = _trace(n)
     outs = [min(64, o) for o in trace_outs]
     loads = {"low (0.3 req/s)": poisson_arrivals(0.3, n, seed=3), "flood (all at t=0)": [0.0] * n}

@@ -71,7 +71,7 @@ def run(args) -> dict:
     target_dir, draft_dir, note = pair_dirs(args)
     target, draft = load_model(target_dir), load_model(draft_dir)
     n, max_tokens = (12, 24) if args.quick else (32, 48)
-    prompts = prompt_ids(target.tokenizer, n)
+    prompts = prompt_ids(target.tokenizer, n, args)
     mean_prompt = sum(len(p) for p in prompts) / len(prompts)
     budget = int(6 * (mean_prompt + max_tokens))  # room for about 6 sequences without offload
     off = _run(target, draft, prompts, budget, max_tokens, False, "offload off")

@@ -121,7 +121,7 @@ def prepare(args) -> dict:
     """The pair, the scripts (prompts and the target's greedy continuations) and the calibrated Z."""
     target_dir, draft_dir, note = pair_dirs(args)
     target = load_model(target_dir)
-    prompts = prompt_ids(target.tokenizer, 16)
+    prompts = prompt_ids(target.tokenizer, 16, args)
     print("recording the target's greedy continuations ...", file=sys.stderr)
     conts = target_continuations(target, prompts, 48)  # short: a target goes through several per run
     scripts = list(zip(prompts, conts, strict=True))

@@ -37,7 +37,7 @@ def run(args) -> dict:
     gamma = 2
     target_dir, draft_dir, note = pair_dirs(args)
     target, draft = load_pair(target_dir, draft_dir)
-    prompts = prompt_ids(target.tokenizer, n_prompts)
+    prompts = prompt_ids(target.tokenizer, n_prompts, args)
     params = SamplingParams(max_tokens=max_new)
     colocated_engine(target, draft, gamma, 1).generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
 

@@ -4,9 +4,9 @@ One `starjar serve draft` process and one target
 engine (the default target, greedy, gamma 3) that drafts from it over loopback
 gRPC, run twice in one invocation: without adaptation, then with `--adapt
 --adapt-collect-from-start`. Each run goes through the same phases, one
-Spec-Bench category each (translation -> qa -> math_reasoning ->
-summarization: categories with 80 questions, so no prompt repeats within a
-run; both runs see the same prompts in the same order), for a fixed time
+prompt category each (translation -> qa -> math_reasoning ->
+summarization; `--dataset spec-bench` gives 80 questions a category, so no
+prompt repeats within a run; both runs see the same prompts in the same order), for a fixed time
 each, keeping CONCURRENCY requests in flight.
 
 The machine has 2 cores: the target gets one (torch threads 1 in this
@@ -58,7 +58,6 @@ from starjar.reference import hf_greedy
 from starjar.sampling import SamplingParams
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
-from starjar.workloads import spec_bench_questions
 from target_worker.draft_client import RemoteProposer
 from target_worker.engine import EngineConfig, TargetEngine
 
@@ -102,10 +101,12 @@ def layer_skip_draft(target_dir: str, layers: int = SKIP_LAYERS) -> str:
     return str(final)
 
 
-def domain_prompts(tokenizer) -> dict[str, list[list[int]]]:
+def domain_prompts(tokenizer, args=None) -> dict[str, list[list[int]]]:
+    from benchmarks.common import prompt_texts
+
     out: dict[str, list[list[int]]] = {d: [] for d in DOMAINS}
-    for q in spec_bench_questions(categories=set(DOMAINS)):
-        out[q["category"]].append(list(tokenizer(q["turns"][0])["input_ids"])[:PROMPT_CAP])
+    for p in prompt_texts(args, None, categories=set(DOMAINS)):
+        out[p.category].append(list(tokenizer(p.text)["input_ids"])[:PROMPT_CAP])
     return out
 
 
@@ -255,7 +256,7 @@ def run(args) -> dict:
                 "int8 draft left adaptation nothing to learn (see this module's docstring)")
     torch.set_num_threads(1)  # the target's core; the draft server has the other
     target = load_model(target_dir)
-    prompts = domain_prompts(target.tokenizer)
+    prompts = domain_prompts(target.tokenizer, args)
     adapt = ["--adapt", "--adapt-collect-from-start"]
     if getattr(args, "adapt_train", ""):
         adapt += ["--adapt-train", args.adapt_train]

@@ -4,7 +4,7 @@ An upper bound, measured offline, per draft candidate of the default pair (the
 int8 copy of the target, and the target's first 12 and first 4 layers):
 
 1. acceptance before adaptation: next-token agreement of the draft with the
-   target's own greedy outputs (MAX_NEW tokens after each Spec-Bench prompt of a
+   target's own greedy outputs (MAX_NEW tokens after each prompt of a
    category; the target runs through starjar's own engine, so these are its
    exact greedy tokens), over the generated positions of held-out prompts;
 2. acceptance after an ORACLE adaptation: the adapter serving uses
@@ -42,7 +42,6 @@ from controller.pair_check import round_speedup
 from draft_server.tide_trainer import LowRankLogits
 from starjar.models import LoadedModel, load_model
 from starjar.sampling import SamplingParams
-from starjar.workloads import spec_bench_questions
 
 CATEGORIES = ("translation", "qa", "math_reasoning")
 # Per category: all 80 Spec-Bench prompts (--quick: 12 and 4). qa and math_reasoning outputs often end early (raw
@@ -54,11 +53,14 @@ GAMMA_MAX = 6
 CONTEXT = 200  # tokens in the cache before a timed pass (a prompt's worth)
 
 
-def _prompts(tokenizer, n: int) -> dict[str, list[list[int]]]:
+def _prompts(tokenizer, n: int, args=None) -> dict[str, list[list[int]]]:
+    """Up to n prompts per category (Spec-Bench has 80 each: --dataset spec-bench; starjar's own set fewer)."""
+    from benchmarks.common import prompt_texts
+
     out: dict[str, list[list[int]]] = {c: [] for c in CATEGORIES}
-    for q in spec_bench_questions(categories=set(CATEGORIES)):
-        if len(out[q["category"]]) < n:
-            out[q["category"]].append(list(tokenizer(q["turns"][0])["input_ids"])[:PROMPT_CAP])
+    for p in prompt_texts(args, None, categories=set(CATEGORIES)):
+        if len(out[p.category]) < n:
+            out[p.category].append(list(tokenizer(p.text)["input_ids"])[:PROMPT_CAP])
     return out
 
 
@@ -221,12 +223,13 @@ def run(args) -> dict:
     print("tide-oracle: pass costs ...", file=sys.stderr)
     costs = _costs(target, drafts)
     torch.set_num_threads(threads)  # agreements do not depend on the thread count
-    prompts = _prompts(target.tokenizer, n_train + n_held)
+    prompts = _prompts(target.tokenizer, n_train + n_held, args)
     data = {}
     for cat in CATEGORIES:
         print(f"tide-oracle: target outputs for {cat} ...", file=sys.stderr)
         seqs = list(zip(prompts[cat], _continuations(target, prompts[cat]), strict=True))
-        data[cat] = (seqs[:n_train], seqs[n_train:])
+        cut = len(seqs) * n_train // (n_train + n_held)  # the same split on a set smaller than asked for
+        data[cat] = (seqs[:cut], seqs[cut:])
     agreements = {}
     for name, d in drafts.items():
         agreements[name] = {}

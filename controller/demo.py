@@ -1,4 +1,4 @@
-"""`starjar demo`: a local cluster (`starjar up`), a short Spec-Bench workload with Poisson arrivals
+"""`starjar demo`: a local cluster (`starjar up`), a short workload of starjar's own prompts with Poisson arrivals
 through the SDK, run with speculation off and then on, a summary table and a plot.
 
 Both runs are greedy on the same prompts and arrival times, so their outputs
@@ -14,12 +14,15 @@ import time
 
 from tqdm import tqdm
 
-from starjar.workloads import spec_bench_mix
+from starjar import workloads
 
 
 def add_demo_parser(sub) -> None:
-    d = sub.add_parser("demo", help="local cluster, Spec-Bench with Poisson arrivals, speculation off vs on")
+    d = sub.add_parser("demo", help="local cluster, starjar's own prompts with Poisson arrivals, speculation off vs on")
     d.add_argument("--requests", type=int, default=16, help="requests per run (default 16)")
+    d.add_argument("--prompts", default=None, metavar="FILE",
+                   help="JSON lines of prompts instead of starjar's own (each with 'prompt', or 'turns' as in "
+                        "Spec-Bench's question.jsonl), taken round-robin over their categories")
     d.add_argument("--rate", type=float, default=1.0, help="Poisson arrival rate, requests/s (default 1)")
     d.add_argument("--max-tokens", type=int, default=48, help="new tokens per request (default 48)")
     d.add_argument("--targets", type=int, default=1, help="target workers, if the demo starts the cluster")
@@ -163,7 +166,8 @@ def _summary(args, spec: dict, off: dict, on: dict, verdict: str | None) -> int:
 
     n = len(off["results"])
     same = sum(a["ids"] == b["ids"] for a, b in zip(off["results"], on["results"], strict=True))
-    print(f"\nstarjar demo: {n} Spec-Bench prompts (chat), Poisson arrivals at {args.rate:g}/s, "
+    source = args.prompts or "starjar's own"
+    print(f"\nstarjar demo: {n} prompts ({source}, chat), Poisson arrivals at {args.rate:g}/s, "
           f"greedy, max {args.max_tokens} new tokens")
     print(f"cluster: {spec['targets']} target worker(s) (batch {spec['batch_size']}), draft server "
           f"{'on' if spec['draft'] else 'off'}; target {spec['target']}")
@@ -198,7 +202,8 @@ def run_demo(args) -> int:
         controller = ray.get_actor(CONTROLLER, namespace=NAMESPACE)
         spec = ray.get(controller.describe.remote())
         address = state["addresses"]["grpc"]
-        prompts = spec_bench_mix(args.requests)
+        prompts = workloads.texts(workloads.mix(
+            workloads.spec_bench_prompts(args.prompts) if args.prompts else workloads.own_prompts(), args.requests))
         off, on = _both_runs(args, controller, address, spec, prompts)
     finally:
         ray.shutdown()

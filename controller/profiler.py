@@ -34,7 +34,7 @@ from starjar.proposer import DraftRequest
 
 CONTEXT = 64  # prompt tokens per profiled sequence
 # The step grid's contexts: a batch as serving sees it, ragged. Sequence k of B is at the (k + 0.5)/B
-# quantile of Spec-Bench prompt lengths (chat template) plus half of a mean Azure output (87 tokens).
+# quantile of starjar's own prompt lengths (chat template) plus half of a mean Azure output (87 tokens).
 # Padding to the longest makes a speculative step at B=8 cost 146 ms with contexts 64..512 against 105 ms
 # with all at 256 (same mean); a plain step 56 vs 51 ms.
 MID_DECODE_TOKENS = 87
@@ -42,10 +42,11 @@ GENERATE_ROOM = 64  # tokens a profiled sequence may still generate (a step-grid
 
 
 def workload_contexts(target, batch_size: int) -> list[int]:
+    from starjar import workloads
     from starjar.text import encode_prompt
-    from starjar.workloads import spec_bench_mix
 
-    lengths = sorted(len(encode_prompt(target.tokenizer, t, chat=True)) for t in spec_bench_mix(80))
+    lengths = sorted(len(encode_prompt(target.tokenizer, t, chat=True))
+                     for t in workloads.texts(workloads.load("own", 80)))
     cap = max(1, target.max_context - GENERATE_ROOM)  # a short-context model profiles at its own longest
     return [min(cap, lengths[int((k + 0.5) / batch_size * len(lengths))] + MID_DECODE_TOKENS)
             for k in range(batch_size)]

@@ -41,14 +41,14 @@ def main() -> None:
 
     from benchmarks import background, breakdown
     from controller.launch import ServerProcess
+    from starjar import workloads
     from starjar.default_pair import build_default_pair
     from starjar.kernels import machine_info, machine_label
     from starjar.text import encode_prompt
-    from starjar.workloads import spec_bench_mix
 
     pair = build_default_pair()
     tok = AutoTokenizer.from_pretrained(pair["target"])
-    prompts = [encode_prompt(tok, p, chat=True) for p in spec_bench_mix(16)]
+    prompts = [encode_prompt(tok, p, chat=True) for p in workloads.texts(workloads.load("own", 16))]
     target = ServerProcess("target", "--model", pair["target"], "--port", "0", "--gamma", "0", "--batch-size", "1",
                            "--metrics-port", "0", threads=2)
     rows, reference = [], None

@@ -13,11 +13,11 @@ import dataclasses
 import time
 
 from controller.colocated import colocated_engine, load_pair
+from starjar import workloads
 from starjar.default_pair import build_default_pair
 from starjar.kernels import machine_label
 from starjar.sampling import SamplingParams
 from starjar.text import encode_prompt
-from starjar.workloads import spec_bench_mix
 
 VARIANTS = [("target alone", None, 0), ("whole prompt", None, 3), ("last 256", 256, 3), ("last 128", 128, 3),
             ("last 64", 64, 3), ("whole prompt again", None, 3)]
@@ -26,7 +26,7 @@ VARIANTS = [("target alone", None, 0), ("whole prompt", None, 3), ("last 256", 2
 def main() -> None:
     pair = build_default_pair()
     target, draft = load_pair(pair["target"], pair["draft"])
-    prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in spec_bench_mix(16)]
+    prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in workloads.texts(workloads.load("own", 16))]
     print(machine_label(), "| prompt lengths", sorted(len(p) for p in prompts), flush=True)
     params = SamplingParams(max_tokens=48)
     colocated_engine(target, None, 0, 1).generate(prompts[:2], SamplingParams(max_tokens=8))  # warm-up

@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 
 from controller.colocated import load_pair
+from starjar import workloads
 from starjar.default_pair import build_default_pair
 from starjar.kernels import machine_label
 from starjar.reference import hf_greedy
-from starjar.workloads import spec_bench_prompts
 
 
 class _Holder:
@@ -63,7 +63,7 @@ def main() -> None:
     target, draft = load_pair(pair["target"], pair["draft"])
     print(machine_label(), flush=True)
     totals: dict[str, list[int]] = {}
-    for p in spec_bench_prompts(args.prompts):
+    for p in workloads.texts(workloads.load("own", args.prompts)):
         for name, (hit, n) in agreement(target, draft, list(target.tokenizer(p)["input_ids"]), args.tokens).items():
             acc = totals.setdefault(name, [0, 0])
             acc[0], acc[1] = acc[0] + hit, acc[1] + n

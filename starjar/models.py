@@ -119,7 +119,7 @@ class LoadedModel:
         if self.lean is not None:
             return self.lean.hidden(ids.to(self.device), position_ids, mask, cache, counts)
         return self.model.base_model(input_ids=ids.to(self.device), position_ids=position_ids,
-                                     attention_mask=mask, past_key_values=cache, use_cache=True).last_hidden_state
+                                     attention_mask=mask, cache=cache, use_cache=True).last_hidden_state
 
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor, adapted: bool = True) -> torch.Tensor:

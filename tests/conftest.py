@@ -39,16 +39,16 @@ def models(model_dirs):
 
 
 @pytest.fixture(scope="session")
-def spec_prompts(models):
-    """Token ids of the first turns of the first 40 Spec-Bench questions (capped at 160 tokens)."""
-    from starjar.workloads import spec_bench_prompts
+def prompt_ids(models):
+    """Token ids of 40 of starjar's own prompts, round-robin over their categories (capped at 160 tokens)."""
+    from starjar import workloads
 
     tok = models["llama"].tokenizer
-    return [tok(p)["input_ids"][:160] for p in spec_bench_prompts(40)]
+    return [tok(p.text)["input_ids"][:160] for p in workloads.load("own", 40)]
 
 
 @pytest.fixture(scope="session")
-def reference(models, spec_prompts):
+def reference(models, prompt_ids):
     """HF generate() greedy outputs per family: the ground truth for equality tests."""
     from starjar.reference import hf_greedy
 
@@ -57,19 +57,19 @@ def reference(models, spec_prompts):
     def get(family: str, max_new: int = 64) -> list[list[int]]:
         key = (family, max_new)
         if key not in cache:
-            cache[key] = [hf_greedy(models[family], p, max_new) for p in spec_prompts]
+            cache[key] = [hf_greedy(models[family], p, max_new) for p in prompt_ids]
         return cache[key]
 
     return get
 
 
 @pytest.fixture(scope="session")
-def long_prompts(models, spec_prompts):
+def long_prompts(models, prompt_ids):
     """Two prompts whose llama greedy continuation runs 300 tokens without EOS, and those continuations:
     generations long enough to be mid-stream when a signal lands (see streams.py)."""
     from starjar.reference import hf_greedy
 
-    prompts = spec_prompts[:2]
+    prompts = prompt_ids[:2]
     refs = [hf_greedy(models["llama"], p, 300) for p in prompts]
     assert all(len(r) == 300 for r in refs), "a prompt whose reference ends early makes a short stream"
     return prompts, refs

@@ -46,9 +46,9 @@ def wait_moved(controller, moved: list[str], survivor: str, t_kill: float) -> di
     return took
 
 
-def workload(spec_prompts: list, reference, n: int) -> tuple[list, list]:
+def workload(prompt_ids: list, reference, n: int) -> tuple[list, list]:
     """n prompts (the Spec-Bench set repeated) and what the target alone makes of each, MAX_TOKENS long."""
-    prompts = (spec_prompts * (n // len(spec_prompts) + 1))[:n]
+    prompts = (prompt_ids * (n // len(prompt_ids) + 1))[:n]
     ref = [r[:MAX_TOKENS] for r in reference("llama", 64)]
     return prompts, (ref * (n // len(ref) + 1))[:n]
 
@@ -78,13 +78,13 @@ class FailoverRun:
     while_running: object  # what the caller's hook returned before the lanes were joined
 
 
-def kill_one_draft_under_load(addrs: dict, controller, spec_prompts: list, reference,
+def kill_one_draft_under_load(addrs: dict, controller, prompt_ids: list, reference,
                               while_running: Callable[[int], object] | None = None) -> FailoverRun:
     """SIGKILL the second draft server 3 s into the load (same machine: its pid is ours to signal); the hook,
     given the killed pid, runs after the move and before the lanes are joined."""
     st = status(controller)
     n = TARGETS * PER_TARGET
-    prompts, ref = workload(spec_prompts, reference, n)
+    prompts, ref = workload(prompt_ids, reference, n)
     results, errors = [None] * n, []
     lane = lane_of(addrs["grpc"], prompts, results, errors)
     with ThreadPoolExecutor(LANES) as pool:

@@ -43,7 +43,7 @@ def _attach_concurrently(address, fingerprint, n):
     return proposers
 
 
-def test_eight_targets_at_n_max_four_twice(models, spec_prompts, reference):
+def test_eight_targets_at_n_max_four_twice(models, prompt_ids, reference):
     fp = models["llama"].fingerprint
     with BackgroundDraftServer(models["draft"], DraftServerConfig(max_targets=4)) as server:
         for round_ in range(2):
@@ -59,7 +59,7 @@ def test_eight_targets_at_n_max_four_twice(models, spec_prompts, reference):
             if round_ == 0:
                 # A refused target's requests all complete, token for token the target's own.
                 engine = TargetEngine(models["llama"], refused[0], FixedGamma(3), EngineConfig(max_batch_size=8))
-                reqs = engine.generate(spec_prompts[:8], SamplingParams(max_tokens=24))
+                reqs = engine.generate(prompt_ids[:8], SamplingParams(max_tokens=24))
                 assert [r.output_ids for r in reqs] == [r[:24] for r in reference("llama", 64)[:8]]
                 assert engine.stats.drafted_tokens == 0 and refused[0].stats.fallbacks["detached"] > 0
             for p in proposers:
@@ -70,7 +70,7 @@ def test_eight_targets_at_n_max_four_twice(models, spec_prompts, reference):
             assert len(server.server.sessions) == 0
 
 
-def test_raising_n_max_admits_more_and_they_get_drafts(models, spec_prompts):
+def test_raising_n_max_admits_more_and_they_get_drafts(models, prompt_ids):
     fp = models["llama"].fingerprint
     cfg = DraftServerConfig(max_targets=1, max_sequences_per_target=2)
     with BackgroundDraftServer(models["draft"], cfg) as server:
@@ -81,7 +81,7 @@ def test_raising_n_max_admits_more_and_they_get_drafts(models, spec_prompts):
         engines = [TargetEngine(models["llama"], p, FixedGamma(2), EngineConfig(max_batch_size=2)) for p in proposers]
         # 3 targets x 2 live sequences at once: more than the cap the server started with (1 x 2).
         params = SamplingParams(max_tokens=16)
-        threads = [threading.Thread(target=e.generate, args=(spec_prompts[2 * k:2 * k + 2], params))
+        threads = [threading.Thread(target=e.generate, args=(prompt_ids[2 * k:2 * k + 2], params))
                    for k, e in enumerate(engines)]
         [t.start() for t in threads]
         [t.join() for t in threads]

@@ -71,12 +71,12 @@ class _Load:
         self.pool.shutdown()
 
 
-def test_autoscale_adds_a_draft_server_under_load_and_retires_it_when_idle(scaled, spec_prompts, reference):
+def test_autoscale_adds_a_draft_server_under_load_and_retires_it_when_idle(scaled, prompt_ids, reference):
     addrs, controller = scaled
     ref = [r[:MAX_TOKENS] for r in reference("llama", 64)]
     st = status(controller)
     assert list(st["drafts"]["servers"]) == ["starjar-draft"] and st["autoscale"]["added"] == 0
-    heavy = _Load(addrs["grpc"], spec_prompts, LANES)
+    heavy = _Load(addrs["grpc"], prompt_ids, LANES)
     try:
         st = _wait(controller, lambda s: s["autoscale"]["added"] == 1 and SECOND in s["actors"]
                    and len(s["drafts"]["servers"][SECOND]["attached"]) == 2, "a second draft server")
@@ -90,7 +90,7 @@ def test_autoscale_adds_a_draft_server_under_load_and_retires_it_when_idle(scale
         assert all(drafted(t) > before[t] for t in moved)  # speculating on the new server
     finally:
         heavy.end()
-    light = _Load(addrs["grpc"], spec_prompts, 1, pause_s=0.5)  # a trickle: the retire happens under traffic
+    light = _Load(addrs["grpc"], prompt_ids, 1, pause_s=0.5)  # a trickle: the retire happens under traffic
     try:
         done = _wait(controller, lambda s: s["autoscale"]["retired"] == 1 and len(s["drafts"]["servers"]) == 1
                      and all(a.get("draft_attached") for n, a in s["actors"].items() if n.startswith("starjar-target")),

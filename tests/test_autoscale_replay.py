@@ -77,10 +77,10 @@ def _until(loop, fleet, scaler, targets, info, cond, timeout=60.0) -> None:
     raise AssertionError(f"timed out: {fleet.view()}")
 
 
-def test_autoscale_adds_then_retires_a_draft_server(models, model_dirs, spec_prompts, reference):
+def test_autoscale_adds_then_retires_a_draft_server(models, model_dirs, prompt_ids, reference):
     fp = models["llama"].fingerprint
     conts = reference("llama", 64)
-    scripts = list(zip(spec_prompts, conts, strict=True))
+    scripts = list(zip(prompt_ids, conts, strict=True))
     names = [f"starjar-target-{i}" for i in range(N_TARGETS)]
     fleet = DraftFleet(lambda name: _DraftProcess(model_dirs["draft"], fp), N_MAX, names)
     stopped = []

@@ -13,9 +13,9 @@ from controller.launch import ServerProcess
 MAX_NEW = 16
 
 
-def test_one_deployment_is_measured_from_the_targets_metrics(model_dirs, spec_prompts, reference, monkeypatch):
+def test_one_deployment_is_measured_from_the_targets_metrics(model_dirs, prompt_ids, reference, monkeypatch):
     monkeypatch.setattr(breakdown, "MAX_NEW", MAX_NEW)
-    prompts = spec_prompts[:4]
+    prompts = prompt_ids[:4]
     draft = ServerProcess("draft", "--model", model_dirs["draft"], "--port", "0")
     target = None
     try:

@@ -24,10 +24,10 @@ def cluster4(model_dirs, tmp_path_factory):
         yield running
 
 
-def test_draft_server_killed_five_times_loses_nothing(cluster4, spec_prompts, reference):
+def test_draft_server_killed_five_times_loses_nothing(cluster4, prompt_ids, reference):
     addrs, controller = cluster4
     n = TARGETS * PER_TARGET
-    prompts, ref = workload(spec_prompts, reference, n)
+    prompts, ref = workload(prompt_ids, reference, n)
     results, errors = [None] * n, []
     done = threading.Event()
     lane = lane_of(addrs["grpc"], prompts, results, errors)

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
+from starjar import workloads
 from starjar.reference import hf_greedy
-from starjar.workloads import spec_bench_prompts
 
 
 def run_cli(*args):
@@ -16,7 +16,7 @@ def run_cli(*args):
 
 
 def test_generate_jsonl_in_order_and_exact(tmp_path, model_dirs, models):
-    prompts = spec_bench_prompts(7)
+    prompts = workloads.texts(workloads.load("own", 7))
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     out = tmp_path / "out.jsonl"

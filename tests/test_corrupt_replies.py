@@ -50,7 +50,7 @@ def run_engine(models, address, prompts, batch, deadline_s=2.0):
 
 
 @pytest.mark.parametrize("size", SIZES)
-def test_fault_switch_corrupts_every_reply_and_no_output_changes(models, spec_prompts, reference, monkeypatch,
+def test_fault_switch_corrupts_every_reply_and_no_output_changes(models, prompt_ids, reference, monkeypatch,
                                                                 size):
     monkeypatch.setenv("STARJAR_DRAFT_FAULTS", "corrupt=1.0")  # read when the DraftServer is built
     ref = reference("llama", MAX_NEW)
@@ -58,7 +58,7 @@ def test_fault_switch_corrupts_every_reply_and_no_output_changes(models, spec_pr
     with BackgroundDraftServer(models["draft"]) as srv:
         faults = srv.server.faults
         assert faults.active and faults.plan.corrupt == 1.0
-        outs, es, cs = run_engine(models, srv.address, spec_prompts[:n] * size["repeat"], size["batch"])
+        outs, es, cs = run_engine(models, srv.address, prompt_ids[:n] * size["repeat"], size["batch"])
         corrupted = faults.replies
     assert outs == ref[:n] * size["repeat"]  # altered = 0, lost = 0
     assert corrupted >= size["min_replies"], f"only {corrupted} corrupt replies"
@@ -145,14 +145,14 @@ def garbage_server(models):
                                   pytest.param(dict(prompts=40, batch=2, min_replies=800), id="chaos",
                                                marks=pytest.mark.chaos)])
 @pytest.mark.parametrize("kind", KINDS)
-def test_garbage_replies_become_steps_without_drafts(models, spec_prompts, reference, garbage_server, kind, size):
+def test_garbage_replies_become_steps_without_drafts(models, prompt_ids, reference, garbage_server, kind, size):
     ref = reference("llama", MAX_NEW)
     n = size["prompts"]
     svc, address = garbage_server(kind)
     # wrong_round: every answer looks late and is dropped (a short deadline keeps that cheap); with its rounds
     # never answered the client stops sending past MAX_OUTSTANDING, so few replies are ever asked for.
     deadline = 0.05 if kind == "wrong_round" else 2.0
-    outs, es, cs = run_engine(models, address, spec_prompts[:n], size["batch"], deadline_s=deadline)
+    outs, es, cs = run_engine(models, address, prompt_ids[:n], size["batch"], deadline_s=deadline)
     assert outs == ref[:n]  # altered = 0
     replies = svc.replies
     assert es.drafted_tokens == 0 and es.accepted_tokens == 0 and es.spec.steps == 0
@@ -172,7 +172,7 @@ def test_garbage_replies_become_steps_without_drafts(models, spec_prompts, refer
         assert es.proposer_failures >= replies
 
 
-def test_a_server_flooding_answers_cannot_grow_the_targets_memory(models, spec_prompts, reference, garbage_server):
+def test_a_server_flooding_answers_cannot_grow_the_targets_memory(models, prompt_ids, reference, garbage_server):
     """Every round answered 200 times: the repeats are dropped as they arrive (before, each was queued until a
     later step proposed, and nothing drains the queue while no step drafts). Outputs stay the target's."""
     svc, address = garbage_server("flood")
@@ -180,7 +180,7 @@ def test_a_server_flooding_answers_cannot_grow_the_targets_memory(models, spec_p
     eng = TargetEngine(models["llama"], rp, FixedGamma(4), EngineConfig(max_batch_size=2))
     assert rp.wait_attached(10)
     try:
-        outs = [r.output_ids for r in eng.generate(spec_prompts[:2], GREEDY)]
+        outs = [r.output_ids for r in eng.generate(prompt_ids[:2], GREEDY)]
         assert wait_until(lambda: svc.replies >= FLOOD * rp.stats.rounds)  # the last round's repeats were sent
         time.sleep(0.5)  # and reached the target's stream reader
         queued = rp._replies.qsize()

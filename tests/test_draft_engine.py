@@ -59,10 +59,10 @@ def test_release_frees_kv_and_keeps_others_intact(models):
         assert r == greedy_chain(d, prompts[i] + [7], 2)
 
 
-def test_passes_split_for_the_gather_cap_draft_the_same(models, spec_prompts):
+def test_passes_split_for_the_gather_cap_draft_the_same(models, prompt_ids):
     # A round over every other sequence reads scattered slots (a K/V copy per layer); with the cap at one
     # cell every such pass is split to single rows. Drafts, trees included, must not change.
-    prompts = [list(p) for p in spec_prompts[:7]]
+    prompts = [list(p) for p in prompt_ids[:7]]
 
     def rounds(engine):
         first = engine.propose([DraftRequest(i, 0, p, 3) for i, p in enumerate(prompts)])
@@ -78,7 +78,7 @@ def test_passes_split_for_the_gather_cap_draft_the_same(models, spec_prompts):
     assert capped.stats.passes > free.stats.passes
 
 
-def test_a_prompt_window_drafts_exactly_as_the_draft_would_on_the_prompts_tail(models, spec_prompts, reference):
+def test_a_prompt_window_drafts_exactly_as_the_draft_would_on_the_prompts_tail(models, prompt_ids, reference):
     """A draft with prompt_window W reads a long prompt's last W tokens only (positions restart there): its drafts
     are the draft's greedy chain over that tail, its prefill is W tokens, and output through it stays the
     target's own, token for token."""
@@ -90,7 +90,7 @@ def test_a_prompt_window_drafts_exactly_as_the_draft_would_on_the_prompts_tail(m
     w = 24
     windowed = dataclasses.replace(models["draft"], prompt_window=w)
     eng = DraftEngine(windowed)
-    prompt = spec_prompts[3]
+    prompt = prompt_ids[3]
     assert len(prompt) > 3 * w
     first = eng.propose([DraftRequest("a", 0, prompt, 4)])[0]
     assert first == greedy_chain(models["draft"], prompt[-w:], 4)
@@ -106,6 +106,6 @@ def test_a_prompt_window_drafts_exactly_as_the_draft_would_on_the_prompts_tail(m
     assert eng.propose([DraftRequest("a", 0, changed, 2)])[0] == greedy_chain(models["draft"], changed[-w:], 2)
     assert eng.stats.catchup_tokens == w + 2 + w  # the window again, from scratch
     engine = colocated_engine(models["llama"], windowed, 3, 4)
-    reqs = engine.generate(spec_prompts[:12], SamplingParams(max_tokens=32))
+    reqs = engine.generate(prompt_ids[:12], SamplingParams(max_tokens=32))
     assert [r.output_ids for r in reqs] == reference("llama", 32)[:12]
     assert engine.stats.accepted_tokens > 0

@@ -33,11 +33,11 @@ def _wait_rebalanced(controller, old_pid: int) -> dict:
     raise AssertionError(f"not rebalanced: {status(controller)['drafts']}")
 
 
-def test_one_of_two_draft_servers_killed_loses_nothing_and_moves_its_targets(fleet, spec_prompts, reference):
+def test_one_of_two_draft_servers_killed_loses_nothing_and_moves_its_targets(fleet, prompt_ids, reference):
     addrs, controller = fleet
     st = status(controller)
     assert [len(st["drafts"]["servers"][d]["attached"]) for d in DRAFTS] == [2, 2]  # least attached: 2 and 2
-    run = kill_one_draft_under_load(addrs, controller, spec_prompts, reference,
+    run = kill_one_draft_under_load(addrs, controller, prompt_ids, reference,
                                     while_running=lambda old_pid: _wait_rebalanced(controller, old_pid))
     rebalanced = run.while_running
     print(f"{run.requests} requests, 1 of 2 draft servers killed: lost {run.lost}, altered {run.altered}, "

@@ -14,7 +14,7 @@ from target_worker.draft_client import RemoteProposer
 from target_worker.engine import EngineConfig, TargetEngine
 
 
-def test_follow_moves_a_target_mid_run_without_changing_its_output(models, spec_prompts, reference):
+def test_follow_moves_a_target_mid_run_without_changing_its_output(models, prompt_ids, reference):
     with BackgroundDraftServer(models["draft"]) as a, BackgroundDraftServer(models["draft"]) as b:
         where = {"address": a.address}
         rp = RemoteProposer(lambda: where["address"], models["llama"].fingerprint, "mover", deadline_s=2.0,
@@ -23,7 +23,7 @@ def test_follow_moves_a_target_mid_run_without_changing_its_output(models, spec_
         engine = TargetEngine(models["llama"], rp, FixedGamma(3), EngineConfig(max_batch_size=4))
         outs = {}
         run = threading.Thread(target=lambda: outs.setdefault(
-            "ids", [r.output_ids for r in engine.generate(spec_prompts[:16], SamplingParams(max_tokens=48))]))
+            "ids", [r.output_ids for r in engine.generate(prompt_ids[:16], SamplingParams(max_tokens=48))]))
         run.start()
         deadline = time.time() + 30
         while a.server.stats.snapshot()["rounds"] < 3 and time.time() < deadline:

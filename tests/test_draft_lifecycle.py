@@ -136,7 +136,7 @@ def test_the_kv_budget_answers_resync_and_bounds_the_cache(models):
         ch.close()
 
 
-def test_a_hung_draft_server_costs_a_few_deadlines_not_one_per_step(models, spec_prompts, reference, monkeypatch):
+def test_a_hung_draft_server_costs_a_few_deadlines_not_one_per_step(models, prompt_ids, reference, monkeypatch):
     ref = reference("llama", 32)
     monkeypatch.setenv("STARJAR_DRAFT_FAULTS", "hang_after=3")  # answers three rounds, then hangs for good
     with BackgroundDraftServer(models["draft"]) as srv:
@@ -150,7 +150,7 @@ def test_a_hung_draft_server_costs_a_few_deadlines_not_one_per_step(models, spec
                 observed.append(args)
 
         eng = TargetEngine(models["llama"], rp, Recording(3), EngineConfig(max_batch_size=1))
-        reqs = eng.generate(spec_prompts, SamplingParams(max_tokens=32))
+        reqs = eng.generate(prompt_ids, SamplingParams(max_tokens=32))
         assert [r.output_ids for r in reqs] == ref
         # Before: every speculative step waited out the deadline (about 30 x 0.3 s here).
         assert rp.stats.fallbacks["deadline"] <= 4 and rp.breaker.opened >= 1
@@ -161,7 +161,7 @@ def test_a_hung_draft_server_costs_a_few_deadlines_not_one_per_step(models, spec
         rp.close()
 
 
-def test_speculation_resumes_after_a_slow_spell_of_the_draft_server(models, spec_prompts, reference, monkeypatch):
+def test_speculation_resumes_after_a_slow_spell_of_the_draft_server(models, prompt_ids, reference, monkeypatch):
     """Three rounds answered late open the breaker; the late answers arrive meanwhile, so its probes must find
     no backlog and speculation must come back. (Before: late answers were read only while awaiting a round, so
     the two unanswered rounds stayed counted and every probe failed as a backlog: no drafts ever again. In the
@@ -173,18 +173,18 @@ def test_speculation_resumes_after_a_slow_spell_of_the_draft_server(models, spec
                             breaker=Breaker(after=3, probe_s=0.3, max_probe_s=1.0))
         assert rp.wait_attached(10)
         eng = TargetEngine(models["llama"], rp, FixedGamma(3), EngineConfig(max_batch_size=1))
-        reqs = eng.generate(spec_prompts, SamplingParams(max_tokens=32))
+        reqs = eng.generate(prompt_ids, SamplingParams(max_tokens=32))
         assert [r.output_ids for r in reqs] == ref
         assert rp.breaker.opened >= 1 and rp.stats.fallbacks["deadline"] >= 1
         # The spell holds the server for 2.1 s and the probes back off to 0.6 s: a fast machine (a 2-core Zen 5
         # EPYC) decodes every prompt before the probe that finds it well. Decode on until it has (at most 10 s).
         until = time.monotonic() + 10
         while rp.breaker.is_open and time.monotonic() < until:
-            again = eng.generate(spec_prompts[:2], SamplingParams(max_tokens=32))
+            again = eng.generate(prompt_ids[:2], SamplingParams(max_tokens=32))
             assert [r.output_ids for r in again] == ref[:2]
         assert not rp.breaker.is_open  # a probe was answered
         rounds = rp.stats.rounds
-        again = eng.generate(spec_prompts[:4], SamplingParams(max_tokens=32))
+        again = eng.generate(prompt_ids[:4], SamplingParams(max_tokens=32))
         assert [r.output_ids for r in again] == ref[:4]
         assert rp.stats.rounds >= rounds + 20  # after the spell the steps draft again
         rp.close()

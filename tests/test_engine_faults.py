@@ -16,9 +16,9 @@ from starjar.verify import sample_next
 from target_worker.runner import MAX_FAILED_STEPS, EngineRunner
 
 
-def test_a_temperature_of_1e_39_is_greedy_and_does_not_raise(models, spec_prompts, reference):
+def test_a_temperature_of_1e_39_is_greedy_and_does_not_raise(models, prompt_ids, reference):
     eng = colocated_engine(models["llama"], None, 0, 4)
-    out = eng.generate(spec_prompts[:4], SamplingParams(max_tokens=16, temperature=1e-39))
+    out = eng.generate(prompt_ids[:4], SamplingParams(max_tokens=16, temperature=1e-39))
     assert [r.output_ids for r in out] == [r[:16] for r in reference("llama", 16)[:4]]
 
 
@@ -50,7 +50,7 @@ def _run(runner, prompt, params):
     return outs
 
 
-def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(models, spec_prompts, reference):
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(models, prompt_ids, reference):
     eng = colocated_engine(models["llama"], None, 0, 4)
     runner = EngineRunner(eng)
     forward, calls = eng.model.forward, {"n": 0}
@@ -65,10 +65,10 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(models, spec_p
     object.__setattr__(eng.model, "forward", flaky)
     runner.start()
     try:
-        first = _run(runner, spec_prompts[0], SamplingParams(max_tokens=8))
+        first = _run(runner, prompt_ids[0], SamplingParams(max_tokens=8))
         assert first[-1].error and "RuntimeError" in first[-1].error and first[-1].request.finish_reason == "error"
         assert eng.cache.num_slots == 0  # its KV was freed
-        second = _run(runner, spec_prompts[1], SamplingParams(max_tokens=8))  # the engine goes on
+        second = _run(runner, prompt_ids[1], SamplingParams(max_tokens=8))  # the engine goes on
         assert second[-1].error is None
         assert [t for o in second for t in o.new_token_ids] == reference("llama")[1][:8]
         assert runner.is_alive() and not runner.dead.is_set()
@@ -76,7 +76,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(models, spec_p
         runner.stop()
 
 
-def test_an_engine_that_keeps_failing_is_dead_and_refuses_new_work(models, spec_prompts):
+def test_an_engine_that_keeps_failing_is_dead_and_refuses_new_work(models, prompt_ids):
     eng = colocated_engine(models["llama"], None, 0, 4)
     died = threading.Event()
     runner = EngineRunner(eng, on_dead=died.set)
@@ -84,18 +84,18 @@ def test_an_engine_that_keeps_failing_is_dead_and_refuses_new_work(models, spec_
     object.__setattr__(eng.model, "forward", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("broken")))
     runner.start()
     for i in range(MAX_FAILED_STEPS):
-        assert _run(runner, spec_prompts[i], SamplingParams(max_tokens=4))[-1].error
+        assert _run(runner, prompt_ids[i], SamplingParams(max_tokens=4))[-1].error
     assert died.wait(10) and runner.dead.is_set()
-    after = _run(runner, spec_prompts[5], SamplingParams(max_tokens=4))  # answered at once, with a reason
+    after = _run(runner, prompt_ids[5], SamplingParams(max_tokens=4))  # answered at once, with a reason
     assert after[-1].error == "engine stopped"
 
 
-def test_a_request_the_failing_step_finished_still_gets_its_output(models, spec_prompts, reference):
+def test_a_request_the_failing_step_finished_still_gets_its_output(models, prompt_ids, reference):
     """A one-token request is prefilled (and finished) in the step whose decode pass then raises: it gets its
     token, not a wait for ever (before, only the still-running requests were answered, with the error)."""
     eng = colocated_engine(models["llama"], None, 0, 4)
     runner = EngineRunner(eng)
-    forward, short = eng.model.forward, list(spec_prompts[1])
+    forward, short = eng.model.forward, list(prompt_ids[1])
     armed = {"prefilled": False, "raised": False}
 
     def flaky(cache, slots, tokens, *a, **k):  # fault injection: the pass after the short prompt's prefill raises
@@ -116,7 +116,7 @@ def test_a_request_the_failing_step_finished_still_gets_its_output(models, spec_
             long_done.set()
     runner.start()
     try:
-        runner.submit(spec_prompts[0], SamplingParams(max_tokens=200, ignore_eos=True), "long", on_long)
+        runner.submit(prompt_ids[0], SamplingParams(max_tokens=200, ignore_eos=True), "long", on_long)
         deadline = time.monotonic() + 30
         while len(long_outs) < 3 and time.monotonic() < deadline:  # the long request is decoding
             time.sleep(0.01)
@@ -136,12 +136,12 @@ def test_a_request_the_failing_step_finished_still_gets_its_output(models, spec_
 
 
 @pytest.mark.parametrize("gamma", [0, 3])
-def test_a_sequence_runs_to_the_models_context_as_the_model_alone_does(models, spec_prompts, gamma):
+def test_a_sequence_runs_to_the_models_context_as_the_model_alone_does(models, prompt_ids, gamma):
     """One slot, the default KV budget: a request ends at the model's context, not max_gamma + 1 tokens short of
     it (before, 9 tokens were held back and prompts that long were refused)."""
     m = models["llama"]
     eng = colocated_engine(m, models["draft"] if gamma else None, gamma, 1)
-    prompt = (list(spec_prompts[0]) * 64)[:m.max_context - 6]
+    prompt = (list(prompt_ids[0]) * 64)[:m.max_context - 6]
     assert eng.validate_prompt(prompt) == prompt
     out = eng.generate([prompt], SamplingParams(max_tokens=64, ignore_eos=True))[0]
     assert len(prompt) + len(out.output_ids) == m.max_context and out.finish_reason == "length"

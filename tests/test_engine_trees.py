@@ -19,43 +19,43 @@ def _engine(target, proposer, gamma=12, batch=4):
 
 @pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
                                     pytest.param("gpt2", marks=pytest.mark.slow)])
-def test_greedy_with_trees_equals_target_alone(models, spec_prompts, reference, family):
+def test_greedy_with_trees_equals_target_alone(models, prompt_ids, reference, family):
     proposer = TopKTreeProposer(models["draft"], widths=(2, 2, 1))
     engine = _engine(models[family], proposer)
-    reqs = engine.generate(spec_prompts[:N], GREEDY)
+    reqs = engine.generate(prompt_ids[:N], GREEDY)
     assert [r.output_ids for r in reqs] == [ref[:48] for ref in reference(family)[:N]]
     assert engine.stats.drafted_tokens > 0 and proposer.calls > 0
     assert engine.cache.tokens_used() == 0
 
 
-def test_self_draft_tree_accepts_through_later_siblings(models, spec_prompts, reference):
+def test_self_draft_tree_accepts_through_later_siblings(models, prompt_ids, reference):
     """The target as its own tree draft with its best token placed last among siblings: every accepted
     node is a later candidate written away from its final position, so a wrong KV move would change the
     output. Three levels accepted (and a bonus) per round."""
     proposer = TopKTreeProposer(models["llama"], widths=(2, 2, 2), argmax_last=True)
     engine = _engine(models["llama"], proposer, gamma=14)
-    reqs = engine.generate(spec_prompts[:N], GREEDY)
+    reqs = engine.generate(prompt_ids[:N], GREEDY)
     assert [r.output_ids for r in reqs] == [ref[:48] for ref in reference("llama")[:N]]
     assert engine.stats.acceptance_rate > 0.2  # 3 of 14 nodes per full round
     assert engine.stats.mean_accepted_len > 3.5
 
 
 @pytest.mark.slow
-def test_small_gamma_cuts_trees_and_chains_mix(models, spec_prompts, reference):
+def test_small_gamma_cuts_trees_and_chains_mix(models, prompt_ids, reference):
     """gamma 3 cuts each tree to its first 3 nodes (still a tree); mixed with gamma 0 rounds it stays exact."""
     proposer = TopKTreeProposer(models["draft"], widths=(2, 2, 1))
     engine = _engine(models["llama"], proposer, gamma=3, batch=3)
-    reqs = engine.generate(spec_prompts[:N], GREEDY)
+    reqs = engine.generate(prompt_ids[:N], GREEDY)
     assert [r.output_ids for r in reqs] == [ref[:48] for ref in reference("llama")[:N]]
 
 
 @pytest.mark.slow
-def test_sampling_with_trees_is_seeded_and_in_range(models, spec_prompts):
+def test_sampling_with_trees_is_seeded_and_in_range(models, prompt_ids):
     params = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=11)
     runs = []
     for _ in range(2):
         engine = _engine(models["llama"], TopKTreeProposer(models["draft"], widths=(3, 1)))
-        runs.append([r.output_ids for r in engine.generate(spec_prompts[:4], params)])
+        runs.append([r.output_ids for r in engine.generate(prompt_ids[:4], params)])
     assert runs[0] == runs[1]
     assert all(0 <= t < models["llama"].vocab_size for out in runs[0] for t in out)
     assert all(len(out) <= 32 for out in runs[0])

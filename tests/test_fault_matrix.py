@@ -141,8 +141,8 @@ def check(outs, ref, es, cs, timed, kind, point):
 
 
 @pytest.mark.parametrize("kind,point", list(cells()))
-def test_fault_matrix(models, spec_prompts, reference, monkeypatch, kind, point):
-    prompts = spec_prompts[:N_PROMPTS]
+def test_fault_matrix(models, prompt_ids, reference, monkeypatch, kind, point):
+    prompts = prompt_ids[:N_PROMPTS]
     ref = reference("llama", MAX_NEW)[:N_PROMPTS]
     spec = FAULTS[kind]
     if point == "attach" and spec[0] == "switch":
@@ -169,13 +169,13 @@ def test_fault_matrix(models, spec_prompts, reference, monkeypatch, kind, point)
 
 @pytest.mark.chaos
 @pytest.mark.parametrize("crash_after", [0, 5])
-def test_crash_after_n_rounds_in_a_subprocess_draft_server(models, model_dirs, spec_prompts, reference,
+def test_crash_after_n_rounds_in_a_subprocess_draft_server(models, model_dirs, prompt_ids, reference,
                                                          crash_after):
     """crash_after exits the draft server's process (exit code 86): at attach (0 rounds) or mid-run (5)."""
     from controller.launch import ServerProcess
     from draft_server.faults import CRASH_EXIT_CODE
 
-    prompts = spec_prompts[:N_PROMPTS]
+    prompts = prompt_ids[:N_PROMPTS]
     ref = reference("llama", MAX_NEW)[:N_PROMPTS]
     draft = ServerProcess("draft", "--model", model_dirs["draft"], "--port", "0",
                           env=dict(os.environ, STARJAR_DRAFT_FAULTS=f"crash_after={crash_after}"))

@@ -175,10 +175,10 @@ def test_a_bad_forced_path_says_what_is_allowed(monkeypatch):
 
 
 @pytest.mark.parametrize("path", EVERY_PATH)
-def test_greedy_output_is_the_targets_own_on_each_path(model_dirs, models, spec_prompts, path):
+def test_greedy_output_is_the_targets_own_on_each_path(model_dirs, models, prompt_ids, path):
     target = load_model(model_dirs["llama"])
     skinny_linear.installed(target.model).set(skinny_linear.RowPaths.every(path))
-    prompts = spec_prompts[:12]
+    prompts = prompt_ids[:12]
     alone = [hf_greedy(target, p, 32) for p in prompts]
     for gamma, batch in ((3, 1), (2, 4), (5, 8)):
         reqs = colocated_engine(target, models["draft"], gamma, batch).generate(prompts, SamplingParams(max_tokens=32))

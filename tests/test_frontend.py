@@ -65,7 +65,7 @@ def test_bearer_token_guards_grpc_and_http(models, worker):
         fe.stop(0.5)
 
 
-def test_requests_route_around_a_dead_worker_and_health_follows(models, worker, spec_prompts, reference):
+def test_requests_route_around_a_dead_worker_and_health_follows(models, worker, prompt_ids, reference):
     fe = FrontEnd("llama", models["llama"].tokenizer).start()
     try:
         http = f"http://127.0.0.1:{fe.http_port}"
@@ -73,7 +73,7 @@ def test_requests_route_around_a_dead_worker_and_health_follows(models, worker, 
         fe.set_targets({"dead": _dead_address(), "w0": worker})
         assert _http(f"{http}/health")[0] == 200
         with Client(f"127.0.0.1:{fe.grpc_port}", timeout=60) as c:
-            outs = [c.generate(prompt_token_ids=p, max_tokens=16).token_ids for p in spec_prompts[:6]]
+            outs = [c.generate(prompt_token_ids=p, max_tokens=16).token_ids for p in prompt_ids[:6]]
         assert outs == [r[:16] for r in reference("llama", 64)[:6]]
         assert fe.in_flight() == {"dead": 0, "w0": 0}
     finally:

@@ -42,21 +42,21 @@ def _health(address: str) -> int:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
 
-def test_requests_go_around_a_worker_whose_engine_died(models, spec_prompts, reference):
+def test_requests_go_around_a_worker_whose_engine_died(models, prompt_ids, reference):
     dead, alive = Worker(broken(models["llama"]), "dead"), Worker(models["llama"], "alive")
     fe = FrontEnd("llama", models["llama"].tokenizer).start()
     try:
         with Client(dead.address, timeout=30) as c:  # kill its engine: every step fails, then it gives up
             for i in range(MAX_FAILED_STEPS):
                 with pytest.raises(Exception, match="INTERNAL"):
-                    c.generate(prompt_token_ids=spec_prompts[i], max_tokens=4)
+                    c.generate(prompt_token_ids=prompt_ids[i], max_tokens=4)
         assert wait_until(lambda: _health(dead.address) == health_pb2.HealthCheckResponse.NOT_SERVING)
         fe.set_targets({"dead": dead.address, "alive": alive.address})
         with Client(f"127.0.0.1:{fe.grpc_port}", timeout=30) as c:
-            outs = [c.generate(prompt_token_ids=p, max_tokens=8).token_ids for p in spec_prompts[:4]]
+            outs = [c.generate(prompt_token_ids=p, max_tokens=8).token_ids for p in prompt_ids[:4]]
         assert outs == [r[:8] for r in reference("llama")[:4]]
         status, body = _post(f"http://127.0.0.1:{fe.http_port}/v1/completions",
-                             {"prompt": spec_prompts[4], "max_tokens": 8, "temperature": 0})
+                             {"prompt": prompt_ids[4], "max_tokens": 8, "temperature": 0})
         assert status == 200
         assert models["llama"].tokenizer.decode(reference("llama")[4][:8]) == body["choices"][0]["text"]
     finally:
@@ -65,7 +65,7 @@ def test_requests_go_around_a_worker_whose_engine_died(models, spec_prompts, ref
         alive.close()
 
 
-def test_a_request_queued_on_an_engine_that_dies_is_retried_elsewhere(models, spec_prompts, reference):
+def test_a_request_queued_on_an_engine_that_dies_is_retried_elsewhere(models, prompt_ids, reference):
     """It never ran there (UNAVAILABLE "engine stopped"), so the front end may run it on another worker; the
     requests that failed while running (INTERNAL) are not retried."""
     gate, entered = threading.Event(), threading.Event()
@@ -77,14 +77,14 @@ def test_a_request_queued_on_an_engine_that_dies_is_retried_elsewhere(models, sp
     def direct(i):
         try:
             with Client(dying.address, timeout=30) as c:
-                c.generate(prompt_token_ids=spec_prompts[i], max_tokens=4)
+                c.generate(prompt_token_ids=prompt_ids[i], max_tokens=4)
         except Exception as exc:  # noqa: BLE001 - each must fail; the test checks how
             errors.append(str(exc))
 
     def relayed():
         try:
             with Client(f"127.0.0.1:{fe.grpc_port}", timeout=30) as c:
-                result["out"] = c.generate(prompt_token_ids=spec_prompts[3], max_tokens=8)
+                result["out"] = c.generate(prompt_token_ids=prompt_ids[3], max_tokens=8)
         except Exception as exc:  # noqa: BLE001 - reported by the assertion below
             result["error"] = exc
     try:
@@ -130,13 +130,13 @@ def test_no_relay_outlives_the_request_timeout(models):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_an_http_client_that_leaves_stops_its_generation(models, spec_prompts, stream):
+def test_an_http_client_that_leaves_stops_its_generation(models, prompt_ids, stream):
     """Non-streaming requests write nothing until the end, so only the handler's cancellation can notice."""
     w = Worker(slowed(models["llama"], 0.02), "w")  # 300 tokens would take 6 s or more
     fe = FrontEnd("llama", models["llama"].tokenizer).start()
     try:
         fe.set_targets({"w": w.address})
-        body = json.dumps({"prompt": spec_prompts[0], "max_tokens": 300, "ignore_eos": True,
+        body = json.dumps({"prompt": prompt_ids[0], "max_tokens": 300, "ignore_eos": True,
                            "stream": stream}).encode()
         sock = socket.create_connection(("127.0.0.1", fe.http_port))
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -149,7 +149,7 @@ def test_an_http_client_that_leaves_stops_its_generation(models, spec_prompts, s
         w.close()
 
 
-def test_a_prompt_being_tokenized_does_not_hold_up_other_requests(models, spec_prompts, reference):
+def test_a_prompt_being_tokenized_does_not_hold_up_other_requests(models, prompt_ids, reference):
     model = own_copy(models["llama"])
     model.tokenizer = GatedTokenizer(model.tokenizer)  # tokenizing "SLOW..." takes until the gate opens
     w = Worker(model, "w")
@@ -162,7 +162,7 @@ def test_a_prompt_being_tokenized_does_not_hold_up_other_requests(models, spec_p
         t.start()
         assert model.tokenizer.entered.wait(10)
         with Client(w.address, timeout=10) as c:  # served while the other prompt is still being tokenized
-            assert c.generate(prompt_token_ids=spec_prompts[0], max_tokens=8).token_ids == reference("llama")[0][:8]
+            assert c.generate(prompt_token_ids=prompt_ids[0], max_tokens=8).token_ids == reference("llama")[0][:8]
         assert t.is_alive()
     finally:
         model.tokenizer.gate.set()
@@ -171,7 +171,7 @@ def test_a_prompt_being_tokenized_does_not_hold_up_other_requests(models, spec_p
     assert slow_result["out"].finish_reason in ("stop", "length")
 
 
-def test_a_failing_choice_stops_the_other_choices_of_a_whole_response(models, spec_prompts):
+def test_a_failing_choice_stops_the_other_choices_of_a_whole_response(models, prompt_ids):
     """A non-streaming request with several prompts, one of them rejected by the worker: the client gets the
     error at once, and the other prompts' generations stop with it (before, they ran to max_tokens)."""
     w = Worker(slowed(models["llama"], 0.02), "w")  # 300 tokens would take 6 s or more
@@ -180,7 +180,7 @@ def test_a_failing_choice_stops_the_other_choices_of_a_whole_response(models, sp
         fe.set_targets({"w": w.address})
         bad = [models["llama"].vocab_size + 7]  # out of the vocabulary: only the worker rejects it
         status, body = _post(f"http://127.0.0.1:{fe.http_port}/v1/completions",
-                             {"prompt": [spec_prompts[0], spec_prompts[1], bad], "max_tokens": 300,
+                             {"prompt": [prompt_ids[0], prompt_ids[1], bad], "max_tokens": 300,
                               "ignore_eos": True})
         assert status == 400, body
         _nothing_runs_on(w, fe)

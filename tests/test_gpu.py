@@ -14,10 +14,10 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("gamma,batch", [(0, 4), (3, 1), (3, 8), (5, 16)])
-def test_greedy_on_cuda_equals_hf_generate_there(model_dirs, spec_prompts, dtype, gamma, batch):
+def test_greedy_on_cuda_equals_hf_generate_there(model_dirs, prompt_ids, dtype, gamma, batch):
     target, draft = load_pair(model_dirs["llama"], model_dirs["draft"], "cuda", dtype)
     assert target.device.type == "cuda" and draft.device.type == "cuda"
-    prompts = spec_prompts[:16]
+    prompts = prompt_ids[:16]
     ref = [hf_greedy(target, p, 48) for p in prompts]
     engine = colocated_engine(target, draft if gamma else None, gamma, batch)
     assert [r.output_ids for r in engine.generate(prompts, SamplingParams(max_tokens=48))] == ref

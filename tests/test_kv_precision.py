@@ -53,7 +53,7 @@ def test_float16_kv_needs_the_lean_forward(tmp_path, model_dirs):
 
 
 def test_a_float16_draft_cache_halves_its_bytes_and_keeps_greedy_output_the_targets(
-        tmp_path, models, model_dirs, spec_prompts, reference, monkeypatch):
+        tmp_path, models, model_dirs, prompt_ids, reference, monkeypatch):
     monkeypatch.delenv(kv_precision.ENV, raising=False)
     half = load_model(int8_draft_dir(tmp_path / "half", model_dirs["llama"], kv_dtype="float16"), what="draft")
     full = load_model(int8_draft_dir(tmp_path / "full", model_dirs["llama"], kv_dtype="float32"), what="draft")
@@ -73,6 +73,6 @@ def test_a_float16_draft_cache_halves_its_bytes_and_keeps_greedy_output_the_targ
     assert (logits[0] - logits[1]).norm() < 0.05 * logits[1].norm()  # int8 activations amplify a rounding
     assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.9
     eng = colocated_engine(models["llama"], half, 3, 8)
-    outs = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=48))]
+    outs = [r.output_ids for r in eng.generate(prompt_ids[:8], SamplingParams(max_tokens=48))]
     assert outs == reference("llama", 48)[:8]
     assert eng.stats.acceptance_rate > 0.5

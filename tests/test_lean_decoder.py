@@ -44,26 +44,26 @@ def test_gpt2_keeps_the_hf_path(tmp_path, model_dirs):
 
 
 @pytest.mark.parametrize("head_vocab", [None, 200])
-def test_greedy_output_with_a_lean_draft_is_the_targets(tmp_path, models, model_dirs, spec_prompts, reference,
+def test_greedy_output_with_a_lean_draft_is_the_targets(tmp_path, models, model_dirs, prompt_ids, reference,
                                                         head_vocab):
     recipe = {"head_vocab": head_vocab} if head_vocab else {}
     draft = load_model(int8_draft_dir(tmp_path, model_dirs["llama"], **recipe))
     if head_vocab:
         assert draft.lean.head.out_features == head_vocab  # ids past it are never proposed
     eng = colocated_engine(models["llama"], draft, 3, 8)
-    outs = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=48))]
+    outs = [r.output_ids for r in eng.generate(prompt_ids[:8], SamplingParams(max_tokens=48))]
     assert outs == reference("llama", 48)[:8]
     assert eng.stats.acceptance_rate > 0.5
 
 
 def test_a_draft_without_some_layers_runs_only_the_others_and_stays_lossless(tmp_path, models, model_dirs,
-                                                                              spec_prompts, reference):
+                                                                              prompt_ids, reference):
     full = load_model(int8_draft_dir(tmp_path / "full", model_dirs["llama"]))
     draft = load_model(int8_draft_dir(tmp_path / "skip", model_dirs["llama"], skip_layers=[1]))
     assert draft.lean.skipped == (1,) and len(draft.lean.plan) == len(full.lean.plan) - 1
     def last_logits(m):
         cache = m.new_cache()
-        return m.forward(cache, [cache.allocate()], [spec_prompts[0]], [[len(spec_prompts[0]) - 1]])[0]
+        return m.forward(cache, [cache.allocate()], [prompt_ids[0]], [[len(prompt_ids[0]) - 1]])[0]
     skipped = last_logits(draft)
     assert not torch.allclose(last_logits(full), skipped)  # the layer really is left out
     full.lean.leave_out((1,))  # what `models build` does to score a skip set on one loaded draft
@@ -71,7 +71,7 @@ def test_a_draft_without_some_layers_runs_only_the_others_and_stays_lossless(tmp
     full.lean.leave_out(())
     assert not torch.equal(last_logits(full), skipped)
     eng = colocated_engine(models["llama"], draft, 3, 8)
-    outs = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=48))]
+    outs = [r.output_ids for r in eng.generate(prompt_ids[:8], SamplingParams(max_tokens=48))]
     assert outs == reference("llama", 48)[:8]
 
 

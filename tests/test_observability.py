@@ -218,12 +218,12 @@ def test_labels_stay_bounded(observed):
 
 
 @pytest.mark.parametrize("mode", ["fifo", "batched"])
-def test_exported_load_and_idle_agree_with_the_star_benchmark(model_dirs, models, spec_prompts, mode):
+def test_exported_load_and_idle_agree_with_the_star_benchmark(model_dirs, models, prompt_ids, mode):
     """The star-scaling benchmark's own figures (GetStats) vs a scrape of /metrics at the end of a run."""
     from benchmarks.common import target_continuations
     from benchmarks.star import _run_n
 
-    prompts = [p[:48] for p in spec_prompts[:4]]
+    prompts = [p[:48] for p in prompt_ids[:4]]
     scripts = list(zip(prompts, target_continuations(models["llama"], prompts, 32), strict=True))
     # Z = 30 ms, far above 2 S on the tiny draft: the server must wait on an empty queue (T_idle > 0).
     row = _run_n(model_dirs["draft"], mode, 3, scripts, 0.03, 3.0, models["llama"].fingerprint)

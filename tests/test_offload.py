@@ -28,14 +28,14 @@ def test_offloaded_draft_answers_resync_at_once_and_reloads_in_the_background(mo
     assert eng.propose([DraftRequest("a", 0, [5, 6, 7, 8, 9], 2)])[0]
 
 
-def test_draft_server_offloads_when_idle_and_outputs_stay_the_targets(models, spec_prompts, reference):
+def test_draft_server_offloads_when_idle_and_outputs_stay_the_targets(models, prompt_ids, reference):
     cfg = DraftServerConfig(offload_after_s=0.3)
     with BackgroundDraftServer(models["draft"], cfg) as server:
         proposer = RemoteProposer(server.address, models["llama"].fingerprint, "t0", deadline_s=2.0)
         assert proposer.wait_attached(10)
         engine = TargetEngine(models["llama"], proposer, FixedGamma(3), EngineConfig(max_batch_size=4))
         ref = [r[:24] for r in reference("llama", 64)[:8]]
-        first = engine.generate(spec_prompts[:4], SamplingParams(max_tokens=24))
+        first = engine.generate(prompt_ids[:4], SamplingParams(max_tokens=24))
         drafted = engine.stats.drafted_tokens
         assert drafted > 0
         deadline = time.time() + 5
@@ -44,7 +44,7 @@ def test_draft_server_offloads_when_idle_and_outputs_stay_the_targets(models, sp
         draft = server.server.compute.engine
         assert draft.offloaded and draft.offloads >= 1
         reloads = len(draft.reloads)
-        second = engine.generate(spec_prompts[4:8], SamplingParams(max_tokens=24))
+        second = engine.generate(prompt_ids[4:8], SamplingParams(max_tokens=24))
         assert [r.output_ids for r in first + second] == ref
         assert len(draft.reloads) > reloads and not draft.offloaded  # reloaded in the background, drafting again
         assert engine.stats.drafted_tokens > drafted
@@ -56,8 +56,8 @@ def test_draft_server_offloads_when_idle_and_outputs_stay_the_targets(models, sp
         proposer.close()
 
 
-def test_co_located_offload_lends_the_draft_memory_to_the_kv_cache(models, spec_prompts, reference):
-    prompts = spec_prompts[:12]
+def test_co_located_offload_lends_the_draft_memory_to_the_kv_cache(models, prompt_ids, reference):
+    prompts = prompt_ids[:12]
     ref = [r[:24] for r in reference("llama", 64)[:12]]
 
     def run(elastic: bool):

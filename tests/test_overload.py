@@ -59,14 +59,14 @@ def slow_workers(models):
         w.close()
 
 
-def test_a_full_worker_refuses_with_queue_full_naming_the_limit(models, spec_prompts, reference):
+def test_a_full_worker_refuses_with_queue_full_naming_the_limit(models, prompt_ids, reference):
     w = Worker(slowed(models["llama"], 0.02), "w", batch_size=1, max_waiting=1)
     try:
-        held = [_hold(w.address, spec_prompts[i]) for i in range(2)]  # one running, one waiting
+        held = [_hold(w.address, prompt_ids[i]) for i in range(2)]  # one running, one waiting
         assert wait_until(lambda: w.server.admission.held == 2)
         stub = pb_grpc.GenerateServiceStub(grpc.insecure_channel(w.address))
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(pb.GenerateRequest(prompt_token_ids=spec_prompts[2]), timeout=5))
+            list(stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt_ids[2]), timeout=5))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert dict(err.value.trailing_metadata())[REASON_METADATA] == "queue_full"
         assert "--max-waiting 1" in err.value.details() and "batch size 1" in err.value.details()
@@ -75,30 +75,30 @@ def test_a_full_worker_refuses_with_queue_full_naming_the_limit(models, spec_pro
         _release(*held)
         assert wait_until(lambda: w.server.admission.held == 0)
         with Client(w.address, timeout=30) as c:  # room again; the output is the target's own
-            assert c.generate(prompt_token_ids=spec_prompts[2], max_tokens=8).token_ids == reference("llama")[2][:8]
+            assert c.generate(prompt_token_ids=prompt_ids[2], max_tokens=8).token_ids == reference("llama")[2][:8]
     finally:
         w.close()
 
 
-def test_the_front_end_tries_another_worker_then_answers_429_when_all_are_full(models, slow_workers, spec_prompts,
+def test_the_front_end_tries_another_worker_then_answers_429_when_all_are_full(models, slow_workers, prompt_ids,
                                                                               reference):
     a, b = slow_workers
     fe = FrontEnd("llama", models["llama"].tokenizer).start()
     held = []
     try:
         fe.set_targets({"a": a.address, "b": b.address})
-        held.append(_hold(a.address, spec_prompts[0]))
+        held.append(_hold(a.address, prompt_ids[0]))
         assert wait_until(lambda: a.server.runner.engine.num_running == 1)
         with Client(f"127.0.0.1:{fe.grpc_port}", timeout=30) as c:  # the first pick is a: full, so b serves it
-            outs = [c.generate(prompt_token_ids=p, max_tokens=8).token_ids for p in spec_prompts[1:3]]
+            outs = [c.generate(prompt_token_ids=p, max_tokens=8).token_ids for p in prompt_ids[1:3]]
         assert outs == [r[:8] for r in reference("llama")[1:3]]
         assert a.server.admission.refused >= 1
 
-        held.append(_hold(b.address, spec_prompts[3]))
+        held.append(_hold(b.address, prompt_ids[3]))
         assert wait_until(lambda: b.server.runner.engine.num_running == 1)
         with Client(f"127.0.0.1:{fe.grpc_port}", timeout=30) as c:
             with pytest.raises(Overloaded) as err:
-                c.generate(prompt_token_ids=spec_prompts[4], max_tokens=8)
+                c.generate(prompt_token_ids=prompt_ids[4], max_tokens=8)
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.value.reason == "queue_full"
         status, headers, body = _post(f"http://127.0.0.1:{fe.http_port}/v1/completions",
                                       {"prompt": "hi", "max_tokens": 4})
@@ -115,17 +115,17 @@ def test_the_front_end_tries_another_worker_then_answers_429_when_all_are_full(m
         fe.stop(0.5)
 
 
-def test_the_front_end_caps_its_own_relays(models, slow_workers, spec_prompts):
+def test_the_front_end_caps_its_own_relays(models, slow_workers, prompt_ids):
     a, b = slow_workers
     fe = FrontEnd("llama", models["llama"].tokenizer, max_requests=1).start()
     held = []
     try:
         fe.set_targets({"a": a.address, "b": b.address})
-        held.append(_hold(f"127.0.0.1:{fe.grpc_port}", spec_prompts[0]))
+        held.append(_hold(f"127.0.0.1:{fe.grpc_port}", prompt_ids[0]))
         assert wait_until(lambda: sum(fe.in_flight().values()) == 1)
         with Client(f"127.0.0.1:{fe.grpc_port}", timeout=30) as c:
             with pytest.raises(Overloaded) as err:
-                c.generate(prompt_token_ids=spec_prompts[1], max_tokens=4)
+                c.generate(prompt_token_ids=prompt_ids[1], max_tokens=4)
         assert err.value.reason == "front_end_full" and "--max-requests 1" in err.value.details
         status, headers, body = _post(f"http://127.0.0.1:{fe.http_port}/v1/chat/completions",
                                       {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
@@ -137,7 +137,7 @@ def test_the_front_end_caps_its_own_relays(models, slow_workers, spec_prompts):
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
                                   grpc.StatusCode.RESOURCE_EXHAUSTED])
-def test_the_router_never_retries_a_request_that_may_have_run(models, code, spec_prompts):
+def test_the_router_never_retries_a_request_that_may_have_run(models, code, prompt_ids):
     """UNKNOWN and INTERNAL may mean the request ran, or broke its worker: it is not tried on another one.
     Nor is a RESOURCE_EXHAUSTED without reason queue_full (gRPC's own, e.g. a message too large): only a full
     queue means "not started here, another may take it" (issue 16, item 2)."""
@@ -147,7 +147,7 @@ def test_the_router_never_retries_a_request_that_may_have_run(models, code, spec
         router = TargetRouter()
         router.update({"fake": fake.address, "real": real.address})  # a fresh router picks the first on a tie
         try:
-            req = pb.GenerateRequest(prompt_token_ids=spec_prompts[0], sampling=sampling_to_proto(
+            req = pb.GenerateRequest(prompt_token_ids=prompt_ids[0], sampling=sampling_to_proto(
                 SamplingParams(max_tokens=4)))
             return [r async for r in router.generate(req, timeout=30)]
         finally:

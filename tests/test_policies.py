@@ -181,13 +181,13 @@ def test_make_policy_knows_every_name():
 
 @pytest.mark.parametrize("name", ["nightjar", "nightjar_paper", "none", "fixed_2", "dsd", "banditspec", "tide",
                                   "vllm_table", "sglang_ema", "hf_heuristic"])
-def test_greedy_output_is_the_target_alone_under_every_policy(name, models, spec_prompts, reference):
+def test_greedy_output_is_the_target_alone_under_every_policy(name, models, prompt_ids, reference):
     from controller.colocated import colocated_engine
     from starjar.sampling import SamplingParams
 
     policy = make_policy(name, max_gamma=4, profile={"t_of_n": {1: 0.01, 4: 0.012, 16: 0.03}, "d0_s": 0.002})
     engine = colocated_engine(models["llama"], models["draft"], 0, 4, policy=policy)
-    prompts = spec_prompts[:8]
+    prompts = prompt_ids[:8]
     reqs = engine.generate(prompts, SamplingParams(max_tokens=24))
     assert [r.output_ids for r in reqs] == [r[:24] for r in reference("llama", 64)[:8]]
 
@@ -225,7 +225,7 @@ def test_buckets_are_configurable_and_checked():
     assert p.inner.buckets == (1, 4, 16) and p.inner.bucket(7) == 4 and p.inner.bucket(100) == 16
 
 
-def test_a_step_that_carries_a_draft_prefill_is_kept_from_the_policy(models, spec_prompts, reference):
+def test_a_step_that_carries_a_draft_prefill_is_kept_from_the_policy(models, prompt_ids, reference):
     """A new request's first drafting round makes the draft prefill its whole prompt: a cost of the request,
     paid once whatever gamma is. Charged to the gamma that happened to be on, a long prompt's prefill (over a
     second for 700 tokens on the default pair) swamped that arm's mean and the planner drifted off it."""
@@ -248,7 +248,7 @@ def test_a_step_that_carries_a_draft_prefill_is_kept_from_the_policy(models, spe
         return ask(reqs)
 
     draft.propose = propose
-    reqs = engine.generate(spec_prompts[:10], SamplingParams(max_tokens=24))
+    reqs = engine.generate(prompt_ids[:10], SamplingParams(max_tokens=24))
     assert [r.output_ids for r in reqs] == [r[:24] for r in reference("llama", 64)[:10]]
     proposals = [e for e in events if e[0] == "propose"]
     assert sum(p[1] for p in proposals) >= 3  # rounds that carried prompts happened (10 requests, batch 4)
@@ -346,7 +346,7 @@ def test_a_step_far_slower_than_its_arm_is_clipped_in_the_mean():
     assert paper.estimates()[8][0] == pytest.approx(0.123 / 4) and paper.outliers == 0
 
 
-def test_the_engine_tells_the_policy_what_the_draft_must_catch_up_on(models, spec_prompts, reference):
+def test_the_engine_tells_the_policy_what_the_draft_must_catch_up_on(models, prompt_ids, reference):
     from controller.colocated import colocated_engine
     from starjar.policy import FixedGamma
     from starjar.sampling import SamplingParams
@@ -358,7 +358,7 @@ def test_the_engine_tells_the_policy_what_the_draft_must_catch_up_on(models, spe
             notes.append((list(behind), list(left)))
 
     engine = colocated_engine(models["llama"], models["draft"], 0, 4, policy=Recording(2))
-    prompts = spec_prompts[:2]
+    prompts = prompt_ids[:2]
     reqs = engine.generate(prompts, SamplingParams(max_tokens=12))
     assert [r.output_ids for r in reqs] == [r[:12] for r in reference("llama", 64)[:2]]
     # First decode step: the draft has seen neither prompt (each one's prompt and first token lag); it has 11
@@ -453,7 +453,7 @@ def test_measured_prefills_keep_a_flood_of_new_prompts_plain_without_a_profile()
     assert sum(1 for g in run(prior=False)[100:] if g) > 100
 
 
-def test_the_engine_reports_prefills_and_draft_catch_ups_to_the_policy(models, spec_prompts, reference):
+def test_the_engine_reports_prefills_and_draft_catch_ups_to_the_policy(models, prompt_ids, reference):
     from controller.colocated import colocated_engine
     from starjar.policy import FixedGamma, Overridable
     from starjar.sampling import SamplingParams
@@ -468,7 +468,7 @@ def test_the_engine_reports_prefills_and_draft_catch_ups_to_the_policy(models, s
             seen["catch_up"].append((tokens, seconds))
 
     engine = colocated_engine(models["llama"], models["draft"], 0, 4, policy=Overridable(Recording(2)))
-    prompts = spec_prompts[:3]
+    prompts = prompt_ids[:3]
     reqs = engine.generate(prompts, SamplingParams(max_tokens=8))
     assert [r.output_ids for r in reqs] == [r[:8] for r in reference("llama", 64)[:3]]
     assert sum(t for t, _ in seen["prefill"]) == sum(map(len, prompts)) and all(s > 0 for _, s in seen["prefill"])
@@ -482,7 +482,7 @@ def test_the_engine_reports_prefills_and_draft_catch_ups_to_the_policy(models, s
     assert seen["prefill"] == []  # no draft, nothing to price
 
 
-def test_a_failed_round_is_not_a_new_catch_up(models, spec_prompts, reference):
+def test_a_failed_round_is_not_a_new_catch_up(models, prompt_ids, reference):
     """After a proposer failure every sequence is resent from its start, but the draft kept what it had: the
     resend is neither measured as a catch-up (it would make catch-ups look free) nor priced as one (the
     planner would then keep those requests plain for good)."""
@@ -509,7 +509,7 @@ def test_a_failed_round_is_not_a_new_catch_up(models, spec_prompts, reference):
         return ask(reqs)
 
     engine.proposer.propose = flaky
-    prompts = spec_prompts[:2]
+    prompts = prompt_ids[:2]
     reqs = engine.generate(prompts, SamplingParams(max_tokens=16))
     assert [r.output_ids for r in reqs] == [r[:16] for r in reference("llama", 64)[:2]]
     assert engine.stats.proposer_failures == 1 and calls[3] == [0, 0]  # the round after it resent everything

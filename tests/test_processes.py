@@ -28,9 +28,9 @@ def run_requests(address, prompts, max_tokens=MAX_TOKENS):
         return list(pool.map(lambda p: c.generate(prompt_token_ids=p, max_tokens=max_tokens), prompts))
 
 
-def test_one_draft_three_targets_fifty_requests_each(cluster, spec_prompts, reference):
+def test_one_draft_three_targets_fifty_requests_each(cluster, prompt_ids, reference):
     _, targets = cluster
-    prompts = (spec_prompts * 2)[:N_REQUESTS]
+    prompts = (prompt_ids * 2)[:N_REQUESTS]
     ref = [r[:MAX_TOKENS] for r in reference("llama", 64)]
     ref = (ref * 2)[:N_REQUESTS]
     results = {}
@@ -57,12 +57,12 @@ def test_target_rejects_bad_requests_and_keeps_serving(cluster, models):
 
 
 @pytest.mark.chaos
-def test_kill_9_draft_server_and_restart(model_dirs, spec_prompts, reference):
+def test_kill_9_draft_server_and_restart(model_dirs, prompt_ids, reference):
     draft = ServerProcess("draft", "--model", model_dirs["draft"], "--port", "0")
     port = draft.address.rsplit(":", 1)[1]
     targets = [ServerProcess("target", "--model", model_dirs["llama"], "--draft-server", draft.address, "--port", "0",
                              "--gamma", "3", "--batch-size", "4", "--worker-id", f"c{k}") for k in range(3)]
-    prompts = spec_prompts[:20]
+    prompts = prompt_ids[:20]
     ref = [r[:MAX_TOKENS] for r in reference("llama", 64)][:20]
     results, errors = {}, []
 
@@ -117,14 +117,14 @@ def _live_draft_sequences(address):
         return pb_grpc.DraftServiceStub(ch).GetStats(pb.GetStatsRequest(), timeout=10).live_sequences
 
 
-def test_streaming_and_cancellation_free_the_draft_session(cluster, spec_prompts, reference):
+def test_streaming_and_cancellation_free_the_draft_session(cluster, prompt_ids, reference):
     draft, targets = cluster
     with Client(targets[1].address, timeout=60) as c:
-        chunks = list(c.generate_stream(prompt_token_ids=spec_prompts[0], max_tokens=MAX_TOKENS))
+        chunks = list(c.generate_stream(prompt_token_ids=prompt_ids[0], max_tokens=MAX_TOKENS))
         assert chunks[-1].finish_reason in ("stop", "length") and all(ch.finish_reason is None for ch in chunks[:-1])
         assert [t for ch in chunks for t in ch.token_ids] == reference("llama", 64)[0][:MAX_TOKENS]
         # Walk away after two chunks of a long request: the target and the draft server let go.
-        stream = c.generate_stream(prompt_token_ids=spec_prompts[1], max_tokens=400, ignore_eos=True)
+        stream = c.generate_stream(prompt_token_ids=prompt_ids[1], max_tokens=400, ignore_eos=True)
         next(stream), next(stream)
         assert _live_draft_sequences(draft.address) >= 1
         stream.close()
@@ -135,7 +135,7 @@ def test_streaming_and_cancellation_free_the_draft_session(cluster, spec_prompts
         assert c.generate("still serving", max_tokens=4).usage.completion_tokens >= 1
 
 
-def test_async_client(cluster, spec_prompts, reference):
+def test_async_client(cluster, prompt_ids, reference):
     import asyncio
 
     from starjar import AsyncClient
@@ -143,7 +143,7 @@ def test_async_client(cluster, spec_prompts, reference):
     async def main():
         async with AsyncClient(cluster[1][2].address, timeout=60) as c:
             results = await asyncio.gather(*[c.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS)
-                                             for p in spec_prompts[:6]])
+                                             for p in prompt_ids[:6]])
             return [r.token_ids for r in results]
 
     assert asyncio.run(main()) == [r[:MAX_TOKENS] for r in reference("llama", 64)[:6]]

@@ -60,10 +60,10 @@ def test_batched_drafts_equal_drafts_alone(models, path):
 
 
 @PATHS
-def test_greedy_output_with_an_int8_draft_is_the_targets(models, spec_prompts, reference, path):
+def test_greedy_output_with_an_int8_draft_is_the_targets(models, prompt_ids, reference, path):
     draft = int8_copy(models["llama"], path)  # the default pair's recipe on the tiny target
     eng = colocated_engine(models["llama"], draft, 3, 8)
-    outs = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=64))]
+    outs = [r.output_ids for r in eng.generate(prompt_ids[:8], SamplingParams(max_tokens=64))]
     assert outs == reference("llama")[:8]
     assert eng.stats.acceptance_rate > 0.5  # a copy of the target predicts it
 

@@ -69,11 +69,11 @@ def _ref(reference, n):
     return (ref * (n // len(ref) + 1))[:n]
 
 
-def test_hundred_requests_from_eight_sdk_clients_match_the_target_alone(cluster, controller, spec_prompts,
+def test_hundred_requests_from_eight_sdk_clients_match_the_target_alone(cluster, controller, prompt_ids,
                                                                         reference):
     import ray
 
-    prompts = (spec_prompts * 3)[:N_REQUESTS]
+    prompts = (prompt_ids * 3)[:N_REQUESTS]
     results = mixed_clients(cluster["addrs"]["grpc"], prompts, MAX_TOKENS)
     assert [r.token_ids for r in results] == _ref(reference, N_REQUESTS)
     assert all(r.finish_reason in ("stop", "length") for r in results)
@@ -165,14 +165,14 @@ def _counts(controller) -> tuple[int, int]:
     return sum(s["running"] + s["waiting"] for s in targets.values()), int(draft["live_sequences"])
 
 
-def test_cancelling_a_stream_frees_the_target_sequence_and_the_draft_session(cluster, controller, spec_prompts):
+def test_cancelling_a_stream_frees_the_target_sequence_and_the_draft_session(cluster, controller, prompt_ids):
     base = (0, 0)
     t0 = time.time()  # a stop-string request of the previous test may still be being cancelled
     while _counts(controller) != base and time.time() - t0 < 2.0:
         time.sleep(0.05)
     assert _counts(controller) == base
     with Client(cluster["addrs"]["grpc"], timeout=120) as c:
-        stream = c.generate_stream(prompt_token_ids=spec_prompts[0], max_tokens=300, ignore_eos=True)
+        stream = c.generate_stream(prompt_token_ids=prompt_ids[0], max_tokens=300, ignore_eos=True)
         got = [next(stream) for _ in range(3)]
         assert sum(len(g.token_ids) for g in got) >= 3
         busy = _counts(controller)
@@ -235,11 +235,11 @@ def _wait_reattached(controller, old_pid: int, timeout: float = 120.0) -> dict:
 
 
 @pytest.mark.parametrize("how", ["ray.kill", "kill -9"])
-def test_draft_server_killed_mid_run_loses_nothing(cluster, controller, spec_prompts, reference, how):
+def test_draft_server_killed_mid_run_loses_nothing(cluster, controller, prompt_ids, reference, how):
     import ray
 
     before = _draft_info(controller)
-    prompts = (spec_prompts * 2)[:48]
+    prompts = (prompt_ids * 2)[:48]
     results, errors = [None] * len(prompts), []
 
     def lane(idx):
@@ -265,7 +265,7 @@ def test_draft_server_killed_mid_run_loses_nothing(cluster, controller, spec_pro
     # And speculation works again through the restarted server.
     drafted = sum(s["drafted_tokens"] for s in ray.get(controller.target_stats.remote()).values())
     with Client(cluster["addrs"]["grpc"], timeout=60) as c:
-        out = [c.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS).token_ids for p in spec_prompts[:4]]
+        out = [c.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS).token_ids for p in prompt_ids[:4]]
     assert out == _ref(reference, 4)
     assert sum(s["drafted_tokens"] for s in ray.get(controller.target_stats.remote()).values()) > drafted
 

@@ -22,7 +22,7 @@ def engine_for(models, address, worker, gamma=3, deadline_s=2.0, batch=8):
     return TargetEngine(models["llama"], rp, FixedGamma(gamma), EngineConfig(max_batch_size=batch)), rp
 
 
-def test_three_targets_share_one_draft_server(models, spec_prompts, reference):
+def test_three_targets_share_one_draft_server(models, prompt_ids, reference):
     ref = reference("llama", 48)
     with BackgroundDraftServer(models["draft"]) as srv:
         results = {}
@@ -30,7 +30,7 @@ def test_three_targets_share_one_draft_server(models, spec_prompts, reference):
         def run(k):
             eng, rp = engine_for(models, srv.address, f"t{k}")
             assert rp.wait_attached(10)
-            reqs = eng.generate(spec_prompts, GREEDY)
+            reqs = eng.generate(prompt_ids, GREEDY)
             results[k] = ([r.output_ids for r in reqs], eng.stats, rp.stats)
             rp.close()
 
@@ -47,35 +47,35 @@ def test_three_targets_share_one_draft_server(models, spec_prompts, reference):
         assert srv.server.compute.engine.num_sequences == 0  # released as requests finished
 
 
-def test_refused_at_n_max_runs_without_speculation(models, spec_prompts, reference):
+def test_refused_at_n_max_runs_without_speculation(models, prompt_ids, reference):
     with BackgroundDraftServer(models["draft"], DraftServerConfig(max_targets=1)) as srv:
         first, rp1 = engine_for(models, srv.address, "first")
         assert rp1.wait_attached(10)
         second, rp2 = engine_for(models, srv.address, "second")
-        outs = second.generate(spec_prompts[:10], GREEDY)
+        outs = second.generate(prompt_ids[:10], GREEDY)
         assert [r.output_ids for r in outs] == reference("llama", 48)[:10]
         assert rp2.stats.refusals["admission"] >= 1 and second.stats.drafted_tokens == 0
         assert second.stats.proposer_failures > 0
         rp1.close(), rp2.close()
 
 
-def test_missed_deadlines_fall_back(models, spec_prompts, reference):
+def test_missed_deadlines_fall_back(models, prompt_ids, reference):
     with BackgroundDraftServer(models["draft"]) as srv:
         eng, rp = engine_for(models, srv.address, "slowpoke", deadline_s=1e-6)
         assert rp.wait_attached(10)
-        outs = eng.generate(spec_prompts[:8], GREEDY)
+        outs = eng.generate(prompt_ids[:8], GREEDY)
         assert [r.output_ids for r in outs] == reference("llama", 48)[:8]
         assert rp.stats.fallbacks["deadline"] > 0
         rp.close()
 
 
-def test_draft_server_restart_mid_run(models, spec_prompts, reference):
+def test_draft_server_restart_mid_run(models, prompt_ids, reference):
     """The server goes away and comes back on the same port: no request fails or changes."""
     srv = BackgroundDraftServer(models["draft"]).start()
     port = srv.server.port
     eng, rp = engine_for(models, srv.address, "survivor", batch=4)
     assert rp.wait_attached(10)
-    reqs = [eng.add_request(p, GREEDY) for p in spec_prompts[:12]]
+    reqs = [eng.add_request(p, GREEDY) for p in prompt_ids[:12]]
     steps = 0
     restarted = None
     while eng.has_work():
@@ -91,7 +91,7 @@ def test_draft_server_restart_mid_run(models, spec_prompts, reference):
     assert restarted is not None and rp.wait_attached(10) and rp.stats.attaches >= 2
     assert eng.stats.proposer_failures > 0
     rounds_before = rp.stats.rounds
-    again = eng.generate(spec_prompts[:4], GREEDY)  # and it speculates again
+    again = eng.generate(prompt_ids[:4], GREEDY)  # and it speculates again
     assert [r.output_ids for r in again] == reference("llama", 48)[:4] and rp.stats.rounds > rounds_before
     rp.close()
     if restarted:
@@ -112,7 +112,7 @@ class MalformedDraftService(pb_grpc.DraftServiceServicer):
             yield resp
 
 
-def test_malformed_replies_fall_back(models, spec_prompts, reference):
+def test_malformed_replies_fall_back(models, prompt_ids, reference):
     from concurrent import futures
 
     server = grpc.server(futures.ThreadPoolExecutor(4))
@@ -122,7 +122,7 @@ def test_malformed_replies_fall_back(models, spec_prompts, reference):
     try:
         eng, rp = engine_for(models, f"127.0.0.1:{port}", "victim")
         assert rp.wait_attached(10)
-        outs = eng.generate(spec_prompts[:6], GREEDY)
+        outs = eng.generate(prompt_ids[:6], GREEDY)
         assert [r.output_ids for r in outs] == reference("llama", 48)[:6]
         assert rp.stats.fallbacks["malformed"] > 0 and eng.stats.proposer_failures > 0
         rp.close()
@@ -130,13 +130,13 @@ def test_malformed_replies_fall_back(models, spec_prompts, reference):
         server.stop(0)
 
 
-def test_two_requests_with_one_id_keep_their_own_draft_sessions(models, spec_prompts, reference):
+def test_two_requests_with_one_id_keep_their_own_draft_sessions(models, prompt_ids, reference):
     """Issue 15, item 7: draft state is keyed by an internal id, not the caller's request_id."""
     ref = reference("llama", 48)
     with BackgroundDraftServer(models["draft"]) as srv:
         eng, rp = engine_for(models, srv.address, "dup")
         assert rp.wait_attached(10)
-        reqs = [eng.add_request(p, GREEDY, request_id="same-id") for p in spec_prompts[:4]]
+        reqs = [eng.add_request(p, GREEDY, request_id="same-id") for p in prompt_ids[:4]]
         while eng.has_work():
             eng.step()
         assert [r.output_ids for r in reqs] == ref[:4]
@@ -145,12 +145,12 @@ def test_two_requests_with_one_id_keep_their_own_draft_sessions(models, spec_pro
         rp.close()
 
 
-def test_the_client_clamps_to_the_servers_advertised_limits(models, spec_prompts, reference):
+def test_the_client_clamps_to_the_servers_advertised_limits(models, prompt_ids, reference):
     """Issue 15, item 6: a target asking gamma 5 of a server that allows 2 drafts 2, with no resync or fallback."""
     with BackgroundDraftServer(models["draft"], DraftServerConfig(max_gamma=2)) as srv:
         eng, rp = engine_for(models, srv.address, "clamp", gamma=5)
         assert rp.wait_attached(10) and rp.limits.max_gamma == 2
-        reqs = eng.generate(spec_prompts[:4], GREEDY)
+        reqs = eng.generate(prompt_ids[:4], GREEDY)
         assert [r.output_ids for r in reqs] == reference("llama", 48)[:4]
         assert not rp.stats.fallbacks and rp.stats.attaches == 1
         assert eng.stats.drafted_tokens <= 2 * eng.stats.spec_rounds and eng.stats.accepted_tokens > 0
@@ -158,7 +158,7 @@ def test_the_client_clamps_to_the_servers_advertised_limits(models, spec_prompts
         rp.close()
 
 
-def test_close_ends_the_proposers_own_threads(models, spec_prompts, reference):
+def test_close_ends_the_proposers_own_threads(models, prompt_ids, reference):
     """Each proposer drives its stream from an event loop thread of its own: close() ends that loop and the
     attach thread, and a closed proposer answers every step without drafts (never hangs)."""
     from starjar.proposer import DraftRequest
@@ -169,7 +169,7 @@ def test_close_ends_the_proposers_own_threads(models, spec_prompts, reference):
         pairs = [engine_for(models, srv.address, f"closer{k}", batch=2) for k in range(3)]
         assert all(rp.wait_attached(10) for _, rp in pairs)
         eng, rp = pairs[0]
-        outs = eng.generate(spec_prompts[:2], GREEDY)
+        outs = eng.generate(prompt_ids[:2], GREEDY)
         assert [r.output_ids for r in outs] == reference("llama", 48)[:2] and rp.stats.rounds > 0
         assert {t.name for t in set(threading.enumerate()) - before} >= {"draft-wire", "draft-attach"}
         for _, p in pairs:
@@ -187,7 +187,7 @@ def test_close_ends_the_proposers_own_threads(models, spec_prompts, reference):
         assert time.perf_counter() - t0 < 0.1
 
 
-def test_a_round_finishing_after_its_target_left_is_not_kept_for_it(models, spec_prompts, monkeypatch):
+def test_a_round_finishing_after_its_target_left_is_not_kept_for_it(models, prompt_ids, monkeypatch):
     """Per-target figures are bounded by the targets attached: a round still drafting when its target detaches
     is not counted for that target again (before, each such round re-created the forgotten entry)."""
     from starjar.proposer import DraftRequest
@@ -199,7 +199,7 @@ def test_a_round_finishing_after_its_target_left_is_not_kept_for_it(models, spec
             rp = RemoteProposer(srv.address, models["llama"].fingerprint, f"gone-{k}", 0.05, backoff_s=(0.02, 0.2))
             assert rp.wait_attached(10)
             try:
-                rp.propose([DraftRequest(1, 0, list(spec_prompts[k]), 8)])
+                rp.propose([DraftRequest(1, 0, list(prompt_ids[k]), 8)])
             except DraftUnavailable:
                 pass  # the deadline: the round drafts on without anyone waiting
             rp.close()  # detached while its round is in flight

@@ -49,7 +49,7 @@ def test_the_draft_server_requires_the_cluster_token_and_health_stays_open(model
         ch.close()
 
 
-def test_a_target_with_the_token_speculates_and_one_without_decodes_alone(models, spec_prompts, reference):
+def test_a_target_with_the_token_speculates_and_one_without_decodes_alone(models, prompt_ids, reference):
     ref = reference("llama", 24)
     with BackgroundDraftServer(models["draft"], security=Security(token=TOKEN)) as srv:
         for security, drafts in ((Security(token=TOKEN), True), (Security(), False)):
@@ -57,7 +57,7 @@ def test_a_target_with_the_token_speculates_and_one_without_decodes_alone(models
                                 backoff_s=(0.02, 0.1), security=security)
             assert rp.wait_attached(3) == drafts
             eng = TargetEngine(models["llama"], rp, FixedGamma(3), EngineConfig(max_batch_size=4))
-            out = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=24))]
+            out = [r.output_ids for r in eng.generate(prompt_ids[:8], SamplingParams(max_tokens=24))]
             assert out == ref[:8]
             assert (eng.stats.accepted_tokens > 0) == drafts
             if not drafts:
@@ -142,7 +142,7 @@ def _client(pki, who: str | None) -> Security:
     return Security(token=TOKEN, tls_ca=pki["ca.pem"], tls_cert=pki[f"{who}.pem"], tls_key=pki[f"{who}.key"])
 
 
-def test_mutual_tls_speculates_losslessly_and_binds_each_session_to_its_caller(models, pki, spec_prompts, reference):
+def test_mutual_tls_speculates_losslessly_and_binds_each_session_to_its_caller(models, pki, prompt_ids, reference):
     server_security = Security(token=TOKEN, tls_cert=pki["server.pem"], tls_key=pki["server.key"],
                                tls_client_ca=pki["ca.pem"])
     with BackgroundDraftServer(models["draft"], security=server_security) as srv:
@@ -178,7 +178,7 @@ def test_mutual_tls_speculates_losslessly_and_binds_each_session_to_its_caller(m
         rp = RemoteProposer(srv.address, models["llama"].fingerprint, "t", deadline_s=2.0, security=a)
         assert rp.wait_attached(10)
         eng = TargetEngine(models["llama"], rp, FixedGamma(3), EngineConfig(max_batch_size=4))
-        out = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=24))]
+        out = [r.output_ids for r in eng.generate(prompt_ids[:8], SamplingParams(max_tokens=24))]
         assert out == reference("llama", 24)[:8] and eng.stats.accepted_tokens > 0
         rp.close()
 

@@ -71,14 +71,14 @@ def test_full_range_activations_are_closer_to_float_and_torchs_own_op():
 
 
 @pytest.mark.parametrize("path", ["fused", "int_mm"])
-def test_a_smoothed_full_range_draft_is_lossless_and_scripted(tmp_path, models, model_dirs, spec_prompts,
+def test_a_smoothed_full_range_draft_is_lossless_and_scripted(tmp_path, models, model_dirs, prompt_ids,
                                                                reference, path, monkeypatch):
     monkeypatch.setenv("STARJAR_INT8_KERNEL", path)  # each multi-row kernel, as a machine of that kind takes it
     draft = load_model(int8_draft_dir(tmp_path, model_dirs["llama"], act_bits=8, smooth_alpha=0.5))
     assert draft.lean.scriptable  # one activation range for every layer: the scripted step still runs
     assert not any(lin._reduce_range for lin in draft.model.modules() if isinstance(lin, RowInt8Linear))
     eng = colocated_engine(models["llama"], draft, 3, 8)
-    outs = [r.output_ids for r in eng.generate(spec_prompts[:8], SamplingParams(max_tokens=48))]
+    outs = [r.output_ids for r in eng.generate(prompt_ids[:8], SamplingParams(max_tokens=48))]
     assert outs == reference("llama", 48)[:8]
     assert eng.stats.acceptance_rate > 0.5
 

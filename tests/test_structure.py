@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -171,3 +172,30 @@ def test_ruff_clean():
     done = subprocess.run([*ruff, "check", "--no-cache", "--output-format=concise", "."], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, "ruff check found:\n" + done.stdout + done.stderr
+
+
+# A path into a folder beside the repository: `../shared`, `parents[2] / "shared"` and the like. A user's clone
+# has nothing beside it, so nothing the product, its tests, benchmarks or scripts need may be read from there
+# (.ci/run also runs the suite in a clone with nothing beside it, where such a read fails).
+OUTSIDE = re.compile(r"""\.\./shared|parents\[\d+\]\s*/\s*["']shared|STARJAR_DATA""")
+
+
+def _tracked(*patterns: str) -> list[Path]:
+    out = subprocess.run(["git", "ls-files", *patterns], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    return [ROOT / p for p in out.stdout.split()]
+
+
+def test_nothing_reads_beside_the_repository():
+    hits = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in _tracked("*.py", "*.sh", ".ci/*")
+            if p.name != Path(__file__).name
+            for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if OUTSIDE.search(line)]
+    assert not hits, "reads outside the repository:\n" + "\n".join(hits)
+
+
+def test_the_outside_pattern_catches_what_it_should():
+    for line in ('p = ROOT.parent / "shared"/"x"  # ../shared/data', 'Path(__file__).parents[2] / "shared"',
+                 'os.environ["STARJAR_DATA"]'):
+        assert OUTSIDE.search(line), line
+    assert not OUTSIDE.search('resources.files("starjar").joinpath("data", "prompts.jsonl")')

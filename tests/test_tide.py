@@ -211,7 +211,7 @@ def _agreement(draft, seqs, adapter=None) -> float:
     return right / total
 
 
-def test_training_on_the_targets_outputs_does_not_lower_held_out_agreement(models, spec_prompts, reference):
+def test_training_on_the_targets_outputs_does_not_lower_held_out_agreement(models, prompt_ids, reference):
     """The adapter is trained on the logits serving uses (the whole vocabulary): trained on the target's own
     greedy outputs, it must not make a good draft worse on sequences it never saw. (The first trainer's
     softmax over the base's top-k + the truth raised tokens wherever they were not candidates: one cycle
@@ -219,7 +219,7 @@ def test_training_on_the_targets_outputs_does_not_lower_held_out_agreement(model
     from draft_server.tide_buffer import Finished
 
     draft = models["draft"]
-    seqs = [(p, o) for p, o in zip(spec_prompts, reference("llama", 48), strict=True) if len(o) > 1]
+    seqs = [(p, o) for p, o in zip(prompt_ids, reference("llama", 48), strict=True) if len(o) > 1]
     train, unseen = [s for i, s in enumerate(seqs) if i % 3], seqs[::3]
     tr = AdapterTrainer(draft, TrainConfig(min_new_positions=256, steps_per_cycle=96))
     tr.add([Finished(tuple(p) + tuple(o), len(p)) for p, o in train])

@@ -42,9 +42,9 @@ def far_draft(model_dirs):
 
 
 @pytest.fixture(scope="module")
-def alone(spec_prompts, reference):
+def alone(prompt_ids, reference):
     """The target decoding alone (HF generate, greedy) on the prompts these tests use."""
-    return spec_prompts[:12], reference("llama", MAX_NEW)[:12]
+    return prompt_ids[:12], reference("llama", MAX_NEW)[:12]
 
 
 def _engine(models, address, worker, no_training=False):

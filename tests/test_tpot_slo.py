@@ -22,20 +22,20 @@ def worker(models):
     w.close()
 
 
-def test_sdk_tpot_slo_is_reported(worker, spec_prompts, reference):
+def test_sdk_tpot_slo_is_reported(worker, prompt_ids, reference):
     ref = reference("llama")[0][:16]
     with Client(worker.address, timeout=60) as c:
-        loose = c.generate(prompt_token_ids=spec_prompts[0], max_tokens=16, tpot_slo_s=100.0)
-        tight = c.generate(prompt_token_ids=spec_prompts[0], max_tokens=16, tpot_slo_s=1e-9)
-        none = c.generate(prompt_token_ids=spec_prompts[0], max_tokens=16)
+        loose = c.generate(prompt_token_ids=prompt_ids[0], max_tokens=16, tpot_slo_s=100.0)
+        tight = c.generate(prompt_token_ids=prompt_ids[0], max_tokens=16, tpot_slo_s=1e-9)
+        none = c.generate(prompt_token_ids=prompt_ids[0], max_tokens=16)
     assert loose.token_ids == tight.token_ids == none.token_ids == ref
     assert loose.tpot_s > 0 and loose.tpot_slo_met is True
     assert tight.tpot_slo_met is False and none.tpot_slo_met is None and none.tpot_s > 0
 
 
-def test_sdk_rejects_a_bad_tpot_slo(worker, spec_prompts):
+def test_sdk_rejects_a_bad_tpot_slo(worker, prompt_ids):
     with Client(worker.address, timeout=60) as c, pytest.raises(InvalidRequest, match="tpot_slo_s"):
-        c.generate(prompt_token_ids=spec_prompts[0], max_tokens=4, tpot_slo_s=-1.0)
+        c.generate(prompt_token_ids=prompt_ids[0], max_tokens=4, tpot_slo_s=-1.0)
 
 
 def _post(url: str, body: dict):
@@ -47,14 +47,14 @@ def _post(url: str, body: dict):
         return exc.code, json.loads(exc.read())
 
 
-def test_openai_extension_field(models, worker, spec_prompts):
+def test_openai_extension_field(models, worker, prompt_ids):
     fe = FrontEnd("llama", models["llama"].tokenizer).start()
     try:
         fe.set_targets({"slo": worker.address})
         url = f"http://127.0.0.1:{fe.http_port}/v1/completions"
-        status, body = _post(url, {"model": "llama", "prompt": spec_prompts[0], "max_tokens": 8, "tpot_slo_s": 50})
+        status, body = _post(url, {"model": "llama", "prompt": prompt_ids[0], "max_tokens": 8, "tpot_slo_s": 50})
         assert status == 200 and body["usage"]["tpot_slo_met"] is True and body["usage"]["tpot_s"] > 0
-        status, body = _post(url, {"model": "llama", "prompt": spec_prompts[0], "max_tokens": 8, "tpot_slo_s": 0})
+        status, body = _post(url, {"model": "llama", "prompt": prompt_ids[0], "max_tokens": 8, "tpot_slo_s": 0})
         assert status == 400 and body["error"]["param"] == "tpot_slo_s"
     finally:
         fe.stop()

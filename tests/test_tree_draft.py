@@ -40,18 +40,18 @@ def test_beam_tree_shape_and_path_probabilities():
     assert fit_width(4, 8, 64) == 4 and tree_nodes(4, 4) <= 64 < tree_nodes(4, 5)
 
 
-def test_trees_and_chains_share_passes_and_match_a_fresh_draft(models, spec_prompts):
+def test_trees_and_chains_share_passes_and_match_a_fresh_draft(models, prompt_ids):
     draft = models["draft"]
     eng = DraftEngine(draft)
-    reqs = [DraftRequest(("t", 0), 0, spec_prompts[0], 4, 3), DraftRequest(("t", 1), 0, spec_prompts[1], 4, 0)]
+    reqs = [DraftRequest(("t", 0), 0, prompt_ids[0], 4, 3), DraftRequest(("t", 1), 0, prompt_ids[1], 4, 0)]
     tree, chain = eng.propose(reqs)
     assert isinstance(tree, TokenTree) and len(tree) == tree_nodes(4, 3) and tree.depth == 4
     assert eng.stats.passes <= 2 + 3  # prompts (catch-ups, by length) then three passes shared by both
     # The tree's first child is the draft's greedy token; a fresh chain agrees.
-    fresh = DraftEngine(draft).propose([DraftRequest(("t", 0), 0, spec_prompts[0], 4)])[0]
+    fresh = DraftEngine(draft).propose([DraftRequest(("t", 0), 0, prompt_ids[0], 4)])[0]
     assert tree.tokens[0] == fresh[0] and chain == DraftEngine(draft).propose([reqs[1]])[0]
     # Each depth-2 node's probability is its parent's times the draft's conditional, recomputed without cache.
-    ids = spec_prompts[0]
+    ids = prompt_ids[0]
     for node in range(len(tree)):
         path = [tree.tokens[i] for i in tree.path_to(node)]
         with torch.no_grad():
@@ -61,12 +61,12 @@ def test_trees_and_chains_share_passes_and_match_a_fresh_draft(models, spec_prom
         expect = cond * (tree.path_probs[parent] if parent >= 0 else 1.0)
         assert abs(tree.path_probs[node] - expect) < 2e-3, (node, tree.path_probs[node], expect)
     # Only the verified prefix stays in the draft's KV.
-    assert eng.cache.lengths[eng._seqs[("t", 0)].slot] == len(spec_prompts[0])
+    assert eng.cache.lengths[eng._seqs[("t", 0)].slot] == len(prompt_ids[0])
 
 
-def test_target_with_draft_trees_equals_target_alone(models, spec_prompts, reference):
+def test_target_with_draft_trees_equals_target_alone(models, prompt_ids, reference):
     proposer = TreeAsker(DraftEngine(models["draft"]), width=2)
     engine = TargetEngine(models["llama"], proposer, FixedGamma(10), engine_config(4, 10))
-    reqs = engine.generate(spec_prompts[:8], SamplingParams(max_tokens=48))
+    reqs = engine.generate(prompt_ids[:8], SamplingParams(max_tokens=48))
     assert [r.output_ids for r in reqs] == [ref[:48] for ref in reference("llama")[:8]]
     assert proposer.inner.stats.tree_jobs > 0 and engine.stats.accepted_tokens > 0

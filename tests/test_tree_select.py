@@ -76,9 +76,9 @@ def _tree_engine(target, proposer, policy, budget=24):
 
 @pytest.mark.parametrize("policy", ["adaserve", pytest.param("equal_greedy", marks=pytest.mark.slow),
                                     pytest.param("fixed", marks=pytest.mark.slow)])
-def test_engine_with_selected_trees_equals_target_alone(models, spec_prompts, reference, policy):
+def test_engine_with_selected_trees_equals_target_alone(models, prompt_ids, reference, policy):
     engine = _tree_engine(models["llama"], DraftEngine(models["draft"]), policy)
-    reqs = [engine.add_request(p, SamplingParams(max_tokens=48)) for p in spec_prompts[:8]]
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=48)) for p in prompt_ids[:8]]
     for i, r in enumerate(reqs):
         r.tpot_slo_s = 0.001 if i % 2 else None  # unreachable for half: they take the SLO phase's nodes
     while engine.has_work():
@@ -87,12 +87,12 @@ def test_engine_with_selected_trees_equals_target_alone(models, spec_prompts, re
     assert engine.proposer.stats.tree_jobs > 0 and engine.trees.select_s
 
 
-def test_trees_through_the_real_draft_server(models, spec_prompts, reference):
+def test_trees_through_the_real_draft_server(models, prompt_ids, reference):
     with BackgroundDraftServer(models["draft"]) as srv:
         rp = RemoteProposer(srv.address, models["llama"].fingerprint, "trees", 5.0, backoff_s=(0.02, 0.2))
         assert rp.wait_attached(10) and rp.limits.max_tree_width >= 3
         engine = _tree_engine(models["llama"], rp, "adaserve")
-        reqs = engine.generate(spec_prompts[:6], SamplingParams(max_tokens=40))
+        reqs = engine.generate(prompt_ids[:6], SamplingParams(max_tokens=40))
         assert [r.output_ids for r in reqs] == [ref[:40] for ref in reference("llama")[:6]]
         snap = srv.server.stats.snapshot()
         assert snap["tree_rounds"] > 0 and snap["tree_nodes"] >= 3 * snap["tree_rounds"]

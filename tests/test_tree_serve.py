@@ -23,7 +23,7 @@ def _scrape(address: str) -> dict[str, float]:
             if line.startswith("starjar_target_") and "{" not in line}
 
 
-def test_serve_target_with_tree_flag_over_the_real_draft_server(tmp_path, model_dirs, spec_prompts, reference):
+def test_serve_target_with_tree_flag_over_the_real_draft_server(tmp_path, model_dirs, prompt_ids, reference):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"verify_budget": 20}))  # what `starjar profile` records
     draft = ServerProcess("draft", "--model", model_dirs["draft"], "--port", "0")
@@ -32,7 +32,7 @@ def test_serve_target_with_tree_flag_over_the_real_draft_server(tmp_path, model_
         target = ServerProcess("target", "--model", model_dirs["llama"], "--draft-server", draft.address,
                                "--port", "0", "--batch-size", "4", "--tree", "adaserve", "--tree-width", "3",
                                "--profile", str(profile), "--metrics-port", "0", "--worker-id", "tree-t0")
-        prompts = spec_prompts[:6]
+        prompts = prompt_ids[:6]
         with Client(target.address, timeout=120) as c:
             outs = [c.generate(prompt_token_ids=p, max_tokens=MAX_TOKENS) for p in prompts]
         assert [o.token_ids for o in outs] == [r[:MAX_TOKENS] for r in reference("llama")[:6]]

@@ -36,10 +36,10 @@ def _generate(address: str, prompt: list[int], slo: float | None):
         return c.generate(prompt_token_ids=prompt, max_tokens=MAX_TOKENS, tpot_slo_s=slo)
 
 
-def test_up_tree_adaserve_is_lossless_with_and_without_slos_and_verifies_trees(tree_cluster, spec_prompts,
+def test_up_tree_adaserve_is_lossless_with_and_without_slos_and_verifies_trees(tree_cluster, prompt_ids,
                                                                                 reference):
     addrs, _controller = tree_cluster
-    prompts, ref = spec_prompts[:N], [r[:MAX_TOKENS] for r in reference("llama", 64)[:N]]
+    prompts, ref = prompt_ids[:N], [r[:MAX_TOKENS] for r in reference("llama", 64)[:N]]
     slos = [SLOS[i % len(SLOS)] for i in range(N)]
     with ThreadPoolExecutor(4) as pool:  # four at once: the targets batch them, the draft server batches both
         outs = list(pool.map(_generate, [addrs["grpc"]] * N, prompts, slos))

@@ -82,7 +82,7 @@ def two_nodes(model_dirs):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_drafts_on_one_node_targets_on_the_other_and_failover_across_them(two_nodes, spec_prompts, reference):
+def test_drafts_on_one_node_targets_on_the_other_and_failover_across_them(two_nodes, prompt_ids, reference):
     addrs, controller = two_nodes
     st = status(controller)
     places = {n: a["address"].rsplit(":", 1)[0] for n, a in st["actors"].items() if a.get("address")}
@@ -97,7 +97,7 @@ def test_drafts_on_one_node_targets_on_the_other_and_failover_across_them(two_no
     assert len(target_ips) == 1 and DRAFT_IP not in target_ips
     assert "starjar_target" in nodes[target_ips.pop()]
     assert [len(st["drafts"]["servers"][d]["attached"]) for d in DRAFTS] == [2, 2]
-    run = kill_one_draft_under_load(addrs, controller, spec_prompts, reference)
+    run = kill_one_draft_under_load(addrs, controller, prompt_ids, reference)
     print(f"two nodes: {run.requests} requests, 1 of 2 draft servers killed: lost {run.lost}, "
           f"altered {run.altered}, moved in s { {t: round(s, 3) for t, s in run.took.items()} }")
     assert not run.errors and run.lost == 0 and run.altered == 0
