@@ -91,6 +91,7 @@ def read_state() -> dict | None:
     state = json.loads(path.read_text())
     if not alive(state["keeper_pid"]):
         path.unlink(missing_ok=True)
+        _remove_scrape_files(_read_spec())  # its keeper died without `starjar down`: the files are stale too
         return None
     return state
 
@@ -104,13 +105,19 @@ def start_local(spec: ClusterSpec) -> dict:
     run_dir().mkdir(parents=True, exist_ok=True)
     log_path = run_dir() / "cluster.log"
     spec_path = run_dir() / "spec.json"
+    # No cluster runs: an earlier one's SD file and token would send Prometheus to dead ports with a stale token
+    # until the controller writes this one's.
+    _remove_scrape_files(_read_spec())
     spec_path.unlink(missing_ok=True)  # created afresh, owner-only from its first byte: it may hold the tokens
     with os.fdopen(os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(json.dumps(spec.to_dict()))
     with open(log_path, "ab") as log_file:
         keeper = subprocess.Popen([sys.executable, "-m", "controller.keeper", str(spec_path), str(state_path())],
                                   stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
-                                  start_new_session=True, text=True)
+                                  start_new_session=True, text=True,
+                                  # What the cluster writes is owner-only from its creation: the file-SD
+                                  # JSON among it (created 0644 by controller.metrics, 0600 under this umask).
+                                  umask=0o077)
     t0 = time.time()
     for line in keeper.stdout:
         msg = json.loads(line)
@@ -122,6 +129,7 @@ def start_local(spec: ClusterSpec) -> dict:
         elif "error" in msg:
             break
     keeper.wait(timeout=60)
+    _remove_scrape_files(spec.to_dict())  # what the controller wrote before the start failed
     raise StarjarError(f"the cluster did not start; see {log_path}:\n" + _tail(log_path))
 
 
@@ -149,7 +157,36 @@ def stop_local() -> tuple[int, int] | None:
         except ProcessLookupError:
             pass
     path.unlink(missing_ok=True)
+    _remove_scrape_files(_read_spec())  # after the controller is gone: nothing writes them again
     return len(pids) + 1, len(left)
+
+
+def _read_spec() -> dict:
+    try:
+        return json.loads((run_dir() / "spec.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _remove_scrape_files(spec: dict) -> None:
+    """The file-SD JSON and the token beside it, once no cluster of this $STARJAR_HOME runs: those in its run
+    directory always (only its own cluster writes there), those at a `--prometheus-sd` path only while the
+    token there is this cluster's (another cluster may have taken the path over since)."""
+    from controller.metrics import SCRAPE_TOKEN_FILE
+
+    default = run_dir() / "prometheus_sd.json"
+    paths = [default, default.with_name(SCRAPE_TOKEN_FILE)]
+    sd = spec.get("prometheus_sd")
+    if sd and Path(sd).resolve() != default.resolve():
+        token_file = Path(sd).with_name(SCRAPE_TOKEN_FILE)
+        try:
+            ours = token_file.read_text().strip() == (spec.get("cluster_token") or "none")
+        except OSError:
+            ours = False
+        if ours:
+            paths += [Path(sd), token_file]
+    for p in paths:
+        p.unlink(missing_ok=True)
 
 
 def _wait_gone(pids: list[int], timeout: float) -> list[int]:

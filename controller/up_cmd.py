@@ -65,6 +65,12 @@ def _add_up_parser(sub) -> None:
                    "(default: --threads)")
     u.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     u.add_argument("--dtype", default="float32")
+    _add_endpoint_flags(u)
+    add_tree_flags(u)
+
+
+def _add_endpoint_flags(u) -> None:
+    """Where the cluster listens, who may call it, and what it tells Prometheus."""
     u.add_argument("--host", default="127.0.0.1", help="front end listen address (0.0.0.0 on a real cluster)")
     u.add_argument("--grpc-port", type=int, default=50051, help="front end gRPC port (0 = any free)")
     u.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0 = any free)")
@@ -80,15 +86,17 @@ def _add_up_parser(sub) -> None:
     u.add_argument("--request-timeout", type=float, default=None,
                    help="the longest one request may take at the front end, queueing included (default 600 s)")
     u.add_argument("--address", help="an existing Ray cluster (e.g. auto, after `ray up`) instead of a local one")
-    u.add_argument("--prometheus-sd", default=None,
-                   help="file-SD JSON for Prometheus, kept current by the controller "
-                        "(default $STARJAR_HOME/run/prometheus_sd.json for a local cluster)")
+    u.add_argument("--prometheus-sd", default=None, metavar="PATH",
+                   help="file-SD JSON for Prometheus, kept current by the controller as actors start, move and "
+                        "stop, with metrics.token beside it (the cluster token every metrics endpoint requires). "
+                        "A local cluster's are owner-only (0600) and removed by `starjar down`. Default: "
+                        "$STARJAR_HOME/run/prometheus_sd.json for a local cluster ($STARJAR_HOME: "
+                        "~/.cache/starjar unless set); none with --address")
     u.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoints")
     u.add_argument("--json", action="store_true", help='print {"grpc", "http", "metrics"} once serving')
     u.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on `starjar down`: seconds generations in flight may take to finish while new ones are "
                         "refused (default 30)")
-    add_tree_flags(u)
 
 
 def _spec(args) -> ClusterSpec:
@@ -110,8 +118,9 @@ def _spec(args) -> ClusterSpec:
                       **_tree_fields(args),
                       **{k: v for k, v in (("max_waiting", args.max_waiting), ("max_requests", args.max_requests),
                                            ("request_timeout_s", args.request_timeout)) if v is not None},
-                      # On a cluster of someone else's (--address) there is no local file to keep current.
-                      prometheus_sd=sd if sd or not args.address else None)
+                      # Left out, a local cluster gets local_spec's default in its run directory; on a cluster of
+                      # someone else's (--address) there is no local file to keep current.
+                      **({"prometheus_sd": sd} if sd or args.address else {}))
 
 
 def _tree_fields(args) -> dict:
