@@ -16,8 +16,12 @@ template, no data set needed), in about a minute:
      is not scored;
   4. the predicted batch-1 speedup E(gamma) / (v(gamma) + catch-up + (gamma-1) step) with
      E = (1 - alpha^(gamma+1)) / (1 - alpha) picks the candidate and gamma;
-  5. a real speculative run with that choice confirms it against step 1. If it does not beat the target
-     alone, the default gamma is 0 and the verdict says speculation does not pay on this machine.
+  5. real runs with that choice confirm it: the target alone and speculating, interleaved (CONFIRM_REPEATS
+     each, alternating which goes first) so that a neighbour busy for part of the time shows as spread
+     between repeats instead of as a verdict. A noisy try (repeats spread over SPREAD_MAX, or the load
+     average says others hold the cores) or a loss is measured again, at most EXTRA_TRIES times
+     (judge_try, decide). Speculation is turned off (default gamma 0) only when it lost beyond the spread
+     on two quiet tries; where no try settles it the predicted gamma is kept, flagged "undecided".
 The result is kept in the draft's starjar.json with the machine it was measured on (the chosen variant's
 settings too, so every later load uses them); another machine measures again.
 """
@@ -29,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from controller import pair_confirm
 from starjar.models import DRAFT_VARIANT_KEYS
 
 OWN_PROMPTS = [
@@ -104,8 +109,9 @@ def measurement_key() -> str:
 
 def _machine(info: dict) -> dict:
     """What a measurement holds for: this CPU and torch (and the ISA limits it ran under), a kernel path forced
-    by STARJAR_INT8_KERNEL, a KV precision forced by STARJAR_DRAFT_KV, and the draft forward that was timed (a
-    measurement of another revision of it, or of the eager path, is stale)."""
+    by STARJAR_INT8_KERNEL, a KV precision forced by STARJAR_DRAFT_KV, the draft forward that was timed (a
+    measurement of another revision of it, or of the eager path, is stale) and how agreement and the
+    confirmation were measured."""
     from starjar import kv_precision, lean_step, skinny_linear
     from starjar.kernels import forced_choice, forced_path
 
@@ -113,7 +119,7 @@ def _machine(info: dict) -> dict:
     kv = forced_choice(kv_precision.ENV, tuple(kv_precision.KV_DTYPES))  # likewise
     return {**{k: info[k] for k in ("cpu_model", "cpu_capability", "torch", "threads")},
             **({"isa_limits": limits} if limits else {}), **({"draft_kv_forced": kv} if kv else {}),
-            "int8_kernel_forced": forced_path(), "agreement": AGREEMENT,
+            "int8_kernel_forced": forced_path(), "agreement": AGREEMENT, "confirmation": pair_confirm.CONFIRMATION,
             "draft_forward": f"{DRAFT_FORWARD_REVISION}{'' if lean_step.enabled() else '-eager'}",
             "target_forward": f"{TARGET_FORWARD_REVISION}"
                               f"{'-' + skinny_linear.forced() if skinny_linear.forced() else ''}"}
@@ -131,6 +137,7 @@ def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft:
     from starjar.text import encode_prompt
 
     _say(f"measuring the pair on this machine ({machine_label()}) ...")
+    load_start = pair_confirm.load_average()
     target = load_model(target_dir, what="target")
     prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in OWN_PROMPTS]
     params = SamplingParams(max_tokens=max_new)
@@ -153,19 +160,28 @@ def measure_pair(target_dir: str, draft_dir: str, max_new: int = 32, int8_draft:
     best = _best(candidates, verify_cost)
     chosen = {k: best.get(k) for k in VARIANT_KEYS}
     result = {"prompts": len(prompts), "max_new_tokens": max_new, "target_alone_tokens_per_s": round(alone_tps, 2),
-              "verify_cost": [round(v, 3) for v in verify_cost], "candidates": candidates,
-              "chosen": {**chosen, "name": best["name"]}, "skip_scan": scan}
+              "verify_cost": [round(v, 3) for v in verify_cost], **pair_confirm.spread_of(verify_cost, "verify_spread"),
+              "candidates": candidates, "chosen": {**chosen, "name": best["name"]}, "skip_scan": scan,
+              "predicted_speedup": best["predicted_speedup"]}
     if best["predicted_speedup"] < PAYS:
         if best["predicted_speedup"] > 0:
             why = f"the best draft ({best['name']}) predicts {best['predicted_speedup']:.2f}x at batch 1"
         else:  # none scored: each one's costs alone rule it out
             why = (f"even with every draft accepted, no draft would reach {PAYS:.2f}x at batch 1 (at most "
                    f"{best['ceiling']:.2f}x)")
-        result.update(gamma=0, acceptance_rate=None, speedup_batch1=1.0,
-                      verdict=f"speculation does not pay on this machine: {why}; default gamma 0")
+        load = {"start": load_start, "end": pair_confirm.load_average()}
+        # Step costs are interleaved medians, which a neighbour skews little; the prediction stands, but a busy
+        # machine is named so that the user knows to measure again.
+        busy = pair_confirm.machine_busy((load["start"], load["end"]), pair_confirm.torch_threads(),
+                                         pair_confirm.usable_cpus())
+        note = (f" (measured while the machine was busy, load {pair_confirm.max_load(load.values()):.1f}: run "
+                f"`starjar models build --force` on a quiet machine to measure again)" if busy else "")
+        result.update(gamma=0, acceptance_rate=None, speedup_batch1=1.0, confidence="predicted", load=load,
+                      verdict=f"speculation does not pay on this machine: {why}; default gamma 0{note}")
         return result
     draft = load_model(draft_dir, what="draft", variant=explicit(chosen))
-    result.update(_confirm(target, draft, best, prompts, params, outputs, alone_tps))
+    result.update(pair_confirm.confirm(target, draft, best, prompts, params, outputs))
+    result["load"] = {"start": load_start, "end": pair_confirm.load_average()}
     return result
 
 
@@ -179,7 +195,9 @@ def _candidates(target, draft_dir: str, variants: list[dict], prompts, outputs, 
         draft = load_model(draft_dir, what="draft", variant=explicit(variant))
         check_pair(target, draft)
         row = {"name": _name(variant), **variant}
-        row["cost_b1"], row["cost_catchup"], row["cost_b4"] = (round(c, 3) for c in _cost_ratios(target, draft))
+        costs = _cost_ratios(target, draft)
+        row["cost_b1"], row["cost_catchup"], row["cost_b4"] = (round(c, 3) for c in costs)
+        row.update(pair_confirm.spread_of(costs, "cost_spread"))
         candidates.append(row)
         del draft
     cheapest = min((r["cost_catchup"] for r in candidates), default=0.0)
@@ -265,28 +283,6 @@ def _skip_candidates(target, draft_dir: str, candidates: list[dict], prompts, ou
     return scan
 
 
-def _confirm(target, draft, best: dict, prompts, params, outputs, alone_tps: float) -> dict:
-    """Run the chosen draft at its best gamma on the same prompts: the measured speedup decides the default."""
-    from controller.colocated import colocated_engine
-
-    gamma = best["best_gamma"]
-    eng = colocated_engine(target, draft, gamma, 1)
-    t0 = time.perf_counter()
-    reqs = eng.generate(prompts, params)
-    spec_tps = sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - t0)
-    speedup = spec_tps / alone_tps
-    identical = sum(r.output_ids == o for r, o in zip(reqs, outputs, strict=True))
-    out = dict(acceptance_rate=round(eng.stats.acceptance_rate, 3), drafted_tokens=eng.stats.drafted_tokens,
-               speedup_batch1=round(speedup, 3), identical=identical, confirm_gamma=gamma)
-    if speedup < 1.0:
-        out.update(gamma=0, verdict=f"speculation does not pay on this machine: {best['name']} at gamma {gamma} "
-                                    f"ran {speedup:.2f}x the target alone; default gamma 0")
-    else:
-        out.update(gamma=gamma, verdict=f"speculation pays here: {best['name']} at gamma {gamma}, "
-                                        f"{speedup:.2f}x the target alone at batch 1")
-    return out
-
-
 def _name(variant: dict) -> str:
     if not variant:
         return "the draft as given"
@@ -341,22 +337,18 @@ def _pass(model, batch: int, positions: int, context: int = 96):
     return run
 
 
-def _verify_costs(target) -> list[float]:
+def _verify_costs(target) -> pair_confirm.Timed:
     """v[g] = the target's pass over g+1 positions at batch 1, over its one-position step."""
-    from starjar.kernels import interleaved_medians
-
-    times = interleaved_medians([_pass(target, 1, g + 1) for g in range(MAX_GAMMA + 1)], reps=7)
-    return [t / times[0] for t in times]
+    times = pair_confirm.interleaved([_pass(target, 1, g + 1) for g in range(MAX_GAMMA + 1)], reps=7)
+    return pair_confirm.ratios(times, [(g, 0) for g in range(MAX_GAMMA + 1)])
 
 
-def _cost_ratios(target, draft) -> tuple[float, float, float]:
+def _cost_ratios(target, draft) -> pair_confirm.Timed:
     """Draft passes over the target's one-position step: a one-token draft step and a 3-position catch-up at
     batch 1, and a 4-sequence pass over the target's 4-sequence step (batched drafting)."""
-    from starjar.kernels import interleaved_medians
-
-    t1, d1, d3, t4, d4 = interleaved_medians([_pass(target, 1, 1), _pass(draft, 1, 1), _pass(draft, 1, 3),
-                                       _pass(target, 4, 1), _pass(draft, 4, 1)], reps=7)
-    return d1 / t1, d3 / t1, d4 / t4
+    times = pair_confirm.interleaved([_pass(target, 1, 1), _pass(draft, 1, 1), _pass(draft, 1, 3),
+                          _pass(target, 4, 1), _pass(draft, 4, 1)], reps=7)
+    return pair_confirm.ratios(times, [(1, 0), (2, 0), (4, 3)])
 
 
 def round_speedup(alpha: float, g: int, cost: float, catchup: float, verify_cost: list[float]) -> float:

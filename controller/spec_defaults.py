@@ -3,6 +3,8 @@
 A forced gamma (`--gamma N`, policy fixed) is always obeyed. Otherwise the servers run the Nightjar planner
 with the measured best gamma as its largest arm, so speculation adapts to batch size and load; where the
 measurement found that speculation does not pay on this machine, it is off (gamma 0) and the note says why.
+A measurement that could not decide (the machine was busy while it was taken: "confidence": "undecided") kept the
+predicted gamma, and its note says so; the planner still drops speculation per batch where it loses.
 A draft that was never measured (a pair of the user's own) gets Nightjar up to gamma 4, which explores and
 turns speculation off by itself where it loses.
 """

@@ -103,8 +103,9 @@ def test_the_pair_check_measures_once_per_machine_and_keeps_the_choice(tmp_path,
     assert first["machine"]["cpu_capability"] and first["gamma"] >= 0 and first["verdict"]
     scored = [c for c in first["candidates"] if c["agreement"] is not None]
     assert scored and all(0 <= c["agreement"] <= 1 and c["cost_b1"] > 0 for c in scored)
-    if first["gamma"] > 0:  # the confirmation run: speculation beat the target alone, outputs identical
-        assert first["speedup_batch1"] >= 1.0 and first["identical"] == first["prompts"]
+    if first["gamma"] > 0:  # the confirmation runs: outputs identical; speculation beat the target alone where
+        assert first["identical"] == first["prompts"]  # the build was sure (not on a busy machine: undecided)
+        assert first["confidence"] == "undecided" or first["speedup_batch1"] >= 1.0
     recipe = json.loads((draft_dir / "starjar.json").read_text())
     assert recipe["measured"] == first and recipe.get("int8_kernel") == first["chosen"]["int8_kernel"]
     assert (recipe.get("act_bits"), recipe.get("smooth_alpha")) == finer(first["chosen"])  # later loads use it
