@@ -13,7 +13,7 @@ import threading
 import grpc
 from aiohttp import web
 
-from controller.frontend_grpc import FrontendGenerateService
+from controller.frontend_grpc import BAD_TOKEN, FrontendGenerateService
 from controller.frontend_limits import (
     DEFAULT_MAX_REQUESTS,
     DEFAULT_REQUEST_TIMEOUT_S,
@@ -23,7 +23,7 @@ from controller.frontend_limits import (
 )
 from controller.openai_http import OpenAIServer
 from controller.router import TargetRouter
-from starjar.security import Security
+from starjar.security import Security, TokenCheck
 from starjar.serving import HealthAndReflection
 from starjar.status import ErrorStatus
 from starjar.v1 import generate_pb2, generate_pb2_grpc
@@ -76,7 +76,10 @@ class FrontEnd:
 
     async def _start(self) -> None:
         self.router = TargetRouter(max_requests=self.max_requests, security=self.upstream)
-        self._grpc = grpc.aio.server(interceptors=[ErrorStatus()])
+        # The token is checked before the request is parsed: a caller without it learns nothing, not even
+        # whether its bytes were a valid request (the servicer checks it again, for use on its own).
+        token_check = [TokenCheck(self.auth_token, BAD_TOKEN)] if self.auth_token else []
+        self._grpc = grpc.aio.server(interceptors=[*token_check, ErrorStatus()])
         generate_pb2_grpc.add_GenerateServiceServicer_to_server(
             FrontendGenerateService(self.router, self.model_name, self.auth_token, self.request_timeout_s),
             self._grpc)

@@ -41,6 +41,9 @@ def timed_out(timeout: float, limit: float) -> TimedOut:
                     f"{limit:g} s)", reason="timeout")
 
 
+BAD_TOKEN = "missing or wrong bearer token"
+
+
 def check_bearer(header: str | None, token: str | None) -> bool:
     """True when no token is configured, or the header is 'Bearer <token>' (constant-time compare)."""
     return token_matches(header, token or None)
@@ -57,7 +60,7 @@ class FrontendGenerateService(pb_grpc.GenerateServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         metadata = dict(context.invocation_metadata() or ())
         if not check_bearer(metadata.get("authorization"), self.auth_token):
-            raise BadCredentials("missing or wrong bearer token")
+            raise BadCredentials(BAD_TOKEN)
         check_request_shape(request, self.model_name)
         sampling_from_proto(request.sampling)
         if not request.request_id:

@@ -5,7 +5,10 @@ controller.openai_http): a JSON body goes in, GenerateRequests or an error
 naming the field come out, and every response object is built by `Envelope`.
 Conventions follow OpenAI's API (and vLLM's where OpenAI is silent):
 temperature defaults to 1, completions default to 16 tokens; `top_k` and
-`ignore_eos` are accepted as extensions. A value out of bounds raises
+`ignore_eos` are accepted as extensions. temperature goes up to 100
+(starjar.sampling.MAX_TEMPERATURE; OpenAI's own limit is 2), and every value is
+checked as the JSON gave it, before the wire's float32 could round it (a top_p
+of 1e-300 is refused as 1e-300, not as 0). A value out of bounds raises
 InvalidArgument (400, its field as "param"); what is not JSON, HttpError.
 """
 

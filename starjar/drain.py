@@ -76,10 +76,11 @@ def handler_behavior(handler: grpc.RpcMethodHandler):
     return (handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream)
 
 
-def same_kind_handler(handler: grpc.RpcMethodHandler, behavior) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind and (de)serializers as `handler`, running `behavior`."""
+def same_kind_handler(handler: grpc.RpcMethodHandler, behavior, request_deserializer=None) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind and (de)serializers as `handler` (or `request_deserializer` when
+    given), running `behavior`."""
     kind = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
     make = kind[(handler.request_streaming, handler.response_streaming)]
-    return make(behavior, request_deserializer=handler.request_deserializer,
+    return make(behavior, request_deserializer=request_deserializer or handler.request_deserializer,
                 response_serializer=handler.response_serializer)

@@ -24,11 +24,19 @@ MAX_TOP_K = (1 << 31) - 1  # the wire's int32; any value past the vocabulary mea
 # Temperatures below this are greedy: logits / 1e-39 overflow to inf and softmax gives NaN, and a
 # distribution that sharp is argmax anyway (at 1e-5 a logit gap of 0.001 is a factor e^100).
 GREEDY_BELOW = 1e-5
+# The highest temperature accepted (OpenAI's API stops at 2; vLLM and HF have no limit). Past it a request is
+# noise, and inf (JSON 1e400, a float32 field given 1e39) divides every logit to 0. A float32 number, so a
+# value accepted here is still accepted after the wire's float32.
+MAX_TEMPERATURE = 100.0
+# The smallest top_p accepted: float32's smallest normal number (2^-126). Smaller ones turn into 0, or lose
+# digits, on the wire; any top_p below the top token's probability keeps that token alone anyway.
+MIN_TOP_P = 2.0 ** -126
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What one request asks of the sampler. temperature 0 (or below GREEDY_BELOW) means greedy."""
+    """What one request asks of the sampler. temperature 0 (or below GREEDY_BELOW) means greedy; at most
+    MAX_TEMPERATURE. top_p in [MIN_TOP_P, 1]."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -48,10 +56,15 @@ class SamplingParams:
             raise InvalidArgument("max_tokens", "must be an integer", self.max_tokens)
         if not 0 < self.max_tokens <= MAX_TOKENS_LIMIT:
             raise InvalidArgument("max_tokens", f"must be in [1, {MAX_TOKENS_LIMIT}]", self.max_tokens)
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise InvalidArgument("temperature", "must be >= 0 (0 = greedy)", self.temperature)
+        # NaN fails both comparisons. The value shown is the one given, before any float32 conversion.
+        if not (0.0 <= self.temperature <= MAX_TEMPERATURE):
+            raise InvalidArgument("temperature", f"must be >= 0 (0 = greedy) and <= {MAX_TEMPERATURE:g}",
+                                  self.temperature)
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidArgument("top_p", "must be in (0, 1]", self.top_p)
+        if self.top_p < MIN_TOP_P:
+            raise InvalidArgument("top_p", "must be at least 2^-126 (about 1.2e-38): float32, the wire's type, "
+                                  "has no smaller normal number", self.top_p)
         if self.top_k < 0:
             raise InvalidArgument("top_k", "must be >= 0 (0 = disabled)", self.top_k)
         if self.top_k > MAX_TOP_K:
@@ -124,13 +137,16 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     x = finite_logits(logits)
     # Less the row's maximum first: a +inf logit (the largest float after finite_logits) divided by a
     # temperature below 1 would overflow back to inf, and softmax would turn the row into NaN.
-    x = (x - x.max(-1, keepdim=True).values) / params.temperature
+    x = x - x.max(-1, keepdim=True).values
+    # Both cuts rank the logits before the division: at a high temperature, logits a few ulps apart divide
+    # to the same float, and a cut that ranked the quotients would keep both (top_k=1 would not be greedy).
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
+    probs = torch.softmax(x / params.temperature, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        order = torch.sort(x, dim=-1, descending=True, stable=True).indices
+        sorted_p = probs.gather(-1, order)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)

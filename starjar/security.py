@@ -54,7 +54,10 @@ def token_matches(header: str | None, token: str | None) -> bool:
         return True
     if not header or not header.startswith("Bearer "):
         return False
-    return hmac.compare_digest(header[len("Bearer "):].encode(), token.encode())
+    # surrogatepass: an HTTP server hands a header's non-UTF-8 bytes over as lone surrogates (aiohttp's
+    # surrogateescape), which plain encode() refuses; encoded alike on both sides, equal bytes mean equal text.
+    return hmac.compare_digest(header[len("Bearer "):].encode("utf-8", "surrogatepass"),
+                               token.encode("utf-8", "surrogatepass"))
 
 
 def _read(path: str | None, flag: str) -> bytes | None:
@@ -128,11 +131,17 @@ class Security:
         return mod.secure_channel(address, creds, options=options)
 
 
-class TokenCheck(grpc.aio.ServerInterceptor):
-    """UNAUTHENTICATED for every RPC without the cluster's bearer token (health and reflection excepted)."""
+CLUSTER_TOKEN_REQUIRED = "authorization: a 'Bearer <cluster token>' header is required"
 
-    def __init__(self, token: str):
+
+class TokenCheck(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED for every RPC without the bearer token (health and reflection excepted). Put it first:
+    the interceptors after it (the request's parsing included, see starjar.status) then see only callers
+    that showed the token."""
+
+    def __init__(self, token: str, message: str = CLUSTER_TOKEN_REQUIRED):
         self._token = token
+        self._message = message
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -141,12 +150,11 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         header = dict(handler_call_details.invocation_metadata or ()).get(AUTH_METADATA)
         if token_matches(header, self._token):
             return handler
-        return same_kind_handler(handler, _unauthenticated)
+        message = self._message
 
-
-async def _unauthenticated(request, context) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: a 'Bearer <cluster token>' header is "
-                        "required")
+        async def unauthenticated(request, context) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        return same_kind_handler(handler, unauthenticated)
 
 
 def caller_identity(context) -> str:

@@ -9,6 +9,10 @@ servicer of ours raised into the call's status:
 - anything else: INTERNAL "internal error", after logging the exception's type
   and traceback but never its message (it could quote a prompt). The client
   never sees a traceback, and the front end's router never retries it.
+A request whose bytes are not the method's protobuf is INVALID_ARGUMENT too:
+grpc would answer UNKNOWN with the DecodeError's text. It is parsed into an
+`Undecodable` instead and refused here, after the interceptors before this
+one (the token check) have run, so an unauthenticated caller learns nothing.
 The OpenAI endpoint reads the same table (`status_of`) before choosing its
 HTTP status, so both front doors answer an error alike.
 """
@@ -102,7 +106,7 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: Exception, method: 
 
 
 class ErrorStatus(grpc.aio.ServerInterceptor):
-    """Give it to grpc.aio.server(); it wraps every async method of our services."""
+    """Give it to grpc.aio.server(), after any token check; it wraps every async method of our services."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -110,16 +114,59 @@ class ErrorStatus(grpc.aio.ServerInterceptor):
         if handler is None or not method.startswith(OUR_METHODS):
             return handler
         behavior = handler_behavior(handler)
+        streaming = handler.request_streaming
+        deserializer = tolerant_deserializer(handler.request_deserializer)
         if inspect.isasyncgenfunction(behavior):
-            return same_kind_handler(handler, _mapped_stream(behavior, method))
+            return same_kind_handler(handler, _mapped_stream(behavior, method, streaming), deserializer)
         if inspect.iscoroutinefunction(behavior):
-            return same_kind_handler(handler, _mapped_unary(behavior, method))
+            return same_kind_handler(handler, _mapped_unary(behavior, method, streaming), deserializer)
         return handler  # a synchronous servicer: none of ours
 
 
-def _mapped_stream(behavior, method: str):
+class Undecodable:
+    """A request whose bytes did not parse as its method's message, in the message's place."""
+
+    __slots__ = ("message_name",)
+
+    def __init__(self, message_name: str):
+        self.message_name = message_name
+
+    def error(self) -> InvalidArgument:
+        return InvalidArgument("request", f"the bytes received are not a valid {self.message_name} (corrupt or "
+                               "truncated protobuf)")
+
+
+def tolerant_deserializer(deserializer):
+    """`deserializer` (a message class's FromString), answering an Undecodable where it would raise."""
+    if deserializer is None:
+        return None
+    descriptor = getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None)
+    name = getattr(descriptor, "full_name", "request message")
+
+    def deserialize(raw: bytes):
+        try:
+            return deserializer(raw)
+        except Exception:  # DecodeError, whatever the bytes: they are the caller's, not a fault of ours
+            return Undecodable(name)
+    return deserialize
+
+
+async def _checked(requests, context, method: str):
+    """A streaming call's requests, ending the call with INVALID_ARGUMENT at the first that did not parse.
+    Aborting (not raising) sends the status at once, whatever the servicer does with the error after."""
+    async for request in requests:
+        if isinstance(request, Undecodable):
+            await abort_with(context, request.error(), method)
+        yield request
+
+
+def _mapped_stream(behavior, method: str, request_streaming: bool):
     async def mapped_stream(request, context):
         try:
+            if request_streaming:
+                request = _checked(request, context, method)
+            elif isinstance(request, Undecodable):
+                raise request.error()
             async for response in behavior(request, context):
                 yield response
         except grpc.aio.AbortError:
@@ -129,9 +176,13 @@ def _mapped_stream(behavior, method: str):
     return mapped_stream
 
 
-def _mapped_unary(behavior, method: str):
+def _mapped_unary(behavior, method: str, request_streaming: bool):
     async def mapped_unary(request, context):
         try:
+            if request_streaming:
+                request = _checked(request, context, method)
+            elif isinstance(request, Undecodable):
+                raise request.error()
             return await behavior(request, context)
         except grpc.aio.AbortError:
             raise

@@ -41,13 +41,16 @@ def _target_logits(models, gamma):
     return m.forward(fresh, [s], [ids], [rows])[0], chain[:gamma]
 
 
-def _chi2_first_token(logits, draft, params, seed, sampler=verify):
-    """N_SAMPLES independent rounds: one request's draws at N_SAMPLES positions far apart."""
-    p = logits_to_probs(logits[0], params).double().numpy()
+def _chi2_first_token(logits, draft, params, seed, sampler=verify, want=None):
+    """N_SAMPLES independent rounds: one request's draws at N_SAMPLES positions far apart, tested against
+    `want` (by default logits_to_probs's p)."""
+    p = logits_to_probs(logits[0], params).double().numpy() if want is None else want
     draws = PositionDraws(seed)
     counts = np.zeros(len(p))
     for i in range(N_SAMPLES):
         counts[sampler(logits, draft, params, draws, 16 * i).tokens[0]] += 1
+    # Pooling below would drop the bins p gives nothing: a token sampled outside p's support fails here.
+    assert counts[p == 0].sum() == 0, f"{int(counts[p == 0].sum())} samples where p is 0"
     expected = p * N_SAMPLES
     # Pool rare tokens so every bin expects >= 5 (the chi-square approximation needs it).
     big = expected >= 5
@@ -72,6 +75,46 @@ def test_first_token_matches_target_softmax(models, temperature, top_p, draft_ki
         draft[0] = int(torch.argsort(p0, descending=True)[5])
     pval = _chi2_first_token(logits, draft, params, seed=20261122)
     assert pval > 0.01, pval
+
+
+def _reference_probs(logits: torch.Tensor, params: SamplingParams) -> np.ndarray:
+    """p from its definition, in float64 and apart from logits_to_probs: top-k and top-p cut the logits' own
+    ranking (ties kept by top-k), then softmax at the temperature, renormalised over what is left."""
+    z = logits.double().numpy()
+    z = z - z.max()
+    if params.top_k and params.top_k < len(z):
+        z = np.where(z < np.sort(z)[::-1][params.top_k - 1], -np.inf, z)
+    p = np.exp(z / params.temperature)
+    p /= p.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-z, kind="stable")
+        before = np.cumsum(p[order]) - p[order]
+        p[order[before >= params.top_p]] = 0.0
+        p /= p.sum()
+    return p
+
+
+@pytest.mark.parametrize("cut", [dict(top_k=5), dict(top_p=0.9)], ids=["top_k", "top_p"])
+@pytest.mark.parametrize("end", ["coldest", "hottest"])
+def test_the_extreme_temperatures_keep_the_target_distribution(models, end, cut):
+    """At the smallest temperature that samples (GREEDY_BELOW) and the largest accepted (MAX_TEMPERATURE),
+    with a top-k or a top-p cut, the first token is distributed as p computed in float64 from its definition.
+    The hottest uses the model's logits as they are (p nearly uniform over what the cut keeps); the coldest
+    scales them by GREEDY_BELOW first, or p would be the argmax alone and a chi-square would see nothing."""
+    from starjar.sampling import GREEDY_BELOW, MAX_TEMPERATURE
+
+    logits, chain = _target_logits(models, gamma=3)
+    temperature = GREEDY_BELOW if end == "coldest" else MAX_TEMPERATURE
+    if end == "coldest":
+        logits = logits * GREEDY_BELOW
+    params = SamplingParams(temperature=temperature, **cut)
+    want = _reference_probs(logits[0], params)
+    assert np.allclose(logits_to_probs(logits[0], params).double().numpy(), want, atol=1e-5)
+    kept = np.flatnonzero(want)
+    assert 2 <= len(kept) < len(want)  # the cut cuts, and leaves a distribution to test
+    draft = list(chain)
+    draft[0] = int(kept[np.argsort(-want[kept])[1]])  # the runner-up: rejected often, the residual path runs
+    assert _chi2_first_token(logits, draft, params, seed=20261123, want=want) > 0.01
 
 
 def test_chi_square_has_power_against_a_biased_sampler(models):
