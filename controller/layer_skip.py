@@ -18,7 +18,8 @@ SKIP_COUNTS = (1, 2, 4)
 def candidates(target, draft_dir: str, base: dict, prompts, outputs, verify_cost) -> tuple[list[dict], dict]:
     """Rows for the candidates list (base's variant with 1, 2, 4 layers left out), and the per-layer scan
     {"layer": agreement with that layer left out} (string keys, as the recipe's JSON keeps them)."""
-    from controller.pair_check import VARIANT_KEYS, _agreement, _cost_ratios, _name, _spread_of, best_gamma, explicit
+    from controller.pair_check import VARIANT_KEYS, _agreement, _cost_ratios, _name, best_gamma, explicit
+    from controller.pair_confirm import spread_of
     from starjar.models import load_model
 
     variant = {k: base.get(k) for k in VARIANT_KEYS if k != "skip_layers"}
@@ -41,7 +42,7 @@ def candidates(target, draft_dir: str, base: dict, prompts, outputs, verify_cost
         row["name"] = _name(row)
         costs = _cost_ratios(target, draft)
         row["cost_b1"], row["cost_catchup"], row["cost_b4"] = (round(c, 3) for c in costs)
-        row.update(_spread_of(costs, "cost_spread"))
+        row.update(spread_of(costs, "cost_spread"))
         row["agreement"] = round(_agreement(draft, prompts, outputs), 4)
         gamma, speedup = best_gamma(row["agreement"], row["cost_b1"], row["cost_catchup"], verify_cost)
         row.update(best_gamma=gamma, predicted_speedup=round(speedup, 3))

@@ -53,7 +53,8 @@ def test_greedy_output_with_a_lean_draft_is_the_targets(tmp_path, models, model_
     eng = colocated_engine(models["llama"], draft, 3, 8)
     outs = [r.output_ids for r in eng.generate(prompt_ids[:8], SamplingParams(max_tokens=48))]
     assert outs == reference("llama", 48)[:8]
-    assert eng.stats.acceptance_rate > 0.5
+    # A 200-id head cannot propose the target's tokens past it: fewer drafts are right, all still exact.
+    assert eng.stats.acceptance_rate > (0.2 if head_vocab else 0.5)
 
 
 def test_a_draft_without_some_layers_runs_only_the_others_and_stays_lossless(tmp_path, models, model_dirs,

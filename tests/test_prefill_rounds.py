@@ -5,6 +5,7 @@ import pytest
 from draft_server.background import BackgroundDraftServer
 from starjar.policy import FixedGamma
 from starjar.proposer import DraftRequest
+from starjar.reference import hf_greedy
 from starjar.sampling import SamplingParams
 from target_worker.breaker import Breaker
 from target_worker.draft_client import RemoteProposer
@@ -14,23 +15,21 @@ from target_worker.prefill_rounds import MIN_PROMPT_TOKENS, PrefillRounds
 
 def _pick(prompt_ids):
     """A prompt whose prefill fits the deadline (it teaches the rate), then three long ones, each followed by a
-    short one (an ordinary first round)."""
-    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
-    teach = [i for i in order if 64 <= len(prompt_ids[i]) <= 72][:1]
-    long = [i for i in order if len(prompt_ids[i]) >= 150][-3:]
-    short = [i for i in order if len(prompt_ids[i]) < MIN_PROMPT_TOKENS][:3]
-    picked = teach + [i for pair in zip(long, short, strict=True) for i in pair]
-    assert len(teach) == 1 and len(picked) == 7
-    return picked
+    short one (an ordinary first round). Cut from the workload's prompts to the lengths each role needs."""
+    long = sorted(prompt_ids, key=len)[-3:]
+    assert all(len(p) >= 150 for p in long)
+    teach = prompt_ids[0][:68]
+    short = [p[: MIN_PROMPT_TOKENS - 16] for p in prompt_ids[1:4]]
+    return [teach] + [p for pair in zip(long, short, strict=True) for p in pair]
 
 
-def _serve_picked(models, prompt_ids, reference, monkeypatch, faults: str):
+def _serve_picked(models, prompt_ids, monkeypatch, faults: str):
     """The picked prompts through a target engine whose proposer is a real draft server with these faults;
     checks the output is the target's own and returns (proposer stats, prefill state, breaker, engine). The draft
     server is on loopback: whether it shares our cores is left to the steps' timings (no prior from the host)."""
     monkeypatch.setattr("target_worker.draft_client.likely_shares_cores", lambda *_: False)
-    ref = reference("llama", 32)
     picked = _pick(prompt_ids)
+    ref = [hf_greedy(models["llama"], p, 32) for p in picked]
     monkeypatch.setenv("STARJAR_DRAFT_FAULTS", faults)
     with BackgroundDraftServer(models["draft"]) as srv:
         rp = RemoteProposer(srv.address, models["llama"].fingerprint, "t", deadline_s=0.4,
@@ -38,20 +37,20 @@ def _serve_picked(models, prompt_ids, reference, monkeypatch, faults: str):
         try:
             assert rp.wait_attached(10)
             eng = TargetEngine(models["llama"], rp, FixedGamma(3), EngineConfig(max_batch_size=1))
-            reqs = eng.generate([prompt_ids[i] for i in picked], SamplingParams(max_tokens=32))
-            assert [r.output_ids for r in reqs] == [ref[i] for i in picked]
+            reqs = eng.generate(picked, SamplingParams(max_tokens=32))
+            assert [r.output_ids for r in reqs] == ref
             return rp.stats, rp._prefills, rp.breaker, eng
         finally:
             rp.close()
 
 
-def test_long_prompts_neither_wait_out_deadlines_nor_open_the_breaker(models, prompt_ids, reference, monkeypatch):
+def test_long_prompts_neither_wait_out_deadlines_nor_open_the_breaker(models, prompt_ids, monkeypatch):
     """Each token the draft prefills costs 5 ms here, so a 160-token prompt takes 0.8 s against a 0.4 s deadline.
     Before: such a prompt's round missed the deadline, its resend missed it again, the next was a backlog, and
     the breaker opened (the demo's 769-token prompts: 78 steps without drafts behind it). Now the server's own
     timings predict the miss: the round is sent, nobody waits for it, and later rounds wait for its answer
     without counting against the breaker."""
-    stats, prefills, breaker, eng = _serve_picked(models, prompt_ids, reference, monkeypatch,
+    stats, prefills, breaker, eng = _serve_picked(models, prompt_ids, monkeypatch,
                                                   "catchup_ms_per_token=5")
     assert breaker.opened == 0
     # The teaching prompt gives the rate before the first long one (one miss allowed: a busy machine).
@@ -107,13 +106,13 @@ def test_a_released_sequence_is_not_held_again_by_a_late_answer_and_a_lost_round
 
 
 def test_where_the_draft_prefills_on_our_cores_steps_wait_for_it_instead_of_decoding_beside_it(
-        models, prompt_ids, reference, monkeypatch):
+        models, prompt_ids, monkeypatch):
     """The draft's prefill here computes (a busy loop holding the CPU and the GIL), as a draft server on the
     target's own cores does: a step decoded beside it is far slower than a step between rounds. After the
     first such step, prompt rounds are waited on for their predicted time instead: few steps decode alone,
     the breaker stays shut, the output is the target's own."""
     for _ in range(3):
-        stats, prefills, breaker, eng = _serve_picked(models, prompt_ids, reference, monkeypatch,
+        stats, prefills, breaker, eng = _serve_picked(models, prompt_ids, monkeypatch,
                                                       "catchup_ms_per_token=5,catchup_busy=1")
         # The busy loop and the engine take turns on the GIL, and now and then (about 1 run in 6 on a 2-core
         # Zen 5 EPYC) the loop is the one kept waiting: every step beside the prefill stays fast (1.6-2.5 ms
