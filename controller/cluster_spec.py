@@ -7,7 +7,9 @@ the environment a local Ray cluster needs on a single host.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 from controller.frontend_limits import (
     DEFAULT_MAX_REQUESTS,
@@ -40,14 +42,41 @@ def is_draft_name(name: str) -> bool:
     return name == DRAFT or (name.startswith(DRAFT + "-") and name[len(DRAFT) + 1:].isdigit())
 
 
-# A single-host cluster: keep Ray on loopback and without token auth (every process here is ours).
-LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-                 "RAY_USAGE_STATS_ENABLED": "0"}
+# A single-host cluster: Ray on loopback. Its control plane requires Ray's own token (local_ray_env): any local
+# process that reaches the GCS could otherwise run code in the cluster and read its secrets.
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+RAY_TOKEN_FILE = "ray_auth_token"  # in the run directory, beside spec.json; a fresh one per local cluster
 
 
-def local_ray_env() -> None:
+def local_ray_env(run: str | os.PathLike | None = None) -> dict[str, str]:
+    """Set os.environ for a process that starts or joins the local cluster whose run directory is `run`
+    ($STARJAR_HOME/run by default): Ray's token authentication on, its token read from the file there.
+    Call it before ray.init (Ray reads these there, and every process Ray starts inherits them). Returns the
+    Ray variables, for a subprocess's environment."""
+    if run is None:
+        from controller.local_cluster import run_dir
+
+        run = run_dir()
     for k, v in LOCAL_RAY_ENV.items():
         os.environ.setdefault(k, v)
+    # Ray prefers RAY_AUTH_TOKEN to the file: one meant for another cluster must not stand in for this one's.
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(Path(run).resolve() / RAY_TOKEN_FILE)}
+    os.environ.update(auth)
+    reload_ray_auth()
+    return {**{k: os.environ[k] for k in LOCAL_RAY_ENV}, **auth}
+
+
+def reload_ray_auth() -> None:
+    """Ray caches its auth mode and token per process: one that has loaded Ray already (a test joining one
+    cluster after another) must re-read them; not while connected, where they are in use. The config first:
+    Ray's own tests reset them in this order."""
+    ray = sys.modules.get("ray")
+    if ray is not None and not ray.is_initialized():
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 @dataclass

@@ -43,7 +43,7 @@ def _draft_slots(spec: ClusterSpec) -> int:
 def _start_ray(spec: ClusterSpec, stop: threading.Event) -> None:
     import ray
 
-    _say(progress="starting Ray (local, loopback only)")
+    _say(progress="starting Ray (local, loopback only, token authentication)")
     ray.init(namespace=NAMESPACE, include_dashboard=False, num_cpus=os.cpu_count(), num_gpus=None,
              resources={"starjar_draft": _draft_slots(spec), "starjar_target": spec.targets},
              _node_ip_address="127.0.0.1",
@@ -77,7 +77,9 @@ def _write_state(state_file: str, addrs: dict, spec: ClusterSpec) -> None:
     state = {"keeper_pid": os.getpid(), "ray_address": ray.get_runtime_context().gcs_address,
              "addresses": addrs, "pids": pids, "started": time.time(), "drain_timeout_s": spec.drain_timeout_s}
     tmp = Path(state_file + ".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
+    tmp.unlink(missing_ok=True)  # owner-only from its first byte, whatever the umask: it names the GCS
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(json.dumps(state, indent=1))
     tmp.replace(state_file)  # atomic: `starjar down` never reads half a file
 
 
@@ -115,7 +117,7 @@ def _hold(spec: ClusterSpec, state_file: str, stop: threading.Event) -> None:
 
 def keeper_main(spec_path: str, state_file: str) -> int:
     """The keeper process: owns the local Ray cluster until SIGTERM."""
-    local_ray_env()
+    local_ray_env(Path(spec_path).parent)  # Ray's token auth, with the token start_local wrote beside the spec
     share_cores()  # Ray's workers inherit it
     stop = threading.Event()
     _catch_stop(stop)

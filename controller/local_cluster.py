@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from controller.cluster_spec import ClusterSpec
+from controller.cluster_spec import RAY_TOKEN_FILE, ClusterSpec
 from starjar.errors import StarjarError
 
 
@@ -102,15 +102,16 @@ def start_local(spec: ClusterSpec) -> dict:
     if state is not None:
         raise StarjarError(f"a starjar cluster is already running (keeper pid {state['keeper_pid']}); "
                            "run `starjar down` first")
-    run_dir().mkdir(parents=True, exist_ok=True)
+    run_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
     log_path = run_dir() / "cluster.log"
     spec_path = run_dir() / "spec.json"
     # No cluster runs: an earlier one's SD file and token would send Prometheus to dead ports with a stale token
     # until the controller writes this one's.
     _remove_scrape_files(_read_spec())
-    spec_path.unlink(missing_ok=True)  # created afresh, owner-only from its first byte: it may hold the tokens
-    with os.fdopen(os.open(spec_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        f.write(json.dumps(spec.to_dict()))
+    _write_private(spec_path, json.dumps(spec.to_dict()))  # it holds the tokens
+    # Ray's control plane requires this token (the keeper and every process joining it read it, see
+    # local_ray_env): without it, any local process could join Ray and run code as this user.
+    _write_private(run_dir() / RAY_TOKEN_FILE, secrets.token_hex(32))
     with open(log_path, "ab") as log_file:
         keeper = subprocess.Popen([sys.executable, "-m", "controller.keeper", str(spec_path), str(state_path())],
                                   stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
@@ -131,6 +132,13 @@ def start_local(spec: ClusterSpec) -> dict:
     keeper.wait(timeout=60)
     _remove_scrape_files(spec.to_dict())  # what the controller wrote before the start failed
     raise StarjarError(f"the cluster did not start; see {log_path}:\n" + _tail(log_path))
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Created afresh, owner-only from its first byte."""
+    path.unlink(missing_ok=True)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(text)
 
 
 def _tail(path: Path, n: int = 15) -> str:
@@ -158,6 +166,7 @@ def stop_local() -> tuple[int, int] | None:
             pass
     path.unlink(missing_ok=True)
     _remove_scrape_files(_read_spec())  # after the controller is gone: nothing writes them again
+    (run_dir() / RAY_TOKEN_FILE).unlink(missing_ok=True)  # after every Ray process: none reads it again
     return len(pids) + 1, len(left)
 
 

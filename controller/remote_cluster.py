@@ -3,9 +3,22 @@ stopped there, by name. Nothing runs on this machine in between."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 
-from controller.cluster_spec import CONTROLLER, NAMESPACE, READY_TIMEOUT_S, ClusterSpec
+from controller.cluster_spec import CONTROLLER, NAMESPACE, READY_TIMEOUT_S, ClusterSpec, reload_ray_auth
+
+
+def _ray_auth_if_token() -> None:
+    """Ray's token auth when a Ray token is at hand and RAY_AUTH_MODE says nothing: Ray itself turns it on
+    only for address "auto", and a cluster started with RAY_AUTH_MODE=token refuses a driver without it."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    if (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+            or (Path.home() / ".ray" / "auth_token").is_file()):
+        os.environ["RAY_AUTH_MODE"] = "token"
+        reload_ray_auth()
 
 
 def start_remote(spec: ClusterSpec, address: str) -> dict:
@@ -14,6 +27,7 @@ def start_remote(spec: ClusterSpec, address: str) -> dict:
 
     from controller.controller_actor import HEAD, Controller, actor_options
 
+    _ray_auth_if_token()
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     ctl = ray.remote(Controller).options(**actor_options(CONTROLLER, HEAD)).remote(spec.to_dict())
     return ray.get(ctl.wait_ready.remote(READY_TIMEOUT_S))
@@ -24,6 +38,7 @@ def stop_remote(address: str, on_drain: Callable[[float], None]) -> bool:
     limit before it starts."""
     import ray
 
+    _ray_auth_if_token()
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     try:
         ctl = ray.get_actor(CONTROLLER, namespace=NAMESPACE)

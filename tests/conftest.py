@@ -8,8 +8,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-# Ray reads these when it is imported: tests join their own loopback clusters, without token auth.
-for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+# Ray reads these when it is imported: tests join their own loopback clusters, each with its own Ray token
+# (controller.cluster_spec.local_ray_env names the file).
+for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
                "RAY_USAGE_STATS_ENABLED": "0"}.items():
     os.environ.setdefault(_k, _v)
 

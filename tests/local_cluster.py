@@ -29,7 +29,7 @@ def up_cluster(tmp_path_factory, *up_args: str):
 
     from controller.cluster_spec import CONTROLLER, NAMESPACE, local_ray_env
 
-    local_ray_env()
+    local_ray_env(home / "run")  # Ray's token auth, with this cluster's token
     ray.init(address=state["ray_address"], namespace=NAMESPACE, log_to_driver=False)
     try:
         yield addrs, ray.get_actor(CONTROLLER, namespace=NAMESPACE)

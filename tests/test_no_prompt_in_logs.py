@@ -122,7 +122,7 @@ def test_marker_in_every_prompt_reaches_no_log_and_no_file_cluster(model_dirs, t
     addrs = json.loads(up.stdout.strip().splitlines()[-1])
     state = json.loads((home / "run" / "cluster.json").read_text())
     try:
-        local_ray_env()
+        local_ray_env(home / "run")
         session = Path(ray.init(address=state["ray_address"], namespace=NAMESPACE,
                                 log_to_driver=False).address_info["session_dir"])
         ray.shutdown()

@@ -59,7 +59,7 @@ def controller(cluster):
 
     from controller.cluster_spec import CONTROLLER, NAMESPACE, local_ray_env
 
-    local_ray_env()
+    local_ray_env(cluster["home"] / "run")  # this cluster's Ray token
     ray.init(address=cluster["state"]["ray_address"], namespace=NAMESPACE, log_to_driver=False)
     return ray.get_actor(CONTROLLER, namespace=NAMESPACE)
 
