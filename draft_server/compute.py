@@ -10,6 +10,12 @@ unfinished jobs, so a round that arrives while others are mid-way joins the
 next pass (it waits at most one pass, not a whole batch). A round is
 answered as soon as its own drafts are done. Fifo mode takes one round and
 finishes it before looking at the queue again, as StarSD does.
+
+In both modes a pass feeds every draft step but only a bounded amount of
+catch-up (prompts, resyncs), shared fairly between targets
+(draft_server.fair_share): one target's huge rounds cannot hold the loop
+while another's wait. When no round is in flight, a KV cache left mostly
+empty by a burst is shrunk and the memory given back.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from draft_server.engine import DraftEngine, DraftJob
+from draft_server import fair_share
+from draft_server.engine import MAX_FEED, DraftEngine, DraftJob
 from draft_server.faults import FaultPlan, Faults
 from draft_server.stats import ServerStats
 from draft_server.work_queue import ReleaseWork, RoundWork, WorkQueue
@@ -43,9 +50,10 @@ class _Active:
 
 class ComputeLoop(threading.Thread):
     def __init__(self, engine: DraftEngine, queue: WorkQueue, stats: ServerStats, mode: str = "batched",
-                 max_batch_rounds: int = 64, faults: Faults | None = None, tide=None):
-        """mode and max_batch_rounds: DraftServerConfig's. batched: rounds join the passes in flight
-        (continuous batching, at most max_batch_rounds at once); fifo: one round at a time.
+                 max_batch_rounds: int = 64, faults: Faults | None = None, tide=None,
+                 pass_catchup_tokens: int = MAX_FEED):
+        """mode, max_batch_rounds and pass_catchup_tokens: DraftServerConfig's. batched: rounds join the passes in
+        flight (continuous batching, at most max_batch_rounds at once); fifo: one round at a time.
         tide: draft_server.tide.Tide (online adaptation: sees each answered round, trains when idle)."""
         super().__init__(name="draft-compute", daemon=True)
         self.engine = engine
@@ -55,6 +63,7 @@ class ComputeLoop(threading.Thread):
         self.max_batch_rounds = max_batch_rounds
         self.faults = faults or Faults(FaultPlan())
         self.tide = tide
+        self.pass_catchup_tokens = pass_catchup_tokens
         # The engine is this thread's; the offload check (from the server's sweeper) takes this lock too.
         self.lock = threading.Lock()
         self.last_round_s = time.perf_counter()
@@ -92,6 +101,8 @@ class ComputeLoop(threading.Thread):
             try:
                 with self.lock:
                     self._iterate(items)
+                    if not self._active and not self._held:  # between rounds, so no pass in flight grows it right back
+                        self.engine.shrink_cache()
                     self._give_back_outgrown_cache()
             except Exception:  # a bug here must not kill drafting for everyone
                 log.exception("draft pass failed; its rounds get resync answers")
@@ -141,7 +152,8 @@ class ComputeLoop(threading.Thread):
         es = self.engine.stats
         passes0, pass_s0, drafted0 = es.passes, es.catchup_s + es.step_s, es.drafted_tokens
         trees0 = (es.tree_jobs, es.tree_nodes, es.tree_expand_s)
-        jobs = [j for a in self._active for _, j in a.jobs if not j.done]
+        jobs = fair_share.plan([(a.work.tag, [j for _, j in a.jobs if not j.done]) for a in self._active],
+                               self._catchup_budget())
         if jobs:
             self.engine.advance(jobs)
             self.faults.after_pass()
@@ -162,6 +174,14 @@ class ComputeLoop(threading.Thread):
             a.work.reply(a.work, replies, wait, service, len(finished) + len(self._active))
         if self.tide is not None and finished:  # after every reply: learning stays off the rounds' path
             self._observe(self.tide, finished)
+
+    def _catchup_budget(self) -> int:
+        """Catch-up tokens for the next pass: a whole pass while one target has rounds in flight and nothing
+        waits (nobody to be fair to: its prompts go at full speed); pass_catchup_tokens, shared, otherwise."""
+        owners = {a.work.tag for a in self._active} | {w.tag for w in self._held}
+        if len(owners) <= 1 and not len(self.queue):
+            return max(self.pass_catchup_tokens, self.engine.max_pass_tokens)
+        return self.pass_catchup_tokens
 
     def _observe(self, tide, finished) -> None:
         """Show the adaptation the finished rounds. A failing observer is switched off, as a failing trainer

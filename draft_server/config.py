@@ -17,6 +17,15 @@ class DraftServerConfig:
     port: int = 0  # 0 = any free port
     mode: str = "batched"  # batched: one draft pass for all pending rounds; fifo: one round at a time
     max_targets: int = 8  # N_max: attached targets admitted at once
+    # Sessions one caller may hold (refused with reason "caller" past it); None: only N_max bounds them. The
+    # caller is the client certificate's subject and the peer's host: without mutual TLS, every target of a
+    # one-host cluster is the same caller, so set it to the most targets one host (or certificate) runs.
+    max_targets_per_caller: int | None = None
+    # An Attach under the worker id of an attached session replaces it (a restarted target gets its slot back)
+    # once that session is this old, and, from another caller, once it has had no round for this long. Until
+    # then the Attach is refused (reason "worker_id"): two processes under one id do not evict each other as
+    # fast as they can attach, and another caller never displaces a live target.
+    reclaim_after_s: float = 2.0
     max_sequences_per_target: int = 256
     max_tokens_per_sequence: int = 8192
     max_gamma: int = 16
@@ -25,6 +34,9 @@ class DraftServerConfig:
     max_message_bytes: int = 4 << 20
     lease_s: float = 60.0  # unused sequences and stream-less tags are reclaimed after this
     max_batch_rounds: int = 64  # cap on rounds merged into one batch
+    # Catch-up tokens (prompts, resyncs) one draft pass feeds, shared fairly between targets: how long one
+    # target's prompts may keep another's rounds waiting (draft_server.fair_share). Draft steps always ride.
+    pass_catchup_tokens: int = 512
     # Offload (Nightjar section 6): after this many seconds without a round (every target speculation-free),
     # move the draft weights to host memory and drop all draft KV; the next round reloads in the background.
     offload_after_s: float | None = None
@@ -51,10 +63,14 @@ class DraftServerConfig:
         for name, lo, hi in (("max_targets", 0, 4096), ("max_sequences_per_target", 1, 65536),
                              ("max_tokens_per_sequence", 2, 1 << 20), ("max_gamma", 1, 64), ("max_tree_width", 1, 16),
                              ("max_tree_nodes", 1, 256),
-                             ("max_message_bytes", 1024, 1 << 30), ("max_batch_rounds", 1, 4096)):
+                             ("max_message_bytes", 1024, 1 << 30), ("max_batch_rounds", 1, 4096),
+                             ("pass_catchup_tokens", 16, 1 << 20)):
             v = getattr(self, name)
             if not lo <= v <= hi:
                 raise InvalidArgument(name, f"must be in [{lo}, {hi}]", v)
+        if self.max_targets_per_caller is not None and not 1 <= self.max_targets_per_caller <= 4096:
+            raise InvalidArgument("max_targets_per_caller", "must be in [1, 4096] (or unset: no cap)",
+                                  self.max_targets_per_caller)
         if self.offload_after_s is not None and not self.offload_after_s > 0:
             raise InvalidArgument("offload_after_s", "must be > 0 (or unset: never offload)", self.offload_after_s)
         for name in ("max_kv_tokens", "max_kv_tokens_per_target"):
@@ -68,5 +84,7 @@ class DraftServerConfig:
         for name in ("keepalive_s", "keepalive_timeout_s", "stream_idle_s"):  # gRPC takes them as int32 ms
             if not 0 < getattr(self, name) <= MAX_INTERVAL_S:
                 raise InvalidArgument(name, f"must be in (0, {MAX_INTERVAL_S}] seconds", getattr(self, name))
+        if not 0 <= self.reclaim_after_s <= MAX_INTERVAL_S:
+            raise InvalidArgument("reclaim_after_s", f"must be in [0, {MAX_INTERVAL_S}] seconds", self.reclaim_after_s)
         if not self.lease_s > 0:
             raise InvalidArgument("lease_s", "must be > 0", self.lease_s)

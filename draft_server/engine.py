@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+from draft_server.kv_pool import MIN_LENGTH, MIN_SLOTS, DraftKVCache
 from draft_server.tree_draft import BeamTree, fit_width
 from starjar.grouped_forward import grouped_forward
 from starjar.models import LoadedModel, kv_bytes_per_token
@@ -60,6 +61,9 @@ class DraftJob:
     drafts: list[int] = field(default_factory=list)
     passes: int = 0
     beam: BeamTree | None = None  # a candidate tree instead of a chain (draft_server.tree_draft)
+    # Catch-up tokens its next pass may feed, at least 1 (the compute loop's fair share, draft_server.fair_share);
+    # None: a whole chunk.
+    allow: int | None = None
 
     @property
     def done(self) -> bool:
@@ -215,14 +219,20 @@ class DraftEngine:
         return replies, jobs
 
     def advance(self, jobs: Sequence[DraftJob]) -> None:
-        """One forward pass for every unfinished job: each gains one draft token."""
+        """One forward pass for every unfinished job: each gains one draft token, or feeds the next chunk of its
+        catch-up (at most its `allow`)."""
         live = [j for j in jobs if not j.done]
         # A new sequence's whole prompt goes in its own pass; a usual round's catch-up (accepted drafts + the
         # bonus token) is short enough to ride with the one-token steps.
         cap = min(MAX_FEED, self.max_pass_tokens)
         if any(len(j.feed) > cap for j in live):  # a prompt over several passes: the cache grows once, up front
             self.cache.reserve(max(self.cache.lengths[j.seq.slot] + len(j.feed) + j.gamma for j in live))
-        for step in grouped_forward(self.model, self.cache, live, lambda j: j.feed[:cap], lambda j: j.seq.slot,
+
+        def chunk(j: DraftJob) -> list[int]:
+            # A tree job's beam pass feeds all its beams at once; only a catch-up may be cut.
+            return j.feed if j.beam is not None and j.passes else j.feed[:min(cap, j.allow or cap)]
+
+        for step in grouped_forward(self.model, self.cache, live, chunk, lambda j: j.seq.slot,
                                     short=SHORT_FEED, max_pass_tokens=self.max_pass_tokens,
                                     tree=_tree_row, last=_logit_rows, max_gather_cells=self.max_gather_cells):
             if all(j.passes == 0 for j in step.rows):
@@ -273,10 +283,23 @@ class DraftEngine:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _new_cache(self):
-        cache = self.model.new_cache()
-        cache.max_cells = self.max_kv_tokens
-        return cache
+    def _new_cache(self) -> DraftKVCache:
+        return DraftKVCache(self.model.device, self.model.cache_dtype, self.max_kv_tokens)
+
+    def shrink_cache(self) -> bool:
+        """Give back KV memory a burst left: when what the live sequences hold, with room to double in slots
+        and in length, is at most a quarter of the cache, reallocate it to that. Call between passes (no job
+        in flight). Whether it shrank."""
+        slots, length = self.cache.capacity
+        want_slots = max(MIN_SLOTS, _power_of_two(2 * self.cache.num_slots))
+        want_length = max(MIN_LENGTH, _power_of_two(2 * max(self.cache.lengths, default=0)))
+        if 4 * want_slots * want_length > slots * length or not self.cache.shrink(want_slots, want_length):
+            return False
+        if self.model.device.type == "cuda":  # else the freed buffers stay with torch's caching allocator
+            import torch
+
+            torch.cuda.empty_cache()
+        return True
 
     def _record(self, req: DraftRequest) -> _DraftSeq | None:
         """Apply a delta; None when the prefix before req.start is unknown (resync: the target resends the
@@ -339,6 +362,11 @@ class DraftEngine:
             self._owner_tokens[owner] = left
         else:
             self._owner_tokens.pop(owner, None)
+
+
+def _power_of_two(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _tree_row(job: DraftJob):

@@ -21,7 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starjar.metrics import BATCH_BUCKETS, FAST_BUCKETS, new_registry
 
 P = "starjar_draft_"
-REFUSAL_REASONS = ("admission", "fingerprint", "draining", "invalid")  # exported at 0 until they happen
+# Exported at 0 until they happen.
+REFUSAL_REASONS = ("admission", "caller", "worker_id", "fingerprint", "draining", "invalid")
 
 
 class DraftMetrics:

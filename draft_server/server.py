@@ -48,7 +48,7 @@ class DraftServer:
         self.metrics = DraftMetrics(self, draft_name)  # reads the server's state only when scraped
         self.stats = ServerStats(observer=self.metrics)
         self.queue = make_queue(cfg.mode, cfg.max_batch_rounds)
-        self.sessions = SessionTable(cfg.max_targets)
+        self.sessions = SessionTable(cfg.max_targets, cfg.max_targets_per_caller, cfg.reclaim_after_s)
         allocator.keep_scratch_in_heap()  # the compute loop gives outgrown KV copies back (see there)
         self.kv_budget = kv_budget(model, cfg)
         engine = DraftEngine(model, max_sequences=cfg.max_targets * cfg.max_sequences_per_target,
@@ -57,7 +57,7 @@ class DraftServer:
         self.faults = Faults()  # chaos tests only: inert unless STARJAR_DRAFT_FAULTS is set
         self.tide = Tide(model, cfg.tide) if cfg.tide is not None else None
         self.compute = ComputeLoop(engine, self.queue, self.stats, cfg.mode, cfg.max_batch_rounds, self.faults,
-                                   self.tide)
+                                   self.tide, cfg.pass_catchup_tokens)
         vocab_size, tok_hash = model.fingerprint.split(":", 1)
         self.service = DraftService(cfg, self.sessions, self.queue, self.stats, (int(vocab_size), tok_hash),
                                     draft_name=draft_name, vocab_size=model.vocab_size, faults=self.faults)

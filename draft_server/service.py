@@ -69,10 +69,15 @@ class DraftService(pb_grpc.DraftServiceServicer):
             raise self._refused("fingerprint", FailedPrecondition(
                 f"fingerprint: the target's tokenizer must equal the draft's (vocab_size {self.fingerprint[0]}, "
                 f"tokenizer_hash {self.fingerprint[1]})", reason="fingerprint"))
+        caller = caller_identity(context)
         try:
-            s = self.sessions.attach(request.worker_id, caller_identity(context), request.no_training)
+            s, old = self.sessions.attach(request.worker_id, caller, request.no_training)
         except AdmissionRefused as exc:
             raise self._refused(exc.reason, exc) from None
+        if old is not None:  # the worker restarted (or attached again): its old session goes, KV and all
+            self._free(old, "replaced")
+            if old.caller != caller:
+                log.warning("worker %s attached from another caller: its old session was replaced", s.worker_id)
         self.stats.worker_attached(s.worker_id)
         log.info("attached worker %s (%d/%d targets)", s.worker_id, len(self.sessions), self.sessions.max_targets)
         c = self.cfg
@@ -143,6 +148,10 @@ class DraftService(pb_grpc.DraftServiceServicer):
         """Free a session's sequences and slot, and end its stream if one is open (on the event loop)."""
         if self.sessions.detach(session.tag) is None:
             return 0
+        return self._free(session, why)
+
+    def _free(self, session: Session, why: str) -> int:
+        """A session out of the table: end its stream, free its sequences; how many were freed."""
         if session.end_stream is not None:
             session.end_stream(why)
         ids = list(session.seq_last_used)

@@ -5,6 +5,20 @@ is bound to at most one open Speculate stream; when that stream ends the tag
 is detached and its sequences freed. Tags attached but never streamed are
 reclaimed after the lease. Lookups of unknown tags all fail the same way, so
 a caller learns nothing about which tags exist.
+
+A worker id holds at most one session: a new Attach with the id of an
+attached session replaces it, so a restarted target, or one whose connection
+broke without the server noticing, gets its slot back at once instead of
+waiting for the lease or a keepalive timeout. Not when that session is
+younger than reclaim_after_s (two live processes under one id would evict
+each other as fast as they can attach), nor when another caller attaches
+while the session is live (a round within reclaim_after_s): those are refused
+with reason "worker_id". The replacement starts empty under a fresh tag and
+the old tag stops working, so whoever attaches under a copied id gains
+nothing of the old session: its sequences are freed, never handed over. Only
+a caller the server authenticated reaches Attach at all.
+Optionally each caller (starjar.security.caller_identity) holds at most
+max_per_caller sessions, so one caller cannot take every slot.
 """
 
 from __future__ import annotations
@@ -28,7 +42,8 @@ class UnknownTag(NotFound, LookupError):
 
 
 class AdmissionRefused(ServerBusy):
-    """N_max targets are attached (RESOURCE_EXHAUSTED, the reason first in the message too)."""
+    """N_max targets are attached ("admission"), the caller holds its cap of sessions ("caller"), or the worker
+    id's session is live ("worker_id") (RESOURCE_EXHAUSTED, the reason first in the message too)."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"reason={reason}: {detail}", reason)
@@ -54,22 +69,51 @@ class Session:
 class SessionTable:
     """Thread-safe: the gRPC loop and the compute thread both consult it."""
 
-    def __init__(self, max_targets: int):
+    def __init__(self, max_targets: int, max_per_caller: int | None = None, reclaim_after_s: float = 2.0):
+        """max_per_caller: sessions one caller may hold (None: only N_max bounds them). reclaim_after_s: how old a
+        session must be before an Attach of its worker id replaces it, and, for an Attach from another caller,
+        how long it must have had no round."""
         self.max_targets = max_targets
+        self.max_per_caller = max_per_caller
+        self.reclaim_after_s = reclaim_after_s
         self._by_tag: dict[bytes, Session] = {}
         self._lock = threading.Lock()
         self.refused_admission = 0
 
-    def attach(self, worker_id: str, caller: str = "", no_training: bool = False) -> Session:
+    def attach(self, worker_id: str, caller: str = "", no_training: bool = False) -> tuple[Session, Session | None]:
+        """A new session, and the session of the same worker id it replaced, if there was one (already out of the
+        table and marked detached: the service frees its sequences and ends its stream)."""
         with self._lock:
-            if len(self._by_tag) >= self.max_targets:
+            old = next((s for s in self._by_tag.values() if s.worker_id == worker_id), None)
+            if old is not None:
+                self._check_replaceable(old, caller)
+            others = [s for s in self._by_tag.values() if s is not old]
+            if len(others) >= self.max_targets:
                 self.refused_admission += 1
-                raise AdmissionRefused("admission", f"{len(self._by_tag)} targets attached; N_max is "
-                                       f"{self.max_targets}")
+                raise AdmissionRefused("admission", f"{len(others)} targets attached; N_max is {self.max_targets}")
+            mine = sum(s.caller == caller for s in others)
+            if self.max_per_caller is not None and mine >= self.max_per_caller:
+                raise AdmissionRefused("caller", f"this caller holds {mine} sessions; the cap per caller is "
+                                       f"{self.max_per_caller}")
+            if old is not None:
+                del self._by_tag[old.tag]
+                old.detached = True
             tag = secrets.token_bytes(TAG_BYTES)
             s = Session(tag=tag, worker_id=worker_id, caller=caller, no_training=no_training)
             self._by_tag[tag] = s
-            return s
+            return s, old
+
+    def _check_replaceable(self, old: Session, caller: str) -> None:
+        """Refuse ("worker_id") an Attach that may not replace `old` yet (see the module's notes)."""
+        now, wait = time.monotonic(), self.reclaim_after_s
+        if now - old.attached_s < wait:
+            why = f"it attached {now - old.attached_s:.1f} s ago"
+        elif old.caller != caller and now - old.last_round_s < wait:
+            why = f"another caller's session had a round {now - old.last_round_s:.1f} s ago"
+        else:
+            return
+        raise AdmissionRefused("worker_id", f"worker {old.worker_id!r} is attached and live ({why}); it is "
+                               f"replaced once {wait:g} s old, by another caller once {wait:g} s without rounds")
 
     def get(self, tag: bytes, caller: str | None = None) -> Session:
         """caller: the RPC's caller, who must be the one that attached (None: the server itself)."""

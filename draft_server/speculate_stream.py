@@ -4,8 +4,12 @@ The reader task takes the target's rounds, turns each into work for the one
 global queue and stops reading while max_rounds_in_flight of them are in
 flight (HTTP/2 flow control then holds the target back). The compute thread
 hands each reply to `deliver`, which passes it to the event loop; the writer
-(`replies`, the RPC's response generator) sends it. Whatever ends the stream
-arrives on the same queue as the replies, so it is seen in order:
+(`replies`, the RPC's response generator) sends it. Replies go out in the
+order their rounds arrived, as draft.proto promises: the compute loop
+finishes a short round before a long one that came first, so the writer
+holds a finished reply until the earlier ones are sent (at most
+max_rounds_in_flight are ever held). Whatever ends the stream arrives on the
+same queue as the replies, so it is seen in order:
 - a StarjarError (a bad round, a full queue, draining, a detach, an idle
   stream): the writer raises it, and the server's interceptor maps it;
 - None (the target closed its side, or the server drains): the writer ends
@@ -15,6 +19,7 @@ arrives on the same queue as the replies, so it is seen in order:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -38,8 +43,11 @@ class SpeculateStream:
         self.session = session
         self.requests = requests
         self.loop = asyncio.get_running_loop()
-        self.out: asyncio.Queue = asyncio.Queue()  # replies, then a StarjarError or None
+        self.out: asyncio.Queue = asyncio.Queue()  # (number, reply) pairs, then a StarjarError or None
         self.in_flight = 0  # rounds queued whose reply the writer has not sent yet
+        self.received = 0  # rounds numbered so far, in arrival order
+        self.sent = 0  # the number of the next reply to send
+        self.finished: dict[int, pb.SpeculateResponse] = {}  # replies waiting for an earlier round's
         self.room = asyncio.Event()  # set while fewer than max_rounds_in_flight rounds are in flight
         self.room.set()
         self.reader_done = False
@@ -47,9 +55,12 @@ class SpeculateStream:
     # ---- ends, from the event loop --------------------------------------------------------
 
     def end(self, why: str) -> None:
-        """End the stream for its session: "detached" (by Release) or "idle" (no round for too long)."""
+        """End the stream for its session: "detached" (by Release), "replaced" (its worker attached again) or
+        "idle" (no round for too long)."""
         if why == "detached":
             self.out.put_nowait(NotFound("session: detached by Release", reason=why))
+        elif why == "replaced":
+            self.out.put_nowait(NotFound("session: replaced by a new Attach of the same worker", reason=why))
         else:
             idle_s = self.service.cfg.stream_idle_s
             self.out.put_nowait(NotServing(f"stream: no round for {idle_s:g} s", reason=why))
@@ -60,7 +71,9 @@ class SpeculateStream:
 
     # ---- the reply, from the compute thread -----------------------------------------------
 
-    def deliver(self, work: RoundWork, replies: list, wait_s: float, compute_s: float, batched: int) -> None:
+    def deliver(self, number: int, work: RoundWork, replies: list, wait_s: float, compute_s: float,
+                batched: int) -> None:
+        """number: the round's place on this stream (bound when it was queued)."""
         resp = pb.SpeculateResponse(round_id=work.round_id, timings=pb.RoundTimings(
             queue_wait_s=wait_s, compute_s=compute_s, batched_rounds=batched))
         for req, r in zip(work.requests, replies, strict=False):
@@ -73,7 +86,7 @@ class SpeculateStream:
                 d.path_probs.extend(r.path_probs)
             else:
                 d.tokens.extend(r)
-        self.loop.call_soon_threadsafe(self.out.put_nowait, resp)
+        self.loop.call_soon_threadsafe(self.out.put_nowait, (number, resp))
 
     # ---- reader and writer -----------------------------------------------------------------
 
@@ -111,14 +124,15 @@ class SpeculateStream:
             if len(svc.queue) >= cfg.max_queued_rounds:
                 svc.stats.queue_full += 1
                 raise ServerBusy(f"queue: {cfg.max_queued_rounds} rounds waiting", reason="queue_full")
-            work = svc.round_work(self.session, request, self.deliver)
+            work = svc.round_work(self.session, request, functools.partial(self.deliver, self.received))
+            self.received += 1
             self.in_flight += 1
             if self.in_flight >= cfg.max_rounds_in_flight:
                 self.room.clear()
             svc.queue.put(work)
 
     async def replies(self) -> AsyncIterator[pb.SpeculateResponse]:
-        """The writer: each reply as it comes; raises what ends the stream."""
+        """The writer: the replies in their rounds' order; raises what ends the stream."""
         while True:
             item = await self.out.get()
             if isinstance(item, Exception):
@@ -127,9 +141,14 @@ class SpeculateStream:
                 if self.in_flight == 0:
                     return
                 continue
-            self.in_flight -= 1
-            self.room.set()
-            yield item
+            number, resp = item
+            self.finished[number] = resp
+            while self.sent in self.finished:
+                resp = self.finished.pop(self.sent)
+                self.sent += 1
+                self.in_flight -= 1
+                self.room.set()
+                yield resp
             if (self.reader_done or self.service.draining) and self.in_flight == 0:
                 return
 

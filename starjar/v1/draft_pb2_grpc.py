@@ -62,9 +62,15 @@ class DraftServiceServicer:
     def Attach(self, request, context):
         """Handshake. Admits the target (a fresh 128-bit tag and the server's
         limits) or refuses it: RESOURCE_EXHAUSTED with trailing metadata
-        "starjar-reason: admission" once N_max targets are attached;
-        FAILED_PRECONDITION with "starjar-reason: fingerprint" when the target's
-        tokenizer is not the draft's.
+        "starjar-reason: admission" once N_max targets are attached, or
+        "starjar-reason: caller" once this caller holds the server's cap of
+        sessions; FAILED_PRECONDITION with "starjar-reason: fingerprint" when the
+        target's tokenizer is not the draft's. An Attach with the worker_id of an
+        attached session replaces that session (a restarted target gets its slot
+        back): the old tag stops working and its sequences are freed, none is
+        carried over. A session younger than the server's reclaim_after_s, or
+        another caller's session that had a round within it, is not replaced:
+        RESOURCE_EXHAUSTED with "starjar-reason: worker_id".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -74,7 +80,8 @@ class DraftServiceServicer:
         """One stream per attached target, bound to its tag by the metadata key
         "starjar-tag" (lowercase hex). An unknown tag, or a tag whose stream is
         already open, gets NOT_FOUND. Each request is one round; each response
-        answers the round with the same round_id, in order.
+        answers the round with the same round_id, in the order the rounds were
+        sent (a short round's reply waits for the replies of earlier rounds).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
