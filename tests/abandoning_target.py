@@ -4,6 +4,7 @@ Used by the leak tests: the process is SIGKILLed mid-session, so it never detach
 Usage: python abandoning_target.py HOST:PORT VOCAB:HASH SEQUENCES
 """
 
+import os
 import sys
 import threading
 
@@ -18,7 +19,8 @@ def main() -> None:
     vocab, tok_hash = fp.split(":", 1)
     ch = grpc.insecure_channel(address)
     stub = pb_grpc.DraftServiceStub(ch)
-    tag = stub.Attach(pb.AttachRequest(worker_id="abandoner", fingerprint=pb.ModelFingerprint(
+    # Each process is a target of its own: one worker id each (a live id is not handed to a second process).
+    tag = stub.Attach(pb.AttachRequest(worker_id=f"abandoner-{os.getpid()}", fingerprint=pb.ModelFingerprint(
         vocab_size=int(vocab), tokenizer_hash=tok_hash)), timeout=30).tag
     rounds = [pb.SpeculateRequest(round_id=r + 1, sequences=[
         pb.SequenceRound(seq_id=s + 1, start=0, tokens=[5 + (s + r + i) % 200 for i in range(64)], gamma=4)
