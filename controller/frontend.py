@@ -15,9 +15,11 @@ from aiohttp import web
 
 from controller.frontend_grpc import BAD_TOKEN, FrontendGenerateService
 from controller.frontend_limits import (
+    DEFAULT_HTTP_LIMITS,
     DEFAULT_MAX_REQUESTS,
     DEFAULT_REQUEST_TIMEOUT_S,
     FRONT_END_FULL,
+    HttpLimits,
     check_max_requests,
     check_request_timeout,
 )
@@ -44,10 +46,12 @@ def _new_loop() -> asyncio.AbstractEventLoop:
 class FrontEnd:
     def __init__(self, model_name: str, tokenizer, host: str = "127.0.0.1", grpc_port: int = 0,
                  http_port: int = 0, auth_token: str | None = None, max_requests: int = DEFAULT_MAX_REQUESTS,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, upstream: Security | None = None):
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, upstream: Security | None = None,
+                 http_limits: HttpLimits = DEFAULT_HTTP_LIMITS):
         """upstream: the cluster token and TLS of the calls to the target workers (auth_token is the users').
         max_requests: relays in flight at once before new requests are refused (429 / RESOURCE_EXHAUSTED);
-        request_timeout_s: the longest a request may take, queueing included (then 504 / DEADLINE_EXCEEDED)."""
+        request_timeout_s: the longest a request may take, queueing included (then 504 / DEADLINE_EXCEEDED);
+        http_limits: the HTTP port's header and body timeouts and body size limit."""
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.host = host
@@ -55,6 +59,7 @@ class FrontEnd:
         self.upstream = upstream
         self.max_requests = check_max_requests(max_requests)
         self.request_timeout_s = check_request_timeout(request_timeout_s)
+        self.http_limits = http_limits
         self._ports = (grpc_port, http_port)
         self.grpc_port: int | None = None
         self.http_port: int | None = None
@@ -89,10 +94,14 @@ class FrontEnd:
             raise OSError(f"cannot listen on {self.host}:{self._ports[0]} (gRPC)")
         await self._grpc.start()
         app = OpenAIServer(self.router, self.model_name, self.tokenizer, self.auth_token,
-                           request_timeout_s=self.request_timeout_s).app()
+                           request_timeout_s=self.request_timeout_s, limits=self.http_limits).app()
         # No access logs: they would carry client addresses. handler_cancellation: a client that disconnects
         # cancels its handler, and so its relays, even when nothing is being written to it (non-streaming).
-        self._http = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        # aiohttp's keep-alive timer runs from the connection (or the last response) until a request's headers
+        # are whole, and data arriving does not reset it: it is the header timeout.
+        limits = self.http_limits
+        self._http = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                                   keepalive_timeout=limits.header_timeout_s, lingering_time=limits.linger_s)
         await self._http.setup()
         site = web.TCPSite(self._http, self.host, self._ports[1])
         await site.start()

@@ -11,7 +11,10 @@ traceback; overload answers 429 with Retry-After and the machine-readable
 reason in "code" (queue_full: every worker's queue is full; front_end_full);
 a request that outlives the request timeout answers 504. A client that
 disconnects cancels its generation, streaming or not (the front end's
-AppRunner is made with handler_cancellation).
+AppRunner is made with handler_cancellation). A declared body past the limit
+answers 413 before any of it is read, one that does not arrive within the body
+timeout 408 (frontend_limits.HttpLimits); a large body is parsed and checked
+on a thread, so the event loop keeps streaming to everyone else meanwhile.
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 
 import grpc
 from aiohttp import web
 
 from controller.frontend_grpc import check_bearer, timed_out
-from controller.frontend_limits import DEFAULT_REQUEST_TIMEOUT_S, check_request_timeout
+from controller.frontend_limits import DEFAULT_HTTP_LIMITS, DEFAULT_REQUEST_TIMEOUT_S, HttpLimits, check_request_timeout
 from controller.openai_protocol import Envelope, HttpError, Parsed, parse_chat, parse_completions, parse_json
 from controller.router import TargetRouter
 from controller.stop_strings import StopStrings
@@ -36,7 +39,8 @@ from starjar.v1 import generate_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 4 << 20
+# A body up to this size is parsed on the event loop (well under a millisecond); a larger one on a thread.
+PARSE_ON_LOOP_BYTES = 64 << 10
 RETRY_AFTER_S = 1  # what a 429 asks the client to wait: queues here drain in about a step per request
 
 _HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
@@ -66,21 +70,34 @@ def _add_usage(tokens: list[int], end: dict) -> None:
 
 def _response(err: HttpError) -> web.Response:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 429 else None
-    return web.json_response(err.body(), status=err.status, headers=headers)
+    resp = web.json_response(err.body(), status=err.status, headers=headers)
+    if err.status in (408, 413):  # the rest of the body is not wanted: close once the answer is out
+        resp.force_close()
+    return resp
+
+
+def _too_large(limit: int) -> HttpError:
+    return HttpError(413, f"request body is larger than the limit of {limit} bytes ({limit / (1 << 20):g} MiB)",
+                     "body")
 
 
 class OpenAIServer:
     def __init__(self, router: TargetRouter, model_name: str, tokenizer, auth_token: str | None = None,
-                 created: int | None = None, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
+                 created: int | None = None, request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+                 limits: HttpLimits = DEFAULT_HTTP_LIMITS):
         self.router = router
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.auth_token = auth_token
         self.created = created or int(time.time())
         self.request_timeout_s = check_request_timeout(request_timeout_s)  # each relay, retries included
+        self.limits = limits
+        # One large body parsed at a time: json.loads holds the GIL for its whole run, so more parsing threads
+        # would only take more turns from the event loop, not finish sooner.
+        self._parsing = asyncio.Semaphore(1)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[self._errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -94,12 +111,14 @@ class OpenAIServer:
         if request.path.startswith("/v1/") and not check_bearer(request.headers.get("Authorization"),
                                                                 self.auth_token):
             return _response(HttpError(401, "missing or wrong bearer token", None, "authentication_error"))
+        if (request.content_length or 0) > self.limits.max_body_bytes:
+            return _response(_too_large(self.limits.max_body_bytes))  # refused unread
         try:
             return await handler(request)
         except HttpError as exc:
             return _response(exc)
-        except web.HTTPRequestEntityTooLarge:
-            return _response(HttpError(413, f"request body is larger than {MAX_BODY_BYTES} bytes"))
+        except web.HTTPRequestEntityTooLarge:  # a chunked body, which declares no length, past the limit
+            return _response(_too_large(self.limits.max_body_bytes))
         except web.HTTPException:
             raise
         except Exception as exc:
@@ -130,14 +149,32 @@ class OpenAIServer:
             {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "starjar"}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = parse_json(await request.read(), request.content_type)
-        return await self._respond(request, parse_completions(body, self.model_name), chat=False)
+        parsed = await self._parse(request, lambda body: parse_completions(body, self.model_name))
+        return await self._respond(request, parsed, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = parse_json(await request.read(), request.content_type)
-        parsed = parse_chat(body, self.model_name, bool(getattr(self.tokenizer, "chat_template", None)))
+        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        parsed = await self._parse(request, lambda body: parse_chat(body, self.model_name, has_template))
         parsed.add(ids=await asyncio.to_thread(self._apply_template, parsed.messages))
         return await self._respond(request, parsed, chat=True)
+
+    async def _parse(self, request: web.Request, check: Callable[[dict], Parsed]) -> Parsed:
+        """The body, read within the body timeout, as JSON and then checked by `check`: a large one on a thread
+        (a few megabytes of token ids take a few hundred milliseconds to parse and check)."""
+        try:
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
+            raise HttpError(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s",
+                            "body") from None
+        content_type = request.content_type
+
+        def work() -> Parsed:
+            return check(parse_json(raw, content_type))
+        if len(raw) <= PARSE_ON_LOOP_BYTES:
+            return work()
+        async with self._parsing:
+            return await asyncio.to_thread(work)
 
     def _apply_template(self, chat: list[dict]) -> list[int]:
         out = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)

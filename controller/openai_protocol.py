@@ -15,6 +15,7 @@ InvalidArgument (400, its field as "param"); what is not JSON, HttpError.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,9 @@ MAX_MESSAGES = 256
 MAX_STOPS, MAX_STOP_CHARS = 16, 256
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default
 CHAT_DEFAULT_MAX_TOKENS = 256
+# Where a lone UTF-16 surrogate can come from in a UTF-8 body: a \uD800-\uDFFF escape, or the bytes of one
+# (json.loads decodes with surrogatepass). A body with neither needs no second pass to look for one.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 class HttpError(Exception):
@@ -80,6 +84,8 @@ def parse_json(raw: bytes, content_type: str) -> dict:
         raise HttpError(400, f"malformed JSON body: {str(exc)[:200]}", "body") from None
     if not isinstance(body, dict):
         raise HttpError(400, "the JSON body must be an object", "body")
+    if json.detect_encoding(raw) == "utf-8" and not _MAYBE_SURROGATE.search(raw):
+        return body
     try:  # JSON may escape a lone UTF-16 surrogate ("\ud800"): not text, and no protobuf string takes it
         json.dumps(body, ensure_ascii=False).encode()
     except UnicodeEncodeError:

@@ -6,16 +6,16 @@ Names are `starjar_<component>_<what>_<unit>`: base units (seconds, bytes, ratio
 a batch-size bucket, a target worker's name): never a request id, a prompt, a
 tag or a client address. A registry per server (not the process-wide default)
 lets tests and benchmarks run several servers in one process.
+
+Every metrics port of a process is served by one event loop on one thread
+(starjar.metrics_http), so a connection costs a socket, not a thread; one that
+has not sent a whole request within the idle timeout is closed, and past
+METRICS_MAX_CONNECTIONS the oldest is dropped for the newest.
 """
 
 from __future__ import annotations
 
-import socket
-import threading
-from socketserver import ThreadingMixIn
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
-
-from prometheus_client import PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Gauge, make_wsgi_app
+from prometheus_client import PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Gauge
 
 from starjar.version import __version__
 
@@ -31,6 +31,10 @@ FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.0
                 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
+# Prometheus scrapes every 5-60 s over one kept-alive connection and sends its request at once.
+METRICS_IDLE_TIMEOUT_S = 10.0
+METRICS_MAX_CONNECTIONS = 256
+
 
 def new_registry(component: str, **models: str) -> CollectorRegistry:
     """A registry holding `starjar_build_info` for this component."""
@@ -43,29 +47,18 @@ def new_registry(component: str, **models: str) -> CollectorRegistry:
     return registry
 
 
-def serve(registry: CollectorRegistry, host: str, port: int = 0, token: str | None = None) -> int:
+def serve(registry: CollectorRegistry, host: str, port: int = 0, token: str | None = None,
+          idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S) -> int:
     """Serve /metrics for this registry (plus the process's CPU and memory) on host:port; returns the port.
     token: the cluster token; when set, a scrape must send `Authorization: Bearer <token>` (Prometheus:
-    `authorization.credentials_file`) and anything else gets 401, as every gRPC port of the cluster does."""
-    from starjar.security import token_matches
+    `authorization.credentials_file`) and anything else gets 401, as every gRPC port of the cluster does.
+    idle_timeout_s: how long a connection may take to send a whole request (the first, or the next one)."""
+    from starjar.metrics_http import serve_registry  # aiohttp, loaded only by a process that serves metrics
 
+    if isinstance(idle_timeout_s, bool) or not isinstance(idle_timeout_s, (int, float)) or not idle_timeout_s > 0:
+        raise ValueError(f"idle_timeout_s must be > 0 seconds, not {idle_timeout_s!r}")
     registry.register(_ProcessOnly())
-    metrics = make_wsgi_app(registry)
-
-    def app(environ, start_response):
-        if token_matches(environ.get("HTTP_AUTHORIZATION"), token):
-            return metrics(environ, start_response)
-        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
-                                            ("WWW-Authenticate", 'Bearer realm="starjar"')])
-        return [b"send the cluster token: Authorization: Bearer <token>\n"]
-
-    # The address family of the host given (an IPv6 host such as :: or ::1 needs AF_INET6), as prometheus_client's
-    # own server chooses it.
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    server_class = type("MetricsServer", (_ThreadingServer,), {"address_family": family})
-    server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
-    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
-    return server.server_port
+    return serve_registry(registry, host, port, token, idle_timeout_s)
 
 
 def scrape(address: str, token: str | None = None, timeout: float = 10.0) -> str:
@@ -76,15 +69,6 @@ def scrape(address: str, token: str | None = None, timeout: float = 10.0) -> str
     with urllib.request.urlopen(urllib.request.Request(f"http://{address}/metrics", headers=headers),
                                 timeout=timeout) as resp:
         return resp.read().decode()
-
-
-class _ThreadingServer(ThreadingMixIn, WSGIServer):
-    daemon_threads = True  # a stuck scrape never holds the process open
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format, *args):  # one line per scrape every 5 s is noise, not a log
-        pass
 
 
 class _ProcessOnly:
