@@ -111,14 +111,15 @@ def test_where_the_draft_prefills_on_our_cores_steps_wait_for_it_instead_of_deco
     target's own cores does: a step decoded beside it is far slower than a step between rounds. After the
     first such step, prompt rounds are waited on for their predicted time instead: few steps decode alone,
     the breaker stays shut, the output is the target's own."""
-    for _ in range(3):
+    for _ in range(6):  # about 4 s a try
         stats, prefills, breaker, eng = _serve_picked(models, prompt_ids, monkeypatch,
                                                       "catchup_ms_per_token=5,catchup_busy=1")
         # The busy loop and the engine take turns on the GIL, and now and then (about 1 run in 6 on a 2-core
         # Zen 5 EPYC) the loop is the one kept waiting: every step beside the prefill stays fast (1.6-2.5 ms
         # against 1.8 between rounds), there is no sharing to see, and 17 steps decoded alone. Such a run
         # shows nothing about waiting and is tried again.
-        if prefills.cores_shared:
+        # A run where the busy loop's first slow step came late also waits late: tried again as well.
+        if prefills.cores_shared and stats.fallbacks["draft_prefill"] <= 2:
             break
     assert prefills.cores_shared, ("no step beside the busy prefill was slowed", list(prefills.alone_steps),
                                    prefills.step_s)
