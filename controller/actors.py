@@ -67,7 +67,6 @@ class DraftServerActor:
         self.spec = ClusterSpec.from_dict(spec)
         _prepare_process(self.spec, self.spec.draft_threads)
         from draft_server.background import BackgroundDraftServer
-        from draft_server.config import DraftServerConfig
         from starjar.kernels import hand_threads_to_compute
         from starjar.models import load_model
 
@@ -75,8 +74,7 @@ class DraftServerActor:
         model = load_model(self.spec.draft, _device(self.spec), self.spec.dtype, what="draft")
         self.fingerprint = model.fingerprint  # the controller gives it only targets with this tokenizer
         hand_threads_to_compute()  # the draft compute thread owns the cores from here
-        cfg = DraftServerConfig(host=self.host, port=0, mode=self.spec.draft_mode, max_targets=self.spec.max_targets,
-                                max_batch_rounds=self.spec.max_batch_rounds)
+        cfg = self.spec.draft_server_config(self.host)
         self.server = BackgroundDraftServer(model, cfg, _security(self.spec)).start()
         registry = self.server.server.metrics.registry
         self.metrics = _start_metrics(registry, self.host, self.spec) if self.spec.metrics else None
@@ -212,7 +210,7 @@ class FrontEndActor:
         self.frontend = FrontEnd(name, tokenizer, self.spec.host, self.spec.grpc_port, self.spec.http_port,
                                  self.spec.auth_token, max_requests=self.spec.max_requests,
                                  request_timeout_s=self.spec.request_timeout_s,
-                                 upstream=_security(self.spec)).start()
+                                 upstream=_security(self.spec), http_limits=self.spec.http_limits()).start()
         self.metrics = _start_metrics(self.frontend.registry, self.node, self.spec) if self.spec.metrics else None
 
     def info(self) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from controller.frontend_limits import (
@@ -120,6 +120,10 @@ class ClusterSpec:
     # Tokens per verification pass: `up` fills it from the profile's verify_budget; None = each target
     # worker measures it at start.
     tree_budget: int | None = None
+    # Overrides of the draft servers' DraftServerConfig fields and the OpenAI port's HttpLimits fields, by field
+    # name (controller.config_flags: the flags that set them); the dataclasses hold the defaults.
+    draft_server: dict = field(default_factory=dict)
+    http: dict = field(default_factory=dict)
 
     def validate(self) -> ClusterSpec:
         if not os.path.isdir(self.target):
@@ -179,7 +183,22 @@ class ClusterSpec:
         if not 0 <= self.drain_timeout_s <= 3600:
             raise InvalidArgument("--drain-timeout", "must be in [0, 3600] seconds", self.drain_timeout_s)
         self._validate_tree()
+        self.draft_server_config()
+        self.http_limits()
         return self
+
+    def draft_server_config(self, host: str = "127.0.0.1"):
+        """Each draft server's config: the spec's own settings, then the overrides."""
+        from controller.config_flags import build_config
+        from draft_server.config import DraftServerConfig
+
+        return build_config(DraftServerConfig, host=host, port=0, mode=self.draft_mode, max_targets=self.max_targets,
+                            max_batch_rounds=self.max_batch_rounds, **self.draft_server)
+
+    def http_limits(self):
+        from controller.config_flags import http_limits
+
+        return http_limits(self.http)
 
     def _validate_tree(self) -> None:
         from starjar.token_tree import MAX_TREE_NODES

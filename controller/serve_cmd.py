@@ -12,6 +12,8 @@ import logging
 import os
 
 from controller.cli_flags import add_deprecated_alias, add_tree_flags, as_flag_error, check_port, tree_speculation
+from controller.config_flags import DRAFT_SERVER_FLAGS, add_config_flags, build_config, config_overrides
+from draft_server.config import DraftServerConfig
 from starjar.errors import InvalidArgument
 from starjar.policies import policy_help
 from target_worker.admission import DEFAULT_MAX_WAITING
@@ -64,6 +66,7 @@ def _add_draft_parser(ssub) -> None:
     d.add_argument("--device", default="cpu")
     d.add_argument("--dtype", default="float32")
     d.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    add_config_flags(d, DraftServerConfig, DRAFT_SERVER_FLAGS, "sharing between targets")
     add_security_flags(d)
 
 
@@ -142,19 +145,13 @@ def run_serve(args) -> int:
 
 
 def _draft_config(args):
-    from draft_server.config import DraftServerConfig
-
-    try:
-        return DraftServerConfig(host=args.host, port=args.port, mode=args.mode, max_targets=args.max_targets,
-                                 max_batch_rounds=args.max_batch_rounds,
-                                 max_sequences_per_target=args.max_sequences_per_target, max_gamma=args.max_gamma,
-                                 lease_s=args.lease, offload_after_s=args.offload_after,
-                                 max_kv_tokens=args.max_kv_tokens,
-                                 max_kv_tokens_per_target=args.max_kv_tokens_per_target,
-                                 keepalive_s=args.keepalive, stream_idle_s=args.stream_idle,
-                                 tide=_tide_config(args))
-    except InvalidArgument as exc:
-        raise as_flag_error(exc) from None
+    return build_config(DraftServerConfig, host=args.host, port=args.port, mode=args.mode,
+                        max_targets=args.max_targets, max_batch_rounds=args.max_batch_rounds,
+                        max_sequences_per_target=args.max_sequences_per_target, max_gamma=args.max_gamma,
+                        lease_s=args.lease, offload_after_s=args.offload_after, max_kv_tokens=args.max_kv_tokens,
+                        max_kv_tokens_per_target=args.max_kv_tokens_per_target, keepalive_s=args.keepalive,
+                        stream_idle_s=args.stream_idle, tide=_tide_config(args),
+                        **config_overrides(args, DRAFT_SERVER_FLAGS))
 
 
 def _tide_config(args):

@@ -19,7 +19,10 @@ import sys
 
 from controller.cli_flags import add_tree_flags, tree_speculation
 from controller.cluster_spec import ClusterSpec
+from controller.config_flags import DRAFT_SERVER_FLAGS, HTTP_FLAGS, add_config_flags, config_overrides
+from controller.frontend_limits import HttpLimits
 from controller.local_cluster import adaptive_defaults, local_spec, read_state, start_local, stop_local
+from draft_server.config import DraftServerConfig
 from starjar.policies import policy_help
 from starjar.security import read_token
 
@@ -66,6 +69,8 @@ def _add_up_parser(sub) -> None:
     u.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     u.add_argument("--dtype", default="float32")
     _add_endpoint_flags(u)
+    add_config_flags(u, DraftServerConfig, DRAFT_SERVER_FLAGS, "draft servers")
+    add_config_flags(u, HttpLimits, HTTP_FLAGS, "OpenAI HTTP port limits")
     add_tree_flags(u)
 
 
@@ -115,7 +120,8 @@ def _spec(args) -> ClusterSpec:
                       grpc_port=args.grpc_port, http_port=args.http_port, auth_token=args.auth_token,
                       metrics=not args.no_metrics, drain_timeout_s=args.drain_timeout,
                       cluster_token=read_token(args.auth_token_file) if args.auth_token_file else None,
-                      **_tree_fields(args),
+                      **_tree_fields(args), draft_server=config_overrides(args, DRAFT_SERVER_FLAGS),
+                      http=config_overrides(args, HTTP_FLAGS),
                       **{k: v for k, v in (("max_waiting", args.max_waiting), ("max_requests", args.max_requests),
                                            ("request_timeout_s", args.request_timeout)) if v is not None},
                       # Left out, a local cluster gets local_spec's default in its run directory; on a cluster of

@@ -142,3 +142,39 @@ def test_up_gives_its_draft_servers_the_batch_cap(model_dirs, tmp_path, monkeypa
     assert _spec(_parser().parse_args([*base, "--max-batch-rounds", "4"])).max_batch_rounds == 4
     with pytest.raises(InvalidArgument, match="--max-batch-rounds"):
         _spec(_parser().parse_args([*base, "--max-batch-rounds", "0"]))
+
+
+def test_sharing_and_http_limits_reach_every_server_from_one_declaration(model_dirs, tmp_path, monkeypatch):
+    """The draft server's sharing settings are the same flags on `serve draft` and `up`, with the dataclass's
+    defaults; on `up` they and the HTTP limits travel in the ClusterSpec to the configs the actors build, and a
+    bad value is refused naming the flag before anything starts."""
+    from controller.cli import _parser
+    from controller.cluster_spec import ClusterSpec
+    from controller.serve_cmd import _draft_config
+    from controller.up_cmd import _spec
+    from draft_server.config import DraftServerConfig
+    from starjar.errors import InvalidArgument
+
+    default = DraftServerConfig()
+    cfg = _draft_config(_parser().parse_args(["serve", "draft"]))
+    assert (cfg.max_targets_per_caller, cfg.reclaim_after_s, cfg.pass_catchup_tokens) == (
+        default.max_targets_per_caller, default.reclaim_after_s, default.pass_catchup_tokens)
+    cfg = _draft_config(_parser().parse_args(["serve", "draft", "--max-targets-per-caller", "3",
+                                              "--reclaim-after", "0.5", "--pass-catchup-tokens", "64"]))
+    assert (cfg.max_targets_per_caller, cfg.reclaim_after_s, cfg.pass_catchup_tokens) == (3, 0.5, 64)
+
+    monkeypatch.setenv("STARJAR_HOME", str(tmp_path))
+    base = ["up", "--target", model_dirs["llama"], "--draft", model_dirs["draft"], "--gamma", "2"]
+    spec = ClusterSpec.from_dict(_spec(_parser().parse_args(
+        [*base, "--max-targets-per-caller", "4", "--pass-catchup-tokens", "128", "--header-timeout", "3",
+         "--max-body-bytes", "65536"])).to_dict())  # as the actors get it
+    cfg = spec.draft_server_config("10.0.0.1")
+    assert (cfg.host, cfg.max_targets_per_caller, cfg.pass_catchup_tokens, cfg.max_batch_rounds) == (
+        "10.0.0.1", 4, 128, 64)
+    limits = spec.http_limits()
+    assert (limits.header_timeout_s, limits.max_body_bytes, limits.body_timeout_s) == (3.0, 65536, 30.0)
+    assert _spec(_parser().parse_args(base)).draft_server_config().reclaim_after_s == default.reclaim_after_s
+    for flag, bad in (("--reclaim-after", "-1"), ("--max-targets-per-caller", "0"), ("--header-timeout", "0"),
+                      ("--max-body-bytes", "0")):
+        with pytest.raises(InvalidArgument, match=flag):
+            _spec(_parser().parse_args([*base, flag, bad]))
