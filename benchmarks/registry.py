@@ -5,15 +5,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
-import torch
-
+from benchmarks.meta import result_meta
 from starjar.errors import InvalidArgument
-from starjar.kernels import machine_info
 from starjar.models import INT8_DRAFTS_LOADED
 
 BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "benchmarks.star",
@@ -30,17 +27,14 @@ def run_bench(args) -> int:
     module = importlib.import_module(BENCHMARKS[args.name])
     t0, load0 = time.time(), os.getloadavg()
     result = module.run(args)
-    result["meta"] = {"benchmark": args.name, "quick": bool(args.quick), "wall_s": round(time.time() - t0, 1),
-                      "torch_threads": torch.get_num_threads(),
-                      "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
-                      "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "(default)"), "machine": platform.machine(),
-                      "python": platform.python_version(), "torch": torch.__version__,
-                      "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                      # Runnable processes on the machine (1 min) before and after: others' load shows here.
-                      "load_average_1m": [round(load0[0], 2), round(os.getloadavg()[0], 2)],
-                      **machine_info(),  # the CPU model and capability every figure belongs to
-                      # The variant each int8 draft loaded in this process ran with (a server process's is not seen).
-                      "int8_drafts_in_process": dict(INT8_DRAFTS_LOADED)}
+    result["meta"] = result_meta(
+        benchmark=args.name, quick=bool(args.quick), wall_s=round(time.time() - t0, 1),
+        omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "(default)"),
+        gomp_spincount=os.environ.get("GOMP_SPINCOUNT", "(default)"),
+        # Runnable processes on the machine (1 min) before and after: others' load shows here.
+        load_average_1m=[round(load0[0], 2), round(os.getloadavg()[0], 2)],
+        # The variant each int8 draft loaded in this process ran with (a server process's is not seen).
+        int8_drafts_in_process=dict(INT8_DRAFTS_LOADED))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
