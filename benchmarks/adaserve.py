@@ -25,11 +25,11 @@ import torch
 
 from benchmarks.adaserve_draft import DraftSource
 from benchmarks.common import p50, pair_dirs, prompt_ids, save_plot
+from benchmarks.fixtures.reference import hf_greedy
 from controller.colocated import load_pair
 from draft_server.engine import DraftStats
-from starjar.policy import FixedGamma
-from starjar.reference import hf_greedy
-from starjar.sampling import SamplingParams
+from starjar.spec.policy import FixedGamma
+from starjar.spec.sampling import SamplingParams
 from target_worker.engine import EngineConfig, TargetEngine
 from target_worker.tree_budget import measure_verify_budget
 from target_worker.tree_score import TreeConfig
@@ -186,7 +186,7 @@ def slo_sweep(target, source, prompts, budget: int, b1: dict, multiples, n_req: 
 
 
 def verdict(policies: dict) -> dict:
-    """The issue's must-show: at the highest rate where any baseline still attains 50%, AdaServe's attainment
+    """The headline: at the highest rate where any baseline still attains 50%, AdaServe's attainment
     and goodput over the best baseline's."""
     rates = [r["rate"] for r in policies["adaserve"]]
     base = [p for p in policies if p != "adaserve"]

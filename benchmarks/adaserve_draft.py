@@ -8,11 +8,11 @@ import itertools
 
 import grpc
 
-from controller.launch import ServerProcess
+from benchmarks.launch import ServerProcess
 from draft_server.engine import DraftEngine
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
-from target_worker.draft_client import RemoteProposer
+from target_worker.remote.client import RemoteProposer
 
 DEADLINE_S = 2.0  # a draft round may take this long before a step decodes without it (trees at batch 8)
 

@@ -20,8 +20,8 @@ import urllib.request
 from tqdm import tqdm
 
 from benchmarks.common import pair_dirs, prompt_ids
-from starjar.models import load_model
-from starjar.reference import hf_greedy
+from benchmarks.fixtures.reference import hf_greedy
+from starjar.model.loading import load_model
 
 
 def mixed_clients(address: str, prompts: list[list[int]], max_tokens: int, on_done=None) -> list:
@@ -60,7 +60,8 @@ def _live_counts(controller) -> tuple[int, int]:
     """(requests running or waiting on the target workers, sequences live on the draft server)."""
     import ray
 
-    from controller.cluster_spec import DRAFT, NAMESPACE
+    from controller.cluster.spec import NAMESPACE
+    from controller.fleet.names import DRAFT
 
     targets = ray.get(controller.target_stats.remote())
     draft = ray.get(ray.get_actor(DRAFT, namespace=NAMESPACE).stats.remote())
@@ -68,12 +69,12 @@ def _live_counts(controller) -> tuple[int, int]:
 
 
 def run(args) -> dict:
-    from controller.cluster_spec import CONTROLLER, NAMESPACE, local_ray_env
+    from controller.cluster.spec import CONTROLLER, NAMESPACE, local_ray_env
 
     local_ray_env()
     import ray
 
-    from controller.local_cluster import local_spec, read_state, start_local, stop_local
+    from controller.cluster.local import local_spec, read_state, start_local, stop_local
     from starjar import Client
 
     n_requests, max_new = (24, 16) if args.quick else (100, 32)

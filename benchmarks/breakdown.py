@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from benchmarks.common import pair_dirs, prompt_texts
-from starjar.sampling import SamplingParams
+from starjar.spec.sampling import SamplingParams
 from target_worker.metrics import ENGINE_PHASES as PHASES
 
 MAX_NEW = 48
@@ -37,7 +37,7 @@ BESIDE = "beside-ray"  # a serve target process without drafts, next to the idle
 def run(args) -> dict:
     from transformers import AutoTokenizer
 
-    from starjar.text import encode_prompt
+    from starjar.model.text import encode_prompt
 
     target_dir, draft_dir, note = pair_dirs(args)
     n = args.requests or (8 if args.quick else 16)
@@ -70,7 +70,7 @@ def run(args) -> dict:
 def _measured_gamma(target_dir: str, draft_dir: str) -> int:
     """The gamma `starjar models build` measured for this pair on this machine and thread count (measured now
     if it has not been, as `starjar up` would); 2 where it found that speculation does not pay."""
-    from controller.pair_check import measured_acceptance
+    from controller.tuning.pair_check import measured_acceptance
 
     return measured_acceptance(target_dir, draft_dir).get("gamma") or 2
 
@@ -134,8 +134,8 @@ def _sequential(address: str, prompts, label: str) -> tuple[float, list]:
 
 def _scrape(address: str) -> dict:
     """The target's engine phases, decode steps and draft-round parts (cumulative) from its /metrics."""
-    from controller.local_cluster import cluster_token
-    from starjar.metrics import scrape
+    from controller.cluster.local import cluster_token
+    from starjar.service.metrics import scrape
 
     text = scrape(address, cluster_token())
     out = {"phases": dict.fromkeys(PHASES, 0.0), "steps": 0, "rounds": {}}
@@ -167,7 +167,7 @@ def measure_deployment(deployment: str, gamma: int, address: str, metrics: str, 
 
 
 def _processes(target_dir: str, draft_dir: str, prompts, gamma: int, threads: int) -> list[dict]:
-    from controller.launch import ServerProcess
+    from benchmarks.launch import ServerProcess
 
     draft = ServerProcess("draft", "--model", draft_dir, "--port", "0", threads=threads)
     rows = []
@@ -186,13 +186,13 @@ def _processes(target_dir: str, draft_dir: str, prompts, gamma: int, threads: in
 
 
 def _ray(target_dir: str, draft_dir: str, prompts, gamma: int, threads: int) -> list[dict]:
-    from controller.cluster_spec import local_ray_env
+    from controller.cluster.spec import local_ray_env
 
     local_ray_env()  # before Ray loads
     import ray
 
-    from controller.cluster_spec import CONTROLLER, NAMESPACE
-    from controller.local_cluster import local_spec, read_state, start_local, stop_local
+    from controller.cluster.local import local_spec, read_state, start_local, stop_local
+    from controller.cluster.spec import CONTROLLER, NAMESPACE
 
     if read_state() is not None:
         raise RuntimeError("a starjar cluster is running: `starjar down` first (this benchmark starts its own)")
@@ -220,7 +220,7 @@ def _beside_idle_cluster(target_dir: str, prompts, threads: int) -> dict:
     """A `serve target` process without drafts while the cluster idles beside it: what the cluster's mere
     presence costs a target, and how busy the cluster is at rest."""
     from benchmarks import background
-    from controller.launch import ServerProcess
+    from benchmarks.launch import ServerProcess
 
     rest = background.sample(10.0)
     print(f"cluster at rest: {rest}", file=sys.stderr)
@@ -236,8 +236,8 @@ def _beside_idle_cluster(target_dir: str, prompts, threads: int) -> dict:
 
 def _target_metrics(addresses: list[str]) -> str:
     """Which of the cluster's /metrics addresses is the target worker's."""
-    from controller.local_cluster import cluster_token
-    from starjar.metrics import scrape
+    from controller.cluster.local import cluster_token
+    from starjar.service.metrics import scrape
 
     for a in addresses:
         if "starjar_target_decode_steps" in scrape(a, cluster_token()):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from controller.omp_env import share_cores
+from controller.cluster.omp_env import share_cores
 
-share_cores()  # before the registry loads torch: `starjar-bench` spins as `starjar bench` does (controller.cli)
+share_cores()  # before the registry loads torch: `starjar-bench` spins as `starjar bench` does (controller.cli.main)
 
 from benchmarks.registry import BENCHMARKS, run_bench  # noqa: E402
 from starjar.errors import InvalidArgument  # noqa: E402
@@ -74,7 +74,6 @@ def _check_dataset(args) -> None:
         raise InvalidArgument("--dataset", "must say which kind of file --dataset-path is (spec-bench or sharegpt)")
     if args.dataset:
         from starjar import workloads
-
         workloads.load(args.dataset, 1, args.dataset_path)
 
 

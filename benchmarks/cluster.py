@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from tqdm import tqdm
 
 from benchmarks.common import pair_dirs, prompt_ids
-from controller.launch import ServerProcess
+from benchmarks.fixtures.reference import hf_greedy
+from benchmarks.launch import ServerProcess
 from starjar.client import Client
-from starjar.models import load_model
-from starjar.reference import hf_greedy
+from starjar.model.loading import load_model
 
 
 def run(args) -> dict:

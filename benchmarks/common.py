@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 
 from starjar import workloads
-from starjar.sampling import SamplingParams
+from starjar.spec.sampling import SamplingParams
 
 MAX_PROMPT_TOKENS = 1024  # serving benchmarks' usual cap on a sampled ShareGPT prompt (and at least 4 tokens)
 
@@ -15,7 +15,7 @@ def pair_dirs(args) -> tuple[str, str, str]:
     """(target dir, draft dir, a note saying which draft this is)."""
     if getattr(args, "target", None) and getattr(args, "draft", None):
         return args.target, args.draft, "given on the command line"
-    from starjar.default_pair import DRAFT_NOTE, build_default_pair
+    from starjar.model.default_pair import DRAFT_NOTE, build_default_pair
 
     pair = build_default_pair()
     note = f"default pair; draft: {DRAFT_NOTE}"

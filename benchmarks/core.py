@@ -19,11 +19,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.common import pair_dirs, prompt_texts
+from benchmarks.fixtures.reference import hf_greedy
 from controller.colocated import colocated_engine, load_pair
 from draft_server.engine import DraftEngine
-from starjar.proposer import DraftRequest
-from starjar.reference import hf_greedy
-from starjar.sampling import SamplingParams
+from starjar.spec.proposer import DraftRequest
+from starjar.spec.sampling import SamplingParams
 
 
 def run(args) -> dict:
@@ -164,7 +164,7 @@ def switching_cost(draft, prompts, quick: bool) -> list[dict]:
 
 def _variant(draft) -> dict:
     """Which int8 kernel and head the draft ran with (what `starjar models build` chose, or a forced path)."""
-    from starjar.quantized import RowInt8Linear
+    from starjar.cpu.quantized import RowInt8Linear
 
     paths = sorted({m.path for m in draft.model.modules() if isinstance(m, RowInt8Linear) and not m.wide})
     head = draft.lean.head.out_features if draft.lean is not None and draft.lean.head is not None else None

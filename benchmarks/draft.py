@@ -19,9 +19,9 @@ from tqdm import tqdm
 
 from benchmarks.common import pair_dirs, prompt_texts
 from controller.colocated import colocated_engine, load_pair
-from controller.pair_check import OWN_PROMPTS
-from starjar.sampling import SamplingParams
-from starjar.text import encode_prompt
+from controller.tuning.pair_check import OWN_PROMPTS
+from starjar.model.text import encode_prompt
+from starjar.spec.sampling import SamplingParams
 
 
 def _step_ms(model, prompt, q: int = 1, reps: int = 15) -> float:

@@ -59,8 +59,8 @@ def measure_echo(address: str, size: int, n: int = 500) -> float:
 def measure_idle_echo(address: str, size: int, n: int, gap_s: float) -> float:
     """Back to back, every thread on the path is still awake; a target worker's rounds come one target step
     apart and every thread (the caller, the client's loop, gRPC's own, the server's) has gone to sleep. Sent
-    through the remote proposer's own loop thread (target_worker.wire_loop.WireLoop)."""
-    from target_worker.wire_loop import WireLoop
+    through the remote proposer's own loop thread (target_worker.remote.loop.WireLoop)."""
+    from target_worker.remote.loop import WireLoop
 
     wire = WireLoop("echo-loop")
 

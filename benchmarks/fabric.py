@@ -21,7 +21,7 @@ from pathlib import Path
 
 from benchmarks.fabric_batched import for_targets
 from benchmarks.fabric_costs import from_json as costs_from_json
-from benchmarks.fabric_sim import Hosts, StarModel, drafts_needed, n_full, service_s, simulate
+from benchmarks.sims.fabric_sim import Hosts, StarModel, drafts_needed, n_full, service_s, simulate
 
 HOSTS_NOTE = {"validation": "as measured: all M draft servers on this machine's cores, one torch thread each, "
                              "slowed by the measured contention of draft servers busy at once (Z = 0, one target each)",
@@ -85,8 +85,8 @@ def validate(rows: list[dict], costs: dict, z_s: float, plain_step_s: float, dur
 
 def admitted(model: StarModel) -> StarModel:
     """The model with N_max as the controller's admission sets it (StarSD 4.2: the largest N at which a
-    speculating target still beats decoding alone; see controller/admission.py)."""
-    from controller.admission import n_max
+    speculating target still beats decoding alone; see controller/fleet/admission.py)."""
+    from controller.fleet.admission import n_max
 
     return replace(model, n_max=max(1, n_max(model.z_s + model.wake_s, service_s(model), model.tokens_per_round,
                                               1 / model.plain_step_s, cap=64)))
@@ -175,7 +175,7 @@ def _earlier(path: str) -> tuple[list[dict], float, dict]:
 
 def _calibration(prep: dict, z_s: float) -> dict:
     from benchmarks.fabric_costs import measure
-    from benchmarks.star import GAMMA
+    from benchmarks.replay_targets import GAMMA
 
     print("measuring the draft's pass costs, the replay workloads (single-row and batched) and the contention "
           "of two draft servers busy at once on this host ...", file=sys.stderr)

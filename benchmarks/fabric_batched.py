@@ -2,7 +2,7 @@
 
 A batched draft server runs one pass over the rows of every round in flight, and multi-row passes draft
 (slightly) different tokens than one-row passes: with int8 drafts a pass of one row quantizes its
-activations with that row's own range, several rows go through a shared one (starjar/quantized.py). The
+activations with that row's own range, several rows go through a shared one (starjar/cpu/quantized.py). The
 tokens a round gains therefore depend on how rounds share passes, and a single-row dry replay overstates
 them for the batched mode. Here `targets` replay targets draft against the real engine in virtual time,
 scheduled as draft_server/compute.py's batched loop schedules them: every iteration starts the rounds that
@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from benchmarks.fabric_costs import as_round
-from benchmarks.fabric_sim import PassCost, Round
+from benchmarks.sims.fabric_sim import PassCost, Round, as_round
 from draft_server.engine import DraftEngine
 from target_worker.replay import ReplaySequence, ReplayTarget
 

@@ -17,9 +17,10 @@ import statistics
 import time
 from contextlib import contextmanager
 
-from benchmarks.fabric_sim import SHORT_FEED, PassCost, Round
+from benchmarks.fabric_batched import batched_workloads
+from benchmarks.sims.fabric_sim import PassCost, Round, as_round
 from draft_server.engine import DraftEngine
-from starjar.proposer import DraftRequest
+from starjar.spec.proposer import DraftRequest
 from target_worker.replay import ReplayTarget
 
 SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
@@ -76,18 +77,6 @@ def workload(engine: DraftEngine, scripts, gamma: int) -> tuple[list[list[Round]
     return out, prompt_passes
 
 
-def as_round(r: DraftRequest, gained: int) -> Round:
-    """A request as the simulator sees it: its passes, the tokens it gained and what its first pass feeds.
-
-    A later request's first pass feeds only what the draft's KV lacks: it holds its own drafts but the last,
-    and the accepted ones match them, so 2 tokens after a full accept (the last draft and the bonus), else 1."""
-    prompt = r.start == 0 and len(r.tokens) > SHORT_FEED
-    if prompt:
-        return Round(r.gamma, gained, len(r.tokens), 1)
-    feed = len(r.tokens) if r.start == 0 else 2 if len(r.tokens) > r.gamma else 1
-    return Round(r.gamma, gained, 0, max(1, feed))
-
-
 def step_cost(engine: DraftEngine, scripts, b: int, gamma: int) -> tuple[float, float, float, float]:
     """(median seconds of a one-token pass over b rows, median seconds of start() per round, median seconds
     of a catch-up pass over b rows, the median width that catch-up fed: at most CATCHUP_WIDTH, fewer where the
@@ -134,9 +123,8 @@ def measure(draft_dir: str, scripts, gamma: int, z_s: float, fingerprint: str, t
             servers: int = 2) -> dict:
     """The simulator's calibration: costs by batch size and width, per-round bookkeeping, prompt passes, the
     single-row and batched workloads, and the slowdown of 1 .. `servers` draft servers busy at once on this host."""
-    from benchmarks.fabric_batched import batched_workloads
     from benchmarks.fabric_contention import contention
-    from starjar.models import load_model
+    from starjar.model.loading import load_model
 
     with torch_threads(threads):
         engine = DraftEngine(load_model(draft_dir))
@@ -145,7 +133,7 @@ def measure(draft_dir: str, scripts, gamma: int, z_s: float, fingerprint: str, t
         rounds, prompt_passes = workload(engine, scripts, gamma)
         by_size = {b: step_cost(engine, scripts, b, gamma) for b in SIZES}
         # A one-row pass takes torch's fused int8 kernel, several rows the per-row scaled path
-        # (starjar/quantized.py): step(1) is its own point. Points at neighbouring sizes past it differ by less
+        # (starjar/cpu/quantized.py): step(1) is its own point. Points at neighbouring sizes past it differ by less
         # than the noise of a shared machine: the least-squares line through them (about linear at these sizes).
         step = [(1.0, by_size[1][0])] + linear([(b, c[0]) for b, c in by_size.items() if b > 1]).points
         batched = batched_workloads(engine, scripts, gamma, rounds, PassCost(step), z_s)

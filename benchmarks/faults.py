@@ -1,4 +1,4 @@
-"""`starjar bench faults`: what a hung draft server and an abusive client cost (issue 15).
+"""`starjar bench faults`: what a hung draft server and an abusive client cost.
 
 hung: a batch-1 run of tiny-pair prompts through a real `starjar serve draft` process, SIGSTOPped after the
 first request, against the target alone: wall time ratio (the breaker's job is to keep it under 2x) and
@@ -20,16 +20,16 @@ from pathlib import Path
 import grpc
 import psutil
 
-from controller.launch import ServerProcess
+from benchmarks.fixtures.tiny_models import make_tiny_model
+from benchmarks.launch import ServerProcess
 from starjar import workloads
-from starjar.models import kv_bytes_per_token, load_model
-from starjar.policy import FixedGamma
-from starjar.sampling import SamplingParams
-from starjar.tiny_models import make_tiny_model
+from starjar.model.loading import kv_bytes_per_token, load_model
+from starjar.spec.policy import FixedGamma
+from starjar.spec.sampling import SamplingParams
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
-from target_worker.draft_client import RemoteProposer
 from target_worker.engine import EngineConfig, TargetEngine
+from target_worker.remote.client import RemoteProposer
 
 
 def run(args) -> dict:

@@ -27,7 +27,7 @@ def result_meta(**extra) -> dict:
     """The commit, the machine (CPU model and torch's capability first) and the date; extra fields after."""
     import torch
 
-    from starjar.kernels import machine_info
+    from starjar.cpu.machine import machine_info
 
     return {**git_state(), **machine_info(), "machine": platform.machine(), "python": platform.python_version(),
             "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

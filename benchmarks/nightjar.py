@@ -1,6 +1,6 @@
 """`starjar bench nightjar`: Nightjar against every baseline, on a dynamic trace and at static rates.
 
-Simulated target worker (benchmarks/nightjar_sim.py) on this machine's measured
+Simulated target worker (benchmarks/sims/nightjar_sim.py) on this machine's measured
 cost model (`starjar profile` of the default pair, benchmarks/results/
 profile-default-pair.json unless --profile) and acceptance measured per
 Spec-Bench category (benchmarks/results/draft-default-pair.json). Arrivals:
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmarks.nightjar_sim import (
+from benchmarks.sims.nightjar_sim import (
     CostModel,
     Memory,
     SimRequest,
@@ -44,8 +44,8 @@ from benchmarks.nightjar_sim import (
     warp_trace,
 )
 from starjar import workloads
-from starjar.policies import make_policy
-from starjar.policies.nightjar import CSwitchTable
+from starjar.spec.policies import make_policy
+from starjar.spec.policies.nightjar import CSwitchTable
 from target_worker.elastic_kv import T_PERSIST_STEPS, TAU_LOW_TOKENS, ElasticRule
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -125,7 +125,7 @@ def _ratios(table: dict) -> dict:
     best_fixed = max(fixed, key=fixed.get)
     nj = table["nightjar"]["tokens_per_s"]
     out = {"best_fixed": best_fixed, "nightjar_over_best_fixed": round(nj / fixed[best_fixed], 3)}
-    # The issue's bar counts gamma 0 as a fixed gamma too: where speculation loses, "none" is the one to beat.
+    # The bar counts gamma 0 as a fixed gamma too: where speculation loses, "none" is the one to beat.
     fixed["none"] = table["none"]["tokens_per_s"]
     best_any = max(fixed, key=fixed.get)
     out.update(best_fixed_or_none=best_any, nightjar_over_best_fixed_or_none=round(nj / fixed[best_any], 3))
@@ -202,7 +202,7 @@ def _plot(trace, arrivals, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from starjar.metrics import batch_bucket
+    from starjar.service.metrics import batch_bucket
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
     buckets = sorted({batch_bucket(b) for _, b, _ in trace}, key=lambda s: int(s.split("-")[0].rstrip("+")))
@@ -226,7 +226,7 @@ def _real_run(target, draft, policy_name, profile, prompts, outs, arrivals, max_
     import time
 
     from controller.colocated import colocated_engine
-    from starjar.sampling import SamplingParams
+    from starjar.spec.sampling import SamplingParams
 
     policy = make_policy(policy_name, MAX_GAMMA, CSwitchTable.from_dict(profile["cswitch"]), profile, seed=0)
     engine = colocated_engine(target, draft, MAX_GAMMA, max_batch, policy=policy)
@@ -254,7 +254,7 @@ def run_real(args, profile: dict) -> dict:
     once; outputs compared across policies (all must equal the target alone's)."""
     from benchmarks.common import pair_dirs
     from controller.colocated import load_pair
-    from starjar.text import encode_prompt
+    from starjar.model.text import encode_prompt
 
     target_dir, draft_dir, note = pair_dirs(args)
     target, draft = load_pair(target_dir, draft_dir)

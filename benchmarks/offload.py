@@ -18,9 +18,9 @@ from tqdm import tqdm
 
 from benchmarks.common import pair_dirs, prompt_ids
 from draft_server.engine import DraftEngine
-from starjar.models import kv_bytes_per_token, load_model
-from starjar.policy import FixedGamma, Overridable
-from starjar.sampling import SamplingParams
+from starjar.model.loading import kv_bytes_per_token, load_model
+from starjar.spec.policy import FixedGamma, Overridable
+from starjar.spec.sampling import SamplingParams
 from target_worker.elastic_kv import ElasticKV
 from target_worker.engine import EngineConfig, TargetEngine
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from benchmarks.meta import result_meta
 from starjar.errors import InvalidArgument
-from starjar.models import INT8_DRAFTS_LOADED
+from starjar.model.loading import INT8_DRAFTS_LOADED
 
 BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "benchmarks.star",
               "cluster": "benchmarks.cluster", "draft": "benchmarks.draft", "api": "benchmarks.api",

@@ -10,9 +10,7 @@ simulated, the draft server, the wire and the scheduling are real.
 
 from __future__ import annotations
 
-import math
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,15 +18,16 @@ import grpc
 from tqdm import tqdm
 
 from benchmarks.common import pair_dirs, prompt_ids, save_plot, target_continuations
-from controller.launch import ServerProcess
+from benchmarks.launch import ServerProcess
+from benchmarks.replay_targets import GAMMA, run_replay_targets
+from benchmarks.star_fleet import compare
+from controller.fleet.admission import n_full
 from starjar.errors import InvalidArgument
-from starjar.models import load_model
+from starjar.model.loading import load_model
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
-from target_worker.draft_client import RemoteProposer
-from target_worker.replay import ReplayTarget
+from target_worker.remote.client import RemoteProposer
 
-GAMMA = 4
 VERIFY_OVER_S = 2.3
 
 
@@ -55,23 +54,6 @@ def _settled_stats(address: str, limit_s: float = 3.0) -> pb.DraftStats:
             return again
         stats = again
     return stats
-
-
-def run_replay_targets(proposers, scripts, verify_s, duration_s) -> tuple[list[ReplayTarget], float]:
-    """One replay target per attached proposer, run together for duration_s; the targets and the wall time.
-    Each target serves one request at a time, as in StarSD, going through every script in turn from its own
-    starting point: every N sees the same prompt mix, so throughput ratios compare the server(s)."""
-    if not all(p.wait_attached(30) for p in proposers):
-        raise RuntimeError("replay target could not attach")
-    targets = [ReplayTarget(p, GAMMA, verify_s) for p in proposers]
-    threads = [threading.Thread(target=t.run_in_turn, args=(scripts[k:] + scripts[:k], duration_s))
-               for k, t in enumerate(targets)]
-    t0 = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return targets, time.perf_counter() - t0
 
 
 def _run_n(draft_dir, mode, n, scripts, verify_s, duration_s, fingerprint) -> dict:
@@ -106,7 +88,7 @@ def exported_draft_metrics(metrics_address: str) -> dict:
     """Load and T_idle from a scrape of the draft server's /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from starjar.metrics import scrape
+    from starjar.service.metrics import scrape
 
     text = scrape(metrics_address)
     values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
@@ -149,8 +131,6 @@ def run(args) -> dict:
         raise InvalidArgument("draft_threads", "1 to 16", threads)
     prep = prepare(args)
     if getattr(args, "draft_servers", 1) > 1:
-        from benchmarks.star_fleet import compare
-
         return compare(prep, args.draft_servers, [1, 4, 8] if quick else [1, 2, 4, 6, 8], duration,
                        Path(args.out).with_suffix(".png"), threads)
     target_dir, draft_dir, note = prep["target_dir"], prep["draft_dir"], prep["note"]
@@ -170,7 +150,7 @@ def run(args) -> dict:
     # Served after idle gaps a round takes longer (fifo at N = 1, also reported): StarSD sees the same.
     s_busy, s_after_idle = s_round, fifo[0]["s_ms"] / 1000
     z = verify_s + fifo[0]["wire_ms_mean"] / 1000  # return time: verification + wire
-    predicted = math.ceil(z / s_busy) + 1 if s_busy else None
+    predicted = n_full(z, s_busy) if s_busy else None
     measured = n_full_measured(fifo)
     b = {r["n_targets"]: r for r in modes["batched"]}
     f = {r["n_targets"]: r for r in fifo}

@@ -4,7 +4,7 @@ M real draft server processes (one torch thread each by default: each draft
 server stands for one device, so one core per draft server, the same for
 M = 1, is the fair comparison of servers; bench star also reports one server
 with M threads) serve N replay targets (see benchmarks/star.py). Each target is assigned with
-the controller's own rules (controller/draft_assignment.py). The servers
+the controller's own rules (controller/fleet/assignment.py). The servers
 stay up across N; each row's load and pass costs come from the difference
 of two GetStats snapshots around it. Labeled replay.
 """
@@ -15,12 +15,12 @@ import time
 
 import grpc
 
-from benchmarks.star import GAMMA, run_replay_targets
-from controller.draft_assignment import Assignment, DraftSlot, place
-from controller.launch import ServerProcess
+from benchmarks.launch import ServerProcess
+from benchmarks.replay_targets import GAMMA, run_replay_targets
+from controller.fleet.assignment import Assignment, DraftSlot, place
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
-from target_worker.draft_client import RemoteProposer
+from target_worker.remote.client import RemoteProposer
 
 
 def _stats(address: str) -> pb.DraftStats:

@@ -18,9 +18,9 @@ from tqdm import tqdm
 
 from benchmarks.common import p50, pair_dirs, prompt_ids
 from benchmarks.echo import measure_echo, measure_idle_echo
+from benchmarks.launch import ServerProcess
 from controller.colocated import colocated_engine, load_pair, remote_engine
-from controller.launch import ServerProcess
-from starjar.sampling import SamplingParams
+from starjar.spec.sampling import SamplingParams
 
 
 def _timed(engine, prompts, params, label):

@@ -51,15 +51,15 @@ import grpc
 import torch
 
 from benchmarks.common import pair_dirs, save_plot
-from controller.launch import ServerProcess
-from starjar.models import load_model
-from starjar.policy import FixedGamma
-from starjar.reference import hf_greedy
-from starjar.sampling import SamplingParams
+from benchmarks.fixtures.reference import hf_greedy
+from benchmarks.launch import ServerProcess
+from starjar.model.loading import load_model
+from starjar.spec.policy import FixedGamma
+from starjar.spec.sampling import SamplingParams
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
-from target_worker.draft_client import RemoteProposer
 from target_worker.engine import EngineConfig, TargetEngine
+from target_worker.remote.client import RemoteProposer
 
 DOMAINS = ("translation", "qa", "math_reasoning", "summarization")
 GAMMA = 3
@@ -81,7 +81,7 @@ def layer_skip_draft(target_dir: str, layers: int = SKIP_LAYERS) -> str:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from starjar.default_pair import models_home
+    from starjar.model.default_pair import models_home
 
     final = models_home() / f"{Path(target_dir).name}-first{layers}layers"
     if (final / "starjar.json").is_file():

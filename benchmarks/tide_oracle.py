@@ -1,4 +1,4 @@
-"""`starjar bench tide-oracle`: could online adaptation (issue 18) pay at all with this pair on this machine?
+"""`starjar bench tide-oracle`: could online adaptation pay at all with this pair on this machine?
 
 An upper bound, measured offline, per draft candidate of the default pair (the
 int8 copy of the target, and the target's first 12 and first 4 layers):
@@ -8,7 +8,7 @@ int8 copy of the target, and the target's first 12 and first 4 layers):
    category; the target runs through starjar's own engine, so these are its
    exact greedy tokens), over the generated positions of held-out prompts;
 2. acceptance after an ORACLE adaptation: the adapter serving uses
-   (draft_server.tide_trainer.LowRankLogits on the draft's last hidden state),
+   (draft_server.tide.trainer.LowRankLogits on the draft's last hidden state),
    trained generously (a grid of ranks and learning rates, many full passes)
    on the same category's target outputs, scored on that category's held-out
    prompts, keeping the best checkpoint ON the held-out set (optimistic on
@@ -38,10 +38,10 @@ import torch.nn.functional as F
 
 from benchmarks.common import pair_dirs
 from benchmarks.tide import CONCURRENCY, GAMMA, MAX_NEW, PROMPT_CAP, layer_skip_draft
-from controller.pair_check import round_speedup
-from draft_server.tide_trainer import LowRankLogits
-from starjar.models import LoadedModel, load_model
-from starjar.sampling import SamplingParams
+from controller.tuning.scoring import round_speedup
+from draft_server.tide.trainer import LowRankLogits
+from starjar.model.loading import LoadedModel, load_model
+from starjar.spec.sampling import SamplingParams
 
 CATEGORIES = ("translation", "qa", "math_reasoning")
 # Per category: all 80 Spec-Bench prompts (--quick: 12 and 4). qa and math_reasoning outputs often end early (raw

@@ -7,8 +7,8 @@ This is the baseline the distributed mode is measured against, and what
 from __future__ import annotations
 
 from draft_server.engine import DraftEngine
-from starjar.models import LoadedModel, check_pair, load_model
-from starjar.policy import FixedGamma, SpeculationPolicy
+from starjar.model.loading import LoadedModel, check_pair, load_model
+from starjar.spec.policy import FixedGamma, SpeculationPolicy
 from target_worker.config import engine_config
 from target_worker.engine import TargetEngine
 
@@ -40,7 +40,7 @@ def remote_engine(target: LoadedModel, draft_address: str, gamma: int, max_batch
     policy: default gamma on every step."""
     import os
 
-    from target_worker.draft_client import RemoteProposer
+    from target_worker.remote.client import RemoteProposer
 
     proposer = RemoteProposer(draft_address, target.fingerprint, f"generate:{os.getpid()}", deadline_s)
     proposer.wait_attached(wait_attach_s)  # decoding starts anyway; it speculates once attached

@@ -1,1 +1,1 @@
-"""The draft side: a batched greedy draft engine (and, later, the gRPC draft service)."""
+"""The draft side: the gRPC draft service, its compute loop and the batched draft engine it runs."""

@@ -7,7 +7,7 @@ import threading
 
 from draft_server.config import DraftServerConfig
 from draft_server.server import DraftServer
-from starjar.models import LoadedModel
+from starjar.model.loading import LoadedModel
 
 
 class BackgroundDraftServer:

@@ -26,12 +26,13 @@ import time
 from dataclasses import dataclass
 
 from draft_server import fair_share
+from draft_server.config import DraftServerConfig
 from draft_server.engine import MAX_FEED, DraftEngine, DraftJob
 from draft_server.faults import FaultPlan, Faults
 from draft_server.stats import ServerStats
 from draft_server.work_queue import ReleaseWork, RoundWork, WorkQueue
-from starjar import allocator
-from starjar.kernels import adopt_thread_count
+from starjar.cpu.kernels import adopt_thread_count
+from starjar.model import allocator
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,11 @@ class _Active:
 
 class ComputeLoop(threading.Thread):
     def __init__(self, engine: DraftEngine, queue: WorkQueue, stats: ServerStats, mode: str = "batched",
-                 max_batch_rounds: int = 64, faults: Faults | None = None, tide=None,
+                 max_batch_rounds: int = DraftServerConfig.max_batch_rounds, faults: Faults | None = None, tide=None,
                  pass_catchup_tokens: int = MAX_FEED):
         """mode, max_batch_rounds and pass_catchup_tokens: DraftServerConfig's. batched: rounds join the passes in
         flight (continuous batching, at most max_batch_rounds at once); fifo: one round at a time.
-        tide: draft_server.tide.Tide (online adaptation: sees each answered round, trains when idle)."""
+        tide: draft_server.tide.adaptation.Tide (online adaptation: sees each answered round, trains when idle)."""
         super().__init__(name="draft-compute", daemon=True)
         self.engine = engine
         self.queue = queue
@@ -111,7 +112,7 @@ class ComputeLoop(threading.Thread):
 
     def _give_back_outgrown_cache(self) -> None:
         """The KV cache changed size (grew, shrank, or was dropped by an offload): the copies it left are free
-        heap memory (starjar.allocator keeps a pass's scratch in the heap), returned to the OS now."""
+        heap memory (starjar.model.allocator keeps a pass's scratch in the heap), returned to the OS now."""
         size = self.engine.cache.nbytes()
         if size != self._cache_bytes:
             self._cache_bytes = size

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draft_server.tide_config import TideConfig
+from draft_server.tide.config import TideConfig
 from starjar.errors import InvalidArgument
 
 MODES = ("batched", "fifo")
@@ -52,7 +52,7 @@ class DraftServerConfig:
     keepalive_timeout_s: float = 10.0
     stream_idle_s: float = 600.0
     # Online draft adaptation (TIDE): None = off. On, the draft learns a logit adapter from the targets'
-    # verified tokens in the compute loop's idle time (draft_server/tide.py).
+    # verified tokens in the compute loop's idle time (draft_server/tide/adaptation.py).
     tide: TideConfig | None = None
 
     def __post_init__(self) -> None:

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 from draft_server.kv_pool import MIN_LENGTH, MIN_SLOTS, DraftKVCache
 from draft_server.tree_draft import BeamTree, fit_width
-from starjar.grouped_forward import grouped_forward
-from starjar.models import LoadedModel, kv_bytes_per_token
-from starjar.proposer import DraftReply, DraftRequest
-from starjar.token_ids import common_prefix, first_out_of_range
+from starjar.model.grouped_forward import grouped_forward
+from starjar.model.loading import LoadedModel, kv_bytes_per_token
+from starjar.spec.proposer import DraftReply, DraftRequest
+from starjar.spec.token_ids import common_prefix, first_out_of_range
 
 SHORT_FEED = 8  # feeds up to this many tokens share one pass whatever their padding
 # A long catch-up (a new sequence's prompt) is fed in chunks, and a pass holds at most this many fed tokens:
@@ -89,7 +89,7 @@ class DraftStats:
 
 
 class DraftEngine:
-    """Implements starjar.proposer.Proposer in process."""
+    """Implements starjar.spec.proposer.Proposer in process."""
 
     def __init__(self, model: LoadedModel, max_sequences: int = 256, auto_reload: bool = True,
                  max_kv_tokens: int | None = None, max_kv_tokens_per_owner: int | None = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from starjar.kv_cache import RaggedKVCache
+from starjar.model.kv_cache import RaggedKVCache
 
 # A new cache's size (RaggedKVCache's defaults): a shrink never goes below it.
 MIN_SLOTS = 4

@@ -18,11 +18,12 @@ from __future__ import annotations
 from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from starjar.metrics import BATCH_BUCKETS, FAST_BUCKETS, new_registry
+from starjar.service.metrics import BATCH_BUCKETS, FAST_BUCKETS, new_registry
+from starjar.wire.keys import ADMISSION, CALLER, DRAINING, FINGERPRINT, WORKER_ID
 
 P = "starjar_draft_"
 # Exported at 0 until they happen.
-REFUSAL_REASONS = ("admission", "caller", "worker_id", "fingerprint", "draining", "invalid")
+REFUSAL_REASONS = (ADMISSION, CALLER, WORKER_ID, FINGERPRINT, DRAINING, "invalid")
 
 
 class DraftMetrics:
@@ -107,7 +108,7 @@ class _StateCollector:
 
 
 def _tide_metrics(t: dict, uptime_s: float):
-    """Online adaptation (draft_server.tide): acceptance averages, the collection switch, training work."""
+    """Online adaptation (draft_server.tide.adaptation): acceptance averages, the collection switch, training work."""
     yield _gauge("tide_acceptance_short_ratio", "draft acceptance (accepted / proposed), short-horizon EMA",
                  t["acceptance_short"])
     yield _gauge("tide_acceptance_long_ratio", "draft acceptance (accepted / proposed), long-horizon EMA",

@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 
 from draft_server.config import DraftServerConfig
 from starjar.errors import InvalidArgument
-from starjar.token_ids import first_out_of_range
+from starjar.spec.token_ids import first_out_of_range
 from starjar.v1 import draft_pb2 as pb
 
 

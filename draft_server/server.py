@@ -1,6 +1,6 @@
 """Running the draft service: gRPC (with health and reflection) + the compute thread.
 
-`DraftServer` is usable in-process (tests, benchmarks, the Ray actor later);
+`DraftServer` is usable in-process (tests, benchmarks, the Ray actor);
 `starjar serve draft` runs it with `run_until_signalled`: uvloop and a
 graceful SIGTERM: rounds already queued are answered, new ones are refused.
 """
@@ -20,13 +20,13 @@ from draft_server.faults import Faults
 from draft_server.service import DraftService
 from draft_server.sessions import SessionTable
 from draft_server.stats import ServerStats
-from draft_server.tide import Tide
+from draft_server.tide.adaptation import Tide
 from draft_server.work_queue import make_queue
-from starjar import allocator
-from starjar.models import LoadedModel, kv_bytes_per_token
-from starjar.security import Security
-from starjar.serving import HealthAndReflection
-from starjar.status import ErrorStatus
+from starjar.model import allocator
+from starjar.model.loading import LoadedModel, kv_bytes_per_token
+from starjar.service.security import Security
+from starjar.service.serving import HealthAndReflection
+from starjar.service.status import ErrorStatus
 from starjar.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)

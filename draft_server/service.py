@@ -25,16 +25,16 @@ from draft_server.stats import ServerStats
 from draft_server.tree_draft import fit_width
 from draft_server.work_queue import ReleaseWork, RoundWork, WorkQueue
 from starjar.errors import FailedPrecondition, InvalidArgument, NotServing, StarjarError
-from starjar.proposer import DraftRequest
-from starjar.security import caller_identity
+from starjar.service.security import caller_identity
+from starjar.spec.proposer import DraftRequest
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
+from starjar.wire.keys import FINGERPRINT, REPLACED, TAG_METADATA, WORKER_ID
 
 log = logging.getLogger(__name__)
 # A start past any sequence's length: the draft engine answers resync and keeps no state for it.
 RESYNC_START = 1 << 62
 
-TAG_METADATA = "starjar-tag"
 MAX_WORKER_ID = 64
 
 
@@ -51,7 +51,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
         self.vocab_size = vocab_size
         self.draining = False
         self.faults = faults
-        self.tide = None  # draft_server.tide.Tide when adaptation is on (its counters go into GetStats)
+        self.tide = None  # draft_server.tide.adaptation.Tide when adaptation is on (its counters go into GetStats)
         self.refusals: Counter[str] = Counter()  # refused Attach calls by reason (exported as a metric)
         self._streams: set[SpeculateStream] = set()
 
@@ -63,19 +63,19 @@ class DraftService(pb_grpc.DraftServiceServicer):
         if self.draining:
             raise self._refused("draining", NotServing("draft server is shutting down"))
         if not request.worker_id or len(request.worker_id) > MAX_WORKER_ID:
-            raise self._refused("invalid", InvalidArgument("worker_id", f"must be 1 to {MAX_WORKER_ID} characters"))
+            raise self._refused("invalid", InvalidArgument(WORKER_ID, f"must be 1 to {MAX_WORKER_ID} characters"))
         fp = (request.fingerprint.vocab_size, request.fingerprint.tokenizer_hash)
         if fp != self.fingerprint:
             raise self._refused("fingerprint", FailedPrecondition(
                 f"fingerprint: the target's tokenizer must equal the draft's (vocab_size {self.fingerprint[0]}, "
-                f"tokenizer_hash {self.fingerprint[1]})", reason="fingerprint"))
+                f"tokenizer_hash {self.fingerprint[1]})", reason=FINGERPRINT))
         caller = caller_identity(context)
         try:
             s, old = self.sessions.attach(request.worker_id, caller, request.no_training)
         except AdmissionRefused as exc:
             raise self._refused(exc.reason, exc) from None
         if old is not None:  # the worker restarted (or attached again): its old session goes, KV and all
-            self._free(old, "replaced")
+            self._free(old, REPLACED)
             if old.caller != caller:
                 log.warning("worker %s attached from another caller: its old session was replaced", s.worker_id)
         self.stats.worker_attached(s.worker_id)

@@ -17,7 +17,7 @@ with reason "worker_id". The replacement starts empty under a fresh tag and
 the old tag stops working, so whoever attaches under a copied id gains
 nothing of the old session: its sequences are freed, never handed over. Only
 a caller the server authenticated reaches Attach at all.
-Optionally each caller (starjar.security.caller_identity) holds at most
+Optionally each caller (starjar.service.security.caller_identity) holds at most
 max_per_caller sessions, so one caller cannot take every slot.
 """
 
@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from starjar.errors import NotFound, ServerBusy
+from starjar.wire.keys import ADMISSION, CALLER, WORKER_ID
 
 TAG_BYTES = 16
 
@@ -53,7 +54,7 @@ class AdmissionRefused(ServerBusy):
 class Session:
     tag: bytes
     worker_id: str
-    caller: str = ""  # who attached it (starjar.security.caller_identity): only they may use the tag
+    caller: str = ""  # who attached it (starjar.service.security.caller_identity): only they may use the tag
     attached_s: float = field(default_factory=time.monotonic)
     last_seen_s: float = field(default_factory=time.monotonic)
     streaming: bool = False
@@ -90,10 +91,10 @@ class SessionTable:
             others = [s for s in self._by_tag.values() if s is not old]
             if len(others) >= self.max_targets:
                 self.refused_admission += 1
-                raise AdmissionRefused("admission", f"{len(others)} targets attached; N_max is {self.max_targets}")
+                raise AdmissionRefused(ADMISSION, f"{len(others)} targets attached; N_max is {self.max_targets}")
             mine = sum(s.caller == caller for s in others)
             if self.max_per_caller is not None and mine >= self.max_per_caller:
-                raise AdmissionRefused("caller", f"this caller holds {mine} sessions; the cap per caller is "
+                raise AdmissionRefused(CALLER, f"this caller holds {mine} sessions; the cap per caller is "
                                        f"{self.max_per_caller}")
             if old is not None:
                 del self._by_tag[old.tag]
@@ -112,7 +113,7 @@ class SessionTable:
             why = f"another caller's session had a round {now - old.last_round_s:.1f} s ago"
         else:
             return
-        raise AdmissionRefused("worker_id", f"worker {old.worker_id!r} is attached and live ({why}); it is "
+        raise AdmissionRefused(WORKER_ID, f"worker {old.worker_id!r} is attached and live ({why}); it is "
                                f"replaced once {wait:g} s old, by another caller once {wait:g} s without rounds")
 
     def get(self, tag: bytes, caller: str | None = None) -> Session:

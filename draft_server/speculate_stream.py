@@ -22,22 +22,33 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from draft_server.config import DraftServerConfig
 from draft_server.sessions import Session
-from draft_server.work_queue import RoundWork
+from draft_server.stats import ServerStats
+from draft_server.work_queue import RoundWork, WorkQueue
 from starjar.errors import NotFound, NotServing, ServerBusy
-from starjar.token_tree import TokenTree
+from starjar.spec.token_tree import TokenTree
 from starjar.v1 import draft_pb2 as pb
+from starjar.wire.keys import DRAINING, QUEUE_FULL
 
-if TYPE_CHECKING:
-    from draft_server.service import DraftService
+
+class StreamHost(Protocol):
+    """What a stream follows of the servicer that opened it (draft_server.service.DraftService)."""
+
+    cfg: DraftServerConfig
+    queue: WorkQueue
+    stats: ServerStats
+    draining: bool
+
+    def round_work(self, session: Session, request: pb.SpeculateRequest, deliver) -> RoundWork: ...
 
 log = logging.getLogger(__name__)
 
 
 class SpeculateStream:
-    def __init__(self, service: DraftService, session: Session, requests: AsyncIterator[pb.SpeculateRequest]):
+    def __init__(self, service: StreamHost, session: Session, requests: AsyncIterator[pb.SpeculateRequest]):
         """service: the servicer whose config, queue, stats and draining flag this stream follows."""
         self.service = service
         self.session = session
@@ -120,10 +131,10 @@ class SpeculateStream:
             if self.session.detached:
                 return False
             if svc.draining:
-                raise NotServing("stream: draft server is shutting down", reason="draining")
+                raise NotServing("stream: draft server is shutting down", reason=DRAINING)
             if len(svc.queue) >= cfg.max_queued_rounds:
                 svc.stats.queue_full += 1
-                raise ServerBusy(f"queue: {cfg.max_queued_rounds} rounds waiting", reason="queue_full")
+                raise ServerBusy(f"queue: {cfg.max_queued_rounds} rounds waiting", reason=QUEUE_FULL)
             work = svc.round_work(self.session, request, functools.partial(self.deliver, self.received))
             self.received += 1
             self.in_flight += 1

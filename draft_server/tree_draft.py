@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from starjar.token_tree import MAX_TREE_NODES, TokenTree
+from starjar.spec.token_tree import MAX_TREE_NODES, TokenTree
 
 
 def tree_nodes(depth: int, width: int) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from starjar.proposer import DraftRequest
+from starjar.spec.proposer import DraftRequest
 
 
 @dataclass

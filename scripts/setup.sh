@@ -41,5 +41,5 @@ if ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get 
   export DEBIAN_FRONTEND=noninteractive
   apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 ||
     { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1; } ||
-    echo "setup: could not install prometheus; tests/test_observability.py will try again" >&2
+    echo "setup: could not install prometheus; tests/system/test_observability.py will try again" >&2
 fi

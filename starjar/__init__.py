@@ -5,7 +5,7 @@ package of the project (controller, draft_server, target_worker).
 """
 
 from starjar.errors import InvalidArgument, StarjarError
-from starjar.sampling import SamplingParams
+from starjar.spec.sampling import SamplingParams
 from starjar.version import __version__
 
 
@@ -14,7 +14,6 @@ def __getattr__(name):
     if name in ("Client", "AsyncClient", "GenerationResult", "GenerationChunk", "ClientError", "InvalidRequest",
                 "Unavailable", "Timeout", "Unauthenticated", "Overloaded"):
         from starjar import client
-
         return getattr(client, name)
     raise AttributeError(name)
 

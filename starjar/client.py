@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from starjar.errors import InvalidArgument, StarjarError
-from starjar.sampling import SamplingParams
-from starjar.status import error_field
-from starjar.token_ids import WIRE_LIMIT, check_token_ids
+from starjar.service.status import error_field
+from starjar.spec.sampling import SamplingParams
+from starjar.spec.token_ids import WIRE_LIMIT, check_token_ids
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
-from starjar.wire import refusal_reason, sampling_to_proto
+from starjar.wire.keys import AUTH_METADATA, refusal_reason
+from starjar.wire.request import sampling_to_proto
 
 
 class ClientError(StarjarError):
@@ -181,7 +182,7 @@ class _Base:
         self.address = address
         self.timeout = timeout
         self.model = model
-        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._metadata = ((AUTH_METADATA, f"Bearer {auth_token}"),) if auth_token else ()
         self._creds = _credentials(tls, root_certificates, private_key, certificate_chain)
 
     def _call_args(self, timeout):

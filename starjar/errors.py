@@ -1,6 +1,6 @@
 """Typed errors shared by every component.
 
-Each class says what went wrong in the caller's terms; `starjar.status` maps
+Each class says what went wrong in the caller's terms; `starjar.service.status` maps
 each one to its gRPC status code in one table (this module imports no grpc).
 An error may carry a machine-readable `reason` (e.g. "queue_full") and the
 offending `field`: both travel to the caller as trailing metadata, so no one

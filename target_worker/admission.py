@@ -9,9 +9,9 @@ where every Generate call starts and ends, so it needs no lock.
 from __future__ import annotations
 
 from starjar.errors import InvalidArgument
+from starjar.wire.keys import QUEUE_FULL
 
 DEFAULT_MAX_WAITING = 256  # requests queued beyond the running batch
-QUEUE_FULL = "queue_full"
 
 
 class AdmissionQueue:

@@ -1,5 +1,5 @@
 """What catching the draft up on new prompts costs in this process: the price a policy puts on a lagging draft
-(starjar.policies.nightjar's surcharge). Measured, because a profile misses what a loaded process pays."""
+(starjar.spec.policies.nightjar's surcharge). Measured, because a profile misses what a loaded process pays."""
 
 from __future__ import annotations
 
@@ -21,12 +21,10 @@ def report_catch_up(policy, proposer, meter: tuple[float, float | None], want, r
     resent after a failed round is left out: the draft usually kept its prefix, so the resend is cheap and
     would make every catch-up look cheap. Timed by an in-process draft engine's own catch-up clock where there
     is one (proposing also drafts, which the arms already pay), else by the whole proposing call."""
-    seen = getattr(policy, "observe_catch_up", None)
-    if seen is None:
-        return
     tokens = sum(len(d.tokens) for r, d, reply in zip(want, reqs, replies, strict=True)
                  if reply is not None and d.start == 0 and r.req.spec_through == 0)
     if tokens:
         t0, clock0 = meter
         clock = _draft_clock(proposer)
-        seen(tokens, clock - clock0 if clock0 is not None and clock is not None else time.perf_counter() - t0)
+        own = clock0 is not None and clock is not None
+        policy.observe_catch_up(tokens, clock - clock0 if own else time.perf_counter() - t0)

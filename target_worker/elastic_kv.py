@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 
-from starjar.models import LoadedModel, kv_bytes_per_token
+from starjar.model.loading import LoadedModel, kv_bytes_per_token
 from target_worker.scheduler import Scheduler
 
 T_PERSIST_STEPS, TAU_LOW_TOKENS = 16, 64  # defaults for the engine and the simulated benchmark alike

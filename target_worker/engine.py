@@ -26,14 +26,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from starjar.errors import InvalidArgument
-from starjar.grouped_forward import forward_pass, grouped_forward
-from starjar.models import LoadedModel
-from starjar.policy import FixedGamma, SpeculationPolicy
-from starjar.proposer import DraftRequest, Proposer
-from starjar.sampling import SamplingParams
-from starjar.token_ids import check_token_ids
-from starjar.token_tree import TokenTree
-from starjar.verify import Verdict, sample_next, verify
+from starjar.model.grouped_forward import forward_pass, grouped_forward
+from starjar.model.loading import LoadedModel
+from starjar.spec.policy import FixedGamma, SpeculationPolicy
+from starjar.spec.proposer import DraftRequest, Proposer
+from starjar.spec.sampling import SamplingParams
+from starjar.spec.token_ids import check_token_ids
+from starjar.spec.token_tree import TokenTree
+from starjar.spec.verify import Verdict, sample_next, verify
 from target_worker.catch_up_meter import catch_up_meter, report_catch_up
 from target_worker.elastic_kv import ElasticKV
 from target_worker.request import Request, Status
@@ -222,16 +222,15 @@ class TargetEngine:
                     self._emit(req, [sample_next(lg[0], req.params, req.draws, req.num_tokens)], outputs)
         elapsed = time.perf_counter() - t0
         self.stats.prefill_s += elapsed
-        if self.proposer is not None and hasattr(self.policy, "observe_target_prefill"):  # a catch-up's prior
+        if self.proposer is not None:  # a catch-up's prior
             self.policy.observe_target_prefill(sum(map(len, feeds.values())), elapsed)
 
     # ---- run: one decoding step (speculative when gamma > 0) ------------------------------
 
     def _plan(self, decoding: list[Request]) -> DecodePlan:
         """Gamma for this batch size, capped per sequence; the newest preempted until the step fits the KV."""
-        note = getattr(self.policy, "note_draft_lag", None) if self.proposer else None
-        if note is not None:
-            note([r.draft_lag() for r in decoding], [r.tokens_left() for r in decoding])
+        if self.proposer is not None:
+            self.policy.note_draft_lag([r.draft_lag() for r in decoding], [r.tokens_left() for r in decoding])
         gamma = min(self.policy.choose(len(decoding)), self.config.max_gamma) if self.proposer else 0
         if self.step_listener is not None:
             self.step_listener(len(decoding), gamma)

@@ -14,7 +14,7 @@ import time
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from starjar.metrics import E2E_BUCKETS, FAST_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, batch_bucket, new_registry
+from starjar.service.metrics import E2E_BUCKETS, FAST_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, batch_bucket, new_registry
 
 P = "starjar_target_"
 ENGINE_PHASES = ("prefill", "propose", "verify")  # starjar_target_engine_seconds{phase}; EngineStats.<phase>_s

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Hashable, Sequence
 
-from starjar.proposer import DraftRequest
+from starjar.spec.proposer import DraftRequest
 
 MIN_PROMPT_TOKENS = 64  # shorter first rounds are ordinary rounds: their prefill fits the deadline
 EMA = 0.3  # weight of the newest measurement of the draft's prefill seconds per prompt token, and of a step

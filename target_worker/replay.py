@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from starjar.proposer import DraftRequest, Proposer
+from starjar.spec.proposer import DraftRequest, Proposer
 
 
 @dataclass(eq=False)

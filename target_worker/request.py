@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from starjar.sampling import PositionDraws, SamplingParams
+from starjar.spec.sampling import PositionDraws, SamplingParams
 
 _ids = itertools.count()
 _draft_keys = itertools.count(1)

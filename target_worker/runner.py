@@ -12,8 +12,8 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from starjar.kernels import adopt_thread_count
-from starjar.sampling import SamplingParams
+from starjar.cpu.kernels import adopt_thread_count
+from starjar.spec.sampling import SamplingParams
 from target_worker.engine import StepOutput, TargetEngine
 from target_worker.request import Request, Status
 

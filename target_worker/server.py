@@ -8,17 +8,17 @@ import os
 
 import grpc
 
-from starjar.drain import DrainGate
-from starjar.models import LoadedModel
-from starjar.policy import FixedGamma, SpeculationPolicy
-from starjar.security import Security
-from starjar.serving import HealthAndReflection, run_until_signalled
-from starjar.status import ErrorStatus
+from starjar.model.loading import LoadedModel
+from starjar.service.drain import DrainGate
+from starjar.service.security import Security
+from starjar.service.serving import HealthAndReflection, run_until_signalled
+from starjar.service.status import ErrorStatus
+from starjar.spec.policy import FixedGamma, SpeculationPolicy
 from starjar.v1 import generate_pb2, generate_pb2_grpc
 from target_worker.admission import AdmissionQueue
 from target_worker.config import TargetWorkerConfig
-from target_worker.draft_client import RemoteProposer
 from target_worker.engine import TargetEngine
+from target_worker.remote.client import RemoteProposer
 from target_worker.runner import EngineRunner
 from target_worker.service import GenerateService
 

@@ -18,10 +18,10 @@ from contextlib import aclosing
 import grpc
 
 from starjar.errors import InternalFailure, InvalidArgument, NotServing, ServerBusy
-from starjar.text import encode_prompt
+from starjar.model.text import encode_prompt
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
-from starjar.wire import check_request_shape, sampling_from_proto
+from starjar.wire.request import check_request_shape, sampling_from_proto
 from target_worker.admission import QUEUE_FULL, AdmissionQueue
 from target_worker.detok import IncrementalDetokenizer
 from target_worker.engine import StepOutput

@@ -15,7 +15,7 @@ import statistics
 import time
 
 from starjar.errors import InvalidArgument
-from starjar.tree_select import TREE_CHOICES, trees_on
+from starjar.spec.tree_select import TREE_CHOICES, trees_on
 from target_worker.tree_score import TreeConfig
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The score phase of a decode step where some sequences carry token trees.
 
 One ragged pass feeds every round's pending token and its drafts: a chain as before, a tree as its nodes in
-topological order under a tree mask (starjar.tree_attention). Each round gets its verdict; a tree round's
+topological order under a tree mask (starjar.model.tree_attention). Each round gets its verdict; a tree round's
 accepted path, written at scattered cache positions, is moved to the positions right after its pending
 token, and everything past it is rolled back.
 """
@@ -13,14 +13,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from starjar.errors import InvalidArgument
-from starjar.kv_cache import RaggedKVCache
-from starjar.models import LoadedModel
-from starjar.token_ids import first_out_of_range
-from starjar.token_tree import MAX_TREE_NODES, TokenTree
-from starjar.tree_attention import feed_parents
-from starjar.tree_select import POLICIES, Candidate, select, slo_need
-from starjar.tree_verify import verify_tree
-from starjar.verify import verify
+from starjar.model.kv_cache import RaggedKVCache
+from starjar.model.loading import LoadedModel
+from starjar.model.tree_attention import feed_parents
+from starjar.spec.token_ids import first_out_of_range
+from starjar.spec.token_tree import MAX_TREE_NODES, TokenTree
+from starjar.spec.tree_select import POLICIES, Candidate, select, slo_need
+from starjar.spec.tree_verify import verify_tree
+from starjar.spec.verify import verify
 
 
 def score_rounds(model: LoadedModel, cache: RaggedKVCache, rounds: Sequence) -> None:
@@ -60,7 +60,7 @@ def as_tree(reply, vocab: int, max_nodes: int, max_depth: int) -> TokenTree | li
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """Token trees on a target engine: the selection policy (starjar.tree_select.POLICIES), the draft's beam
+    """Token trees on a target engine: the selection policy (starjar.spec.tree_select.POLICIES), the draft's beam
     width, the verification budget (tokens per pass, pending tokens included; `starjar profile` measures
     where the step time stays near flat) and the most nodes one sequence may get."""
 

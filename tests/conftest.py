@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# Helpers shared by test modules (servers, streams, clusters): imported by name from tests/helpers.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Ray reads these when it is imported: tests join their own loopback clusters, each with its own Ray token
-# (controller.cluster_spec.local_ray_env names the file).
+# (controller.cluster.spec.local_ray_env names the file).
 for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
                "RAY_USAGE_STATS_ENABLED": "0"}.items():
     os.environ.setdefault(_k, _v)
@@ -19,7 +24,7 @@ for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token
 def model_dirs(tmp_path_factory):
     """Directories of tiny models: a target per family, a draft sharing the llama tokenizer,
     and a draft with a different tokenizer."""
-    from starjar.tiny_models import make_tiny_model
+    from benchmarks.fixtures.tiny_models import make_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     dirs = {}
@@ -34,7 +39,7 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def models(model_dirs):
-    from starjar.models import load_model
+    from starjar.model.loading import load_model
 
     return {k: load_model(v) for k, v in model_dirs.items()}
 
@@ -43,7 +48,6 @@ def models(model_dirs):
 def prompt_ids(models):
     """Token ids of 40 of starjar's own prompts, round-robin over their categories (capped at 160 tokens)."""
     from starjar import workloads
-
     tok = models["llama"].tokenizer
     return [tok(p.text)["input_ids"][:160] for p in workloads.load("own", 40)]
 
@@ -51,7 +55,7 @@ def prompt_ids(models):
 @pytest.fixture(scope="session")
 def reference(models, prompt_ids):
     """HF generate() greedy outputs per family: the ground truth for equality tests."""
-    from starjar.reference import hf_greedy
+    from benchmarks.fixtures.reference import hf_greedy
 
     cache = {}
 
@@ -68,9 +72,18 @@ def reference(models, prompt_ids):
 def long_prompts(models, prompt_ids):
     """Two prompts whose llama greedy continuation runs 300 tokens without EOS, and those continuations:
     generations long enough to be mid-stream when a signal lands (see streams.py)."""
-    from starjar.reference import hf_greedy
+    from benchmarks.fixtures.reference import hf_greedy
 
     prompts = prompt_ids[:2]
     refs = [hf_greedy(models["llama"], p, 300) for p in prompts]
     assert all(len(r) == 300 for r in refs), "a prompt whose reference ends early makes a short stream"
     return prompts, refs
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1/localhost and two client certificates, made on the fly: their
+    paths by file name (see helpers/pki.py, which also holds the token and the client side)."""
+    from pki import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))

@@ -31,7 +31,7 @@ MAY_IMPORT = {
 }
 # The one place product code may reach benchmark code: a lazy import in the function that runs
 # `starjar bench` (the command stays the user's; its code is loaded only when asked for).
-BENCH_ENTRY = ("controller/cli.py", "main")
+BENCH_ENTRY = ("controller/cli/main.py", "main")
 MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 400
 
@@ -199,3 +199,175 @@ def test_the_outside_pattern_catches_what_it_should():
                  'os.environ["STARJAR_DATA"]'):
         assert OUTSIDE.search(line), line
     assert not OUTSIDE.search('resources.files("starjar").joinpath("data", "prompts.jsonl")')
+
+
+# The layout by architecture. Modules are read with every import they make, function-level ones included
+# (a lazy import closes a circle as surely as one at the top), and `from a.b import c` counts as an import of
+# a.b.c where that is a module.
+CODE = (*PRODUCT, "benchmarks")
+# Inside starjar/ and controller/, a layer may import its own and those after it, never one before it; in
+# controller/, frontend, fleet and tuning are siblings that do not import each other.
+STARJAR_LAYERS = (("top", ("starjar.client", "starjar.workloads")), ("service", ("starjar.service",)),
+                  ("wire", ("starjar.wire",)), ("spec", ("starjar.spec",)), ("model", ("starjar.model",)),
+                  ("cpu", ("starjar.cpu",)), ("base", ("starjar.errors", "starjar.version", "starjar.v1")))
+CONTROLLER_LAYERS = (("cli", ("controller.cli",)), ("cluster", ("controller.cluster",)),
+                     ("frontend", ("controller.frontend",)), ("fleet", ("controller.fleet",)),
+                     ("tuning", ("controller.tuning",)), ("colocated", ("controller.colocated",)))
+SIBLINGS = {"frontend", "fleet", "tuning"}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_paths(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
+    return {_module_name(p, root): p for package in packages for p in sorted((root / package).rglob("*.py"))
+            if "__pycache__" not in p.parts and not _generated(p)}
+
+
+def _imports(path: Path, name: str, modules: dict[str, Path]) -> tuple[set[str], list[str]]:
+    """The modules of ours `path` imports, and each `_private` name it takes from another module."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    reached, private = set(), []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            reached.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]) if node.level \
+                else node.module
+            base = base.strip(".")
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                reached.add(full if full in modules else base)
+                dunder = alias.name.endswith("__")
+                theirs = full not in modules and base in modules and base != name
+                if alias.name.startswith("_") and not dunder and theirs:
+                    private.append(f"{_rel_to(path)}:{node.lineno} takes {alias.name} from {base}")
+    return {m for m in reached if m in modules and m != name}, private
+
+
+def _rel_to(path: Path) -> str:
+    try:
+        return _rel(path)
+    except ValueError:
+        return path.name
+
+
+def import_graph(root: Path = ROOT, packages: tuple[str, ...] = CODE) -> tuple[dict[str, set[str]], list[str]]:
+    modules = _module_paths(root, packages)
+    graph, private = {}, []
+    for name, path in modules.items():
+        graph[name], taken = _imports(path, name, modules)
+        private += taken
+    return graph, private
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circles_even_through_function_level_imports():
+    circles = import_circles(import_graph()[0])
+    assert not circles, "import circles:\n  " + "\n  ".join(" <-> ".join(c) for c in circles)
+
+
+def test_no_module_takes_another_modules_private_names():
+    private = import_graph()[1]
+    assert not private, "imports of another module's private names:\n  " + "\n  ".join(private)
+
+
+def _plant(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_a_planted_circle_and_a_planted_private_import_are_found(tmp_path):
+    _plant(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "def f():\n    from pkg import b\n    return b\n",
+                      "pkg/b.py": "from pkg.a import f\n", "pkg/c.py": "from pkg.d import _hidden\n",
+                      "pkg/d.py": "_hidden = 1\n"})
+    graph, private = import_graph(tmp_path, ("pkg",))
+    assert import_circles(graph) == [["pkg.a", "pkg.b"]]
+    assert private == ["c.py:1 takes _hidden from pkg.d"]
+
+
+def _layer(module: str, layers) -> str | None:
+    return next((name for name, prefixes in layers for p in prefixes if module == p or module.startswith(p + ".")),
+                None)
+
+
+def layer_offenders(graph: dict[str, set[str]], layers) -> list[str]:
+    order = [name for name, _ in layers]
+    offenders = []
+    for module, reached in sorted(graph.items()):
+        mine = _layer(module, layers)
+        for other in sorted(reached):
+            theirs = _layer(other, layers)
+            if None in (mine, theirs) or mine == theirs:
+                continue
+            if order.index(theirs) < order.index(mine) or {mine, theirs} <= SIBLINGS:
+                offenders.append(f"{module} ({mine}) imports {other} ({theirs})")
+    return offenders
+
+
+def test_the_layer_order_inside_starjar_and_controller():
+    graph = import_graph()[0]
+    offenders = layer_offenders(graph, STARJAR_LAYERS) + layer_offenders(graph, CONTROLLER_LAYERS)
+    assert not offenders, "imports against the layer order:\n  " + "\n  ".join(offenders)
+
+
+def test_a_planted_layer_breach_is_found():
+    graph = {"controller.fleet.fleet": {"controller.cluster.spec", "controller.tuning.pair_check"},
+             "starjar.cpu.kernels": {"starjar.model.loading", "starjar.errors"}}
+    assert layer_offenders(graph, CONTROLLER_LAYERS) == [
+        "controller.fleet.fleet (fleet) imports controller.cluster.spec (cluster)",
+        "controller.fleet.fleet (fleet) imports controller.tuning.pair_check (tuning)"]
+    assert layer_offenders(graph, STARJAR_LAYERS) == ["starjar.cpu.kernels (cpu) imports starjar.model.loading (model)"]
+
+
+WIRE_KEYS = ("starjar-tag", "starjar-reason", "starjar-field", "authorization")  # starjar/wire/keys.py's
+
+
+def wire_key_literals(paths: list[Path]) -> list[str]:
+    return [f"{_rel_to(p)}:{node.lineno} {node.value!r}" for p in paths
+            for node in ast.walk(ast.parse(p.read_text(), str(p)))
+            if isinstance(node, ast.Constant) and node.value in WIRE_KEYS]
+
+
+def test_wire_keys_are_spelled_only_in_starjar_wire_keys():
+    from starjar.wire import keys
+
+    assert set(WIRE_KEYS) == {keys.AUTH_METADATA, keys.TAG_METADATA, keys.REASON_METADATA, keys.FIELD_METADATA}
+    owner = ROOT / "starjar" / "wire" / "keys.py"
+    hits = wire_key_literals([p for p in _product_modules() if p != owner])
+    assert not hits, "metadata keys spelled outside starjar/wire/keys.py:\n  " + "\n  ".join(hits)
+    assert wire_key_literals([owner])  # the check sees the keys where they are

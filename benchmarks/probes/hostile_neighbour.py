@@ -38,10 +38,10 @@ import psutil
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.fixtures.tiny_models import make_tiny_model  # noqa: E402
 from benchmarks.meta import git_state, result_meta  # noqa: E402
 from starjar.client import Client  # noqa: E402
-from starjar.security import Security  # noqa: E402
-from starjar.tiny_models import make_tiny_model  # noqa: E402
+from starjar.service.security import Security  # noqa: E402
 from starjar.v1 import draft_pb2 as pb  # noqa: E402
 from starjar.v1 import draft_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -64,7 +64,7 @@ class Cluster:
         self.env = {**os.environ, "STARJAR_HOME": str(home), "PYTHONPATH": str(checkout)}
         for k in [k for k in self.env if k.startswith("RAY_")]:
             del self.env[k]
-        cmd = [sys.executable, "-m", "controller.cli", "up", "--json", "--target", models["target"], "--draft",
+        cmd = [sys.executable, "-m", "controller.cli.main", "up", "--json", "--target", models["target"], "--draft",
                models["draft"], "--targets", "2", "--gamma", "3", "--grpc-port", "0", "--http-port", "0",
                "--auth-token-file", str(token_file)]
         _say("starting the cluster from " + str(checkout))
@@ -75,7 +75,7 @@ class Cluster:
         self.state = json.loads((home / "run" / "cluster.json").read_text())
 
     def close(self) -> None:
-        subprocess.run([sys.executable, "-m", "controller.cli", "down"], cwd=self.checkout, env=self.env,
+        subprocess.run([sys.executable, "-m", "controller.cli.main", "down"], cwd=self.checkout, env=self.env,
                        capture_output=True, timeout=300)
 
     def ray_env(self) -> dict:

@@ -1,0 +1,1 @@
+"""One-off measurements run as scripts (`python benchmarks/probes/NAME.py`)."""

@@ -1,0 +1,1 @@
+"""Simulators the benchmarks replay: the star fabric and Nightjar's target worker."""

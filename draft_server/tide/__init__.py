@@ -1,0 +1,1 @@
+"""Online draft adaptation (TIDE): collection, the buffer, the trainer, the adapter in service."""

@@ -1,0 +1,1 @@
+"""Models: loading, the default pair, KV caches, attention, the lean draft decoder, smoothing."""

@@ -1,0 +1,1 @@
+"""What every starjar server process shares: auth, draining, status codes, signals, the metrics port."""

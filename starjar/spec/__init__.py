@@ -1,0 +1,1 @@
+"""Speculation math: sampling, verification (chains and trees), tree selection, policies, proposers."""

@@ -1,0 +1,1 @@
+"""The wire contract both sides import: metadata keys, refusal reasons, request codecs."""

@@ -1,0 +1,1 @@
+"""The remote draft: the client of the draft server, its stream loop, breaker and round codec."""

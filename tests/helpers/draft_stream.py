@@ -1,0 +1,46 @@
+"""Raw streams of the draft service (no target worker in between): attach, send a round, read its answer."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+from starjar.v1 import draft_pb2 as pb
+
+
+def fingerprint(model) -> pb.ModelFingerprint:
+    """A loaded model's fingerprint as the Attach request carries it."""
+    vocab, h = model.fingerprint.split(":", 1)
+    return pb.ModelFingerprint(vocab_size=int(vocab), tokenizer_hash=h)
+
+
+def attach(stub, models, worker="w"):
+    """Attach as a target of the llama family; the reply holds the tag and the server's limits."""
+    return stub.Attach(pb.AttachRequest(worker_id=worker, fingerprint=fingerprint(models["llama"])))
+
+
+class Stream:
+    """A raw Speculate stream: send a round, get its answer."""
+
+    def __init__(self, stub, tag: bytes):
+        self._q: queue.Queue = queue.Queue()
+        self._responses = stub.Speculate(iter(self._q.get, None), metadata=(("starjar-tag", tag.hex()),))
+        self._round = 0
+
+    def round(self, *seqs, timeout=30):
+        self._round += 1
+        self._q.put(pb.SpeculateRequest(round_id=self._round, sequences=[pb.SequenceRound(**s) for s in seqs]))
+        return next(self._responses)
+
+    def close(self):
+        self._q.put(None)
+
+
+def wait_until(cond, timeout=3.0):
+    """Polls `cond` until it holds; asserts it once more when `timeout` seconds have passed."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    assert cond()

@@ -1,0 +1,211 @@
+"""Target engines drafting through a real draft server: exact output whatever the draft side does."""
+
+import threading
+import time
+
+import grpc
+
+from draft_server.background import BackgroundDraftServer
+from draft_server.config import DraftServerConfig
+from starjar.spec.policy import FixedGamma
+from starjar.spec.sampling import SamplingParams
+from starjar.v1 import draft_pb2 as pb
+from starjar.v1 import draft_pb2_grpc as pb_grpc
+from target_worker.engine import EngineConfig, TargetEngine
+from target_worker.remote.client import RemoteProposer
+
+GREEDY = SamplingParams(max_tokens=48)
+
+
+def engine_for(models, address, worker, gamma=3, deadline_s=2.0, batch=8):
+    rp = RemoteProposer(address, models["llama"].fingerprint, worker, deadline_s, backoff_s=(0.02, 0.2))
+    return TargetEngine(models["llama"], rp, FixedGamma(gamma), EngineConfig(max_batch_size=batch)), rp
+
+
+def test_three_targets_share_one_draft_server(models, prompt_ids, reference):
+    ref = reference("llama", 48)
+    with BackgroundDraftServer(models["draft"]) as srv:
+        results = {}
+
+        def run(k):
+            eng, rp = engine_for(models, srv.address, f"t{k}")
+            assert rp.wait_attached(10)
+            reqs = eng.generate(prompt_ids, GREEDY)
+            results[k] = ([r.output_ids for r in reqs], eng.stats, rp.stats)
+            rp.close()
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        for outs, es, cs in results.values():
+            assert outs == ref
+            assert es.accepted_tokens > 0 and cs.rounds > 0 and not cs.fallbacks
+        stats = srv.server.stats.snapshot()
+        assert stats["rounds"] == sum(cs.rounds for _, _, cs in results.values())
+        assert stats["per_worker"] == {}  # each target's figures went with its detach
+        time.sleep(0.2)
+        assert srv.server.compute.engine.num_sequences == 0  # released as requests finished
+
+
+def test_refused_at_n_max_runs_without_speculation(models, prompt_ids, reference):
+    with BackgroundDraftServer(models["draft"], DraftServerConfig(max_targets=1)) as srv:
+        first, rp1 = engine_for(models, srv.address, "first")
+        assert rp1.wait_attached(10)
+        second, rp2 = engine_for(models, srv.address, "second")
+        outs = second.generate(prompt_ids[:10], GREEDY)
+        assert [r.output_ids for r in outs] == reference("llama", 48)[:10]
+        assert rp2.stats.refusals["admission"] >= 1 and second.stats.drafted_tokens == 0
+        assert second.stats.proposer_failures > 0
+        rp1.close(), rp2.close()
+
+
+def test_missed_deadlines_fall_back(models, prompt_ids, reference):
+    with BackgroundDraftServer(models["draft"]) as srv:
+        eng, rp = engine_for(models, srv.address, "slowpoke", deadline_s=1e-6)
+        assert rp.wait_attached(10)
+        outs = eng.generate(prompt_ids[:8], GREEDY)
+        assert [r.output_ids for r in outs] == reference("llama", 48)[:8]
+        assert rp.stats.fallbacks["deadline"] > 0
+        rp.close()
+
+
+def test_draft_server_restart_mid_run(models, prompt_ids, reference):
+    """The server goes away and comes back on the same port: no request fails or changes."""
+    srv = BackgroundDraftServer(models["draft"]).start()
+    port = srv.server.port
+    eng, rp = engine_for(models, srv.address, "survivor", batch=4)
+    assert rp.wait_attached(10)
+    reqs = [eng.add_request(p, GREEDY) for p in prompt_ids[:12]]
+    steps = 0
+    restarted = None
+    while eng.has_work():
+        eng.step()
+        steps += 1
+        if steps == 10:
+            srv.stop(grace=0)
+        if steps == 25:
+            restarted = BackgroundDraftServer(models["draft"], DraftServerConfig(port=port)).start()
+        if steps > 25:
+            time.sleep(0.02)  # give the client real time to reattach while requests are running
+    assert [r.output_ids for r in reqs] == reference("llama", 48)[:12]
+    assert restarted is not None and rp.wait_attached(10) and rp.stats.attaches >= 2
+    assert eng.stats.proposer_failures > 0
+    rounds_before = rp.stats.rounds
+    again = eng.generate(prompt_ids[:4], GREEDY)  # and it speculates again
+    assert [r.output_ids for r in again] == reference("llama", 48)[:4] and rp.stats.rounds > rounds_before
+    rp.close()
+    if restarted:
+        restarted.stop(grace=0)
+
+
+class MalformedDraftService(pb_grpc.DraftServiceServicer):
+    """Fault injection: a draft server that answers with the wrong sequence ids and bogus tokens."""
+
+    def Attach(self, request, context):
+        return pb.AttachResponse(tag=b"x" * 16, limits=pb.Limits(max_gamma=8))
+
+    def Speculate(self, request_iterator, context):
+        for req in request_iterator:
+            resp = pb.SpeculateResponse(round_id=req.round_id)
+            for s in req.sequences:
+                resp.sequences.add(seq_id=s.seq_id + (req.round_id % 2), tokens=[10**6] * s.gamma)
+            yield resp
+
+
+def test_malformed_replies_fall_back(models, prompt_ids, reference):
+    from concurrent import futures
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_DraftServiceServicer_to_server(MalformedDraftService(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        eng, rp = engine_for(models, f"127.0.0.1:{port}", "victim")
+        assert rp.wait_attached(10)
+        outs = eng.generate(prompt_ids[:6], GREEDY)
+        assert [r.output_ids for r in outs] == reference("llama", 48)[:6]
+        assert rp.stats.fallbacks["malformed"] > 0 and eng.stats.proposer_failures > 0
+        rp.close()
+    finally:
+        server.stop(0)
+
+
+def test_two_requests_with_one_id_keep_their_own_draft_sessions(models, prompt_ids, reference):
+    """Draft state is keyed by an internal id, not the caller's request_id."""
+    ref = reference("llama", 48)
+    with BackgroundDraftServer(models["draft"]) as srv:
+        eng, rp = engine_for(models, srv.address, "dup")
+        assert rp.wait_attached(10)
+        reqs = [eng.add_request(p, GREEDY, request_id="same-id") for p in prompt_ids[:4]]
+        while eng.has_work():
+            eng.step()
+        assert [r.output_ids for r in reqs] == ref[:4]
+        assert rp.stats.attaches == 1 and not rp.stats.fallbacks  # no broken stream, no resync
+        assert eng.stats.accepted_tokens > 0
+        rp.close()
+
+
+def test_the_client_clamps_to_the_servers_advertised_limits(models, prompt_ids, reference):
+    """A target asking gamma 5 of a server that allows 2 drafts 2, with no resync or fallback."""
+    with BackgroundDraftServer(models["draft"], DraftServerConfig(max_gamma=2)) as srv:
+        eng, rp = engine_for(models, srv.address, "clamp", gamma=5)
+        assert rp.wait_attached(10) and rp.limits.max_gamma == 2
+        reqs = eng.generate(prompt_ids[:4], GREEDY)
+        assert [r.output_ids for r in reqs] == reference("llama", 48)[:4]
+        assert not rp.stats.fallbacks and rp.stats.attaches == 1
+        assert eng.stats.drafted_tokens <= 2 * eng.stats.spec_rounds and eng.stats.accepted_tokens > 0
+        assert srv.server.stats.snapshot()["bad_sequences"] == 0
+        rp.close()
+
+
+def test_close_ends_the_proposers_own_threads(models, prompt_ids, reference):
+    """Each proposer drives its stream from an event loop thread of its own: close() ends that loop and the
+    attach thread, and a closed proposer answers every step without drafts (never hangs)."""
+    from starjar.spec.proposer import DraftRequest
+    from target_worker.remote.client import DraftUnavailable
+
+    with BackgroundDraftServer(models["draft"]) as srv:
+        before = set(threading.enumerate())
+        pairs = [engine_for(models, srv.address, f"closer{k}", batch=2) for k in range(3)]
+        assert all(rp.wait_attached(10) for _, rp in pairs)
+        eng, rp = pairs[0]
+        outs = eng.generate(prompt_ids[:2], GREEDY)
+        assert [r.output_ids for r in outs] == reference("llama", 48)[:2] and rp.stats.rounds > 0
+        assert {t.name for t in set(threading.enumerate()) - before} >= {"draft-wire", "draft-attach"}
+        for _, p in pairs:
+            p.close()
+        deadline = time.time() + 5
+        while set(threading.enumerate()) - before and time.time() < deadline:
+            time.sleep(0.05)
+        assert not set(threading.enumerate()) - before
+        t0 = time.perf_counter()
+        try:
+            rp.propose([DraftRequest("x", 0, [5, 6, 7], 2)])
+            raise AssertionError("a closed proposer proposed")
+        except DraftUnavailable as exc:
+            assert exc.reason == "detached"
+        assert time.perf_counter() - t0 < 0.1
+
+
+def test_a_round_finishing_after_its_target_left_is_not_kept_for_it(models, prompt_ids, monkeypatch):
+    """Per-target figures are bounded by the targets attached: a round still drafting when its target detaches
+    is not counted for that target again (before, each such round re-created the forgotten entry)."""
+    from starjar.spec.proposer import DraftRequest
+    from target_worker.remote.client import DraftUnavailable
+
+    monkeypatch.setenv("STARJAR_DRAFT_FAULTS", "slow_step_ms=100")  # a gamma-8 round takes about a second
+    with BackgroundDraftServer(models["draft"]) as srv:
+        for k in range(3):
+            rp = RemoteProposer(srv.address, models["llama"].fingerprint, f"gone-{k}", 0.05, backoff_s=(0.02, 0.2))
+            assert rp.wait_attached(10)
+            try:
+                rp.propose([DraftRequest(1, 0, list(prompt_ids[k]), 8)])
+            except DraftUnavailable:
+                pass  # the deadline: the round drafts on without anyone waiting
+            rp.close()  # detached while its round is in flight
+        deadline = time.monotonic() + 20
+        while srv.server.stats.snapshot()["rounds"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = srv.server.stats.snapshot()
+    assert stats["rounds"] == 3  # the rounds finished after their targets left
+    assert stats["per_worker"] == {}
