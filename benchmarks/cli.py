@@ -40,7 +40,7 @@ def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
                     help="bench adaserve: draft in the bench's process instead of a `starjar serve draft` process")
     ap.add_argument("--real", action="store_true", help="bench nightjar: also run a subset on the real models")
     ap.add_argument("--profile", default=None, help="bench nightjar: the cost model, a `starjar profile` JSON of "
-                    "this machine (default: benchmarks/results/profile-default-pair.json)")
+                    "this machine (default: benchmarks/fixtures/profile-default-pair.json)")
     ap.add_argument("--adapt-train", default="",
                     help="bench tide: the adapting draft server's --adapt-train (e.g. rank=64,lr=0.003)")
     ap.add_argument("--gamma", type=int, default=None,

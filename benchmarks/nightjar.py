@@ -1,9 +1,9 @@
 """`starjar bench nightjar`: Nightjar against every baseline, on a dynamic trace and at static rates.
 
 Simulated target worker (benchmarks/sims/nightjar_sim.py) on this machine's measured
-cost model (`starjar profile` of the default pair, benchmarks/results/
+cost model (`starjar profile` of the default pair, benchmarks/fixtures/
 profile-default-pair.json unless --profile) and acceptance measured per
-Spec-Bench category (benchmarks/results/draft-default-pair.json). Arrivals:
+Spec-Bench category (benchmarks/fixtures/draft-default-pair.json). Arrivals:
 the Azure conversation trace's inter-arrival gaps, time-rescaled to this
 machine's capacity: half of capacity, with a middle third whose rate rises to
 1.5x capacity and falls back (dynamic); and Poisson arrivals from 0.1x to 1.3x
@@ -48,7 +48,7 @@ from starjar.spec.policies import make_policy
 from starjar.spec.policies.nightjar import CSwitchTable
 from target_worker.elastic_kv import T_PERSIST_STEPS, TAU_LOW_TOKENS, ElasticRule
 
-RESULTS = Path(__file__).resolve().parent / "results"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TRACE = Path(__file__).resolve().parent / "fixtures" / "azure" / "AzureLLMInferenceTrace_conv.csv"
 MAX_GAMMA = 4
 MAX_BATCH = 16
@@ -75,7 +75,7 @@ def _trace(n: int) -> tuple[list[float], list[int], list[int]]:
 
 
 def _alphas() -> list[float]:
-    d = json.loads((RESULTS / "draft-default-pair.json").read_text())
+    d = json.loads((FIXTURES / "draft-default-pair.json").read_text())
     return [alpha_from_mean_accepted(v["mean_accepted_len"]) for v in d["acceptance_gamma3_by_category"].values()]
 
 
@@ -152,7 +152,7 @@ def _tables(device, gaps, outs, prompts, alphas, cost, profile, capacity, n, see
 
 
 def run(args) -> dict:
-    profile_path = Path(getattr(args, "profile", None) or RESULTS / "profile-default-pair.json")
+    profile_path = Path(getattr(args, "profile", None) or FIXTURES / "profile-default-pair.json")
     profile = json.loads(profile_path.read_text())
     cost = CostModel(profile)
     covered = cost.covers(MAX_BATCH, MAX_GAMMA)

@@ -127,9 +127,17 @@ class TargetEngine:
             req.request_id = request_id
         return self.enqueue(req)
 
-    def enqueue(self, req: Request) -> Request:
-        req.prompt_ids = self.validate_prompt(req.prompt_ids)
-        req.params.validate(self.model.vocab_size)
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The one check of a request entering this engine: its prompt (as ints) within the context and the
+        vocabulary, and its sampling values; InvalidArgument names the field."""
+        params.validate(self.model.vocab_size)
+        return self.validate_prompt(prompt_ids)
+
+    def enqueue(self, req: Request, checked: bool = False) -> Request:
+        """checked: the request passed check() where it entered the worker (the service), and is not checked
+        again here; a request from anywhere else (co-located use, benchmarks) is."""
+        if not checked:
+            req.prompt_ids = self.check(req.prompt_ids, req.params)
         eos = () if req.params.ignore_eos else self.model.eos_token_ids
         req.stop_ids = frozenset(req.params.stop_token_ids) | frozenset(eos)
         self.scheduler.add(req)

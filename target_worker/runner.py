@@ -42,7 +42,7 @@ class EngineRunner(threading.Thread):
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, on_output: OnOutput,
                tpot_slo_s: float | None = None) -> Request:
-        """prompt_ids and params must already be validated (engine.validate_prompt, params.validate).
+        """prompt_ids and params must have passed engine.check (they are not checked again).
         On a dead engine the request ends at once with an error output."""
         req = Request(prompt_ids=list(prompt_ids), params=params, request_id=request_id, tpot_slo_s=tpot_slo_s)
         with self._cv:  # under the lock: _die either sees this request in the inbox or we see it dead
@@ -111,7 +111,7 @@ class EngineRunner(threading.Thread):
             for op, req, cb in items:
                 if op == "add":
                     self._listeners[id(req)] = cb
-                    self.engine.enqueue(req)
+                    self.engine.enqueue(req, checked=True)
                 elif not req.finished:
                     self.engine.abort(req)
                     self._listeners.pop(id(req), None)

@@ -43,12 +43,11 @@ class GenerateService(pb_grpc.GenerateServiceServicer):
     def _prepare(self, request: pb.GenerateRequest):
         check_request_shape(request, self.model_name)
         params = sampling_from_proto(request.sampling)
-        params.validate(self.engine.model.vocab_size)
         if request.prompt:
             ids = encode_prompt(self.tokenizer, request.prompt, request.chat)
         else:
             ids = list(request.prompt_token_ids)
-        ids = self.engine.validate_prompt(ids)
+        ids = self.engine.check(ids, params)
         if request.HasField("tpot_slo_s") and not 0 < request.tpot_slo_s <= MAX_TPOT_SLO_S:
             raise InvalidArgument("tpot_slo_s", f"must be in (0, {MAX_TPOT_SLO_S:g}] seconds", request.tpot_slo_s)
         return ids, params

@@ -4,7 +4,7 @@ Each setting loads the default pair's draft with kv_dtype forced, fills `rows` s
 then times gamma-4 rounds (a 2-token catch-up, then one-token steps), the two precisions in turns so that a
 slow spell hits both. Prints a table and writes a JSON with the machine beside it.
 
-    flock /tmp/starjar-cpu.lock python benchmarks/probes/measure_draft_kv.py [--out F]
+    flock /tmp/starjar-cpu.lock python benchmarks/probes/measure_draft_kv.py --out F
     flock /tmp/starjar-cpu.lock scripts/emulate_isa.sh avx2 python benchmarks/probes/measure_draft_kv.py
 """
 
@@ -30,7 +30,7 @@ def main() -> None:
     from starjar.spec.proposer import DraftRequest
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="benchmarks/results/draft-kv-precision.json")
+    ap.add_argument("--out", required=True, help="result JSON (benchmarks/results/<machine kind>/...)")
     ap.add_argument("--rounds", type=int, default=8)
     args = ap.parse_args()
     torch.manual_seed(0)

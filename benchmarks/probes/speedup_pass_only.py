@@ -17,7 +17,7 @@ where the pass costs alone leave a goal out of reach. Also printed: the draft/ta
 speedup would need at the measured L, with no overhead at all.
 
     flock /tmp/starjar-cpu.lock python benchmarks/probes/speedup_pass_only.py \
-        --core-json benchmarks/results/core-quick-default-pair.json
+        --core-json benchmarks/results/epyc-avx2-2c/core-quick.json
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,4,8")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--out", default="benchmarks/results/speedup-pass-only.json")
+    ap.add_argument("--out", required=True, help="result JSON (benchmarks/results/<machine kind>/...)")
     args = ap.parse_args()
     from benchmarks.common import prompt_ids
     from starjar.cpu.machine import machine_info

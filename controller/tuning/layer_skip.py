@@ -5,8 +5,8 @@ measured, not assumed: each layer is left out alone and the draft scored teacher
 output (controller.tuning.pair_check's agreement); the SKIP_COUNTS least harmful layers then make one candidate each,
 timed and scored like the others, so a skip set wins only where its predicted speedup does.
 
-On the 2-core AMX Xeon (AVX512 capability) with the default pair, no layer was cheap to lose: in the recorded
-build (benchmarks/results/models-build-amx-packed-skip.json) leaving out the least harmful one (16 of 30) took
+On the 2-core AMX Xeon (AVX512 capability) with the default pair, no layer was cheap to lose: in a recorded
+build leaving out the least harmful one (16 of 30) took
 agreement from 0.81 to 0.72 and the step from 0.27 to 0.26 of a target step; four layers left 0.51 at 0.24.
 """
 

@@ -208,19 +208,6 @@ def spread_of(values, key: str) -> dict:
     return {key: round(spread, 3)} if spread is not None else {}
 
 
-def interleaved(fns, reps: int) -> list[list[float]]:
-    """Seconds of each function per repeat (each run once first), run in turns so that a slow spell hits all."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            fn()
-            times[i].append(time.perf_counter() - t0)
-    return times
-
-
 def ratios(times: list[list[float]], pairs: list[tuple[int, int]]) -> Timed:
     """times[a] over times[b] for each pair: the ratio of their medians, and the spread of the per-repeat ratios."""
     med = [statistics.median(t) for t in times]

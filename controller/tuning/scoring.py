@@ -4,6 +4,7 @@ the speedup a gamma predicts from them (shared by the pair check and the layer-s
 from __future__ import annotations
 
 from controller.tuning import pair_confirm
+from starjar.cpu.kernels import interleaved_times
 from starjar.model.loading import DRAFT_VARIANT_KEYS
 
 VARIANT_KEYS = DRAFT_VARIANT_KEYS  # recipe keys a candidate sets
@@ -72,14 +73,14 @@ def _pass(model, batch: int, positions: int, context: int = 96):
 
 def verify_costs(target) -> pair_confirm.Timed:
     """v[g] = the target's pass over g+1 positions at batch 1, over its one-position step."""
-    times = pair_confirm.interleaved([_pass(target, 1, g + 1) for g in range(MAX_GAMMA + 1)], reps=7)
+    times = interleaved_times([_pass(target, 1, g + 1) for g in range(MAX_GAMMA + 1)], reps=7)
     return pair_confirm.ratios(times, [(g, 0) for g in range(MAX_GAMMA + 1)])
 
 
 def cost_ratios(target, draft) -> pair_confirm.Timed:
     """Draft passes over the target's one-position step: a one-token draft step and a 3-position catch-up at
     batch 1, and a 4-sequence pass over the target's 4-sequence step (batched drafting)."""
-    times = pair_confirm.interleaved([_pass(target, 1, 1), _pass(draft, 1, 1), _pass(draft, 1, 3),
+    times = interleaved_times([_pass(target, 1, 1), _pass(draft, 1, 1), _pass(draft, 1, 3),
                           _pass(target, 4, 1), _pass(draft, 4, 1)], reps=7)
     return pair_confirm.ratios(times, [(1, 0), (2, 0), (4, 3)])
 

@@ -141,8 +141,8 @@ def cached_entry(kind: str, shapes: tuple[tuple[int, int], ...], measure: Callab
     return entry
 
 
-def interleaved_medians(fns: list[Callable[[], object]], reps: int) -> list[float]:
-    """Median seconds of each function (each run once first), run in turns so that a slow spell hits all."""
+def interleaved_times(fns: list[Callable[[], object]], reps: int) -> list[list[float]]:
+    """Seconds of each function per repeat (each run once first), run in turns so that a slow spell hits all."""
     for fn in fns:
         fn()
     times: list[list[float]] = [[] for _ in fns]
@@ -151,7 +151,12 @@ def interleaved_medians(fns: list[Callable[[], object]], reps: int) -> list[floa
             t0 = time.perf_counter()
             fn()
             times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    return times
+
+
+def interleaved_medians(fns: list[Callable[[], object]], reps: int) -> list[float]:
+    """Median seconds of each function over interleaved_times' repeats."""
+    return [statistics.median(t) for t in interleaved_times(fns, reps)]
 
 
 def _machine_key() -> str:
