@@ -31,11 +31,11 @@ from starjar.model.loading import LoadedModel
 from starjar.spec.policy import FixedGamma, SpeculationPolicy
 from starjar.spec.proposer import DraftRequest, Proposer
 from starjar.spec.sampling import SamplingParams
-from starjar.spec.token_ids import check_token_ids
 from starjar.spec.token_tree import TokenTree
 from starjar.spec.verify import Verdict, sample_next, verify
 from target_worker.catch_up_meter import catch_up_meter, report_catch_up
 from target_worker.elastic_kv import ElasticKV
+from target_worker.prompt_check import check_prompt
 from target_worker.request import Request, Status
 from target_worker.scheduler import Scheduler
 from target_worker.stats import MAX_GAMMA, EngineStats
@@ -144,15 +144,7 @@ class TargetEngine:
         return req
 
     def validate_prompt(self, prompt_ids: Sequence[int]) -> list[int]:
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise InvalidArgument("prompt", "must contain at least 1 token")
-        limit = self.max_seq_tokens - 1
-        if len(prompt) > limit:
-            raise InvalidArgument("prompt", f"at most {limit} tokens (context {self.model.max_context}, "
-                                  "one token left to generate)", f"{len(prompt)} tokens")
-        check_token_ids("prompt_token_ids", prompt, self.model.vocab_size)
-        return prompt
+        return check_prompt(prompt_ids, self.max_seq_tokens - 1, self.model.max_context, self.model.vocab_size)
 
     def abort(self, req: Request) -> None:
         """Drop a request (client went away); frees its KV and draft state."""
