@@ -14,7 +14,7 @@ import os
 from controller.cli.config_flags import DRAFT_SERVER_FLAGS, add_config_flags, config_overrides
 from controller.cli.flags import add_deprecated_alias, add_tree_flags, check_port, tree_speculation
 from controller.cluster.settings import as_flag_error, build_config
-from draft_server.config import DraftServerConfig
+from draft_server.config import MODES, DraftServerConfig
 from starjar.errors import InvalidArgument
 from starjar.spec.policies import policy_help
 from target_worker.admission import DEFAULT_MAX_WAITING
@@ -34,9 +34,10 @@ def _add_draft_parser(ssub) -> None:
     d.add_argument("--model", help="draft model directory (default: the default pair's draft)")
     d.add_argument("--host", default="127.0.0.1")
     d.add_argument("--port", type=int, default=50061, help="0 = any free port")
-    d.add_argument("--mode", default="batched", choices=["batched", "fifo"],
+    d.add_argument("--mode", default=DraftServerConfig.mode, choices=MODES,
                    help="batched: one draft pass for every pending round; fifo: one round at a time")
-    d.add_argument("--max-targets", type=int, default=8, help="N_max: targets admitted at once")
+    d.add_argument("--max-targets", type=int, default=DraftServerConfig.max_targets,
+                   help=f"N_max: targets admitted at once (default {DraftServerConfig.max_targets})")
     d.add_argument("--max-sequences-per-target", type=int, default=256, help="live sequences per target")
     add_deprecated_alias(d, "--max-sequences", "--max-sequences-per-target", "max_sequences_per_target", type=int)
     d.add_argument("--max-gamma", type=int, default=16)

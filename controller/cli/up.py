@@ -22,7 +22,7 @@ from controller.cli.flags import add_tree_flags, tree_speculation
 from controller.cluster.local import adaptive_defaults, local_spec, read_state, start_local, stop_local
 from controller.cluster.spec import ClusterSpec
 from controller.frontend.limits import HttpLimits
-from draft_server.config import DraftServerConfig
+from draft_server.config import MODES, DraftServerConfig
 from starjar.service.security import read_token
 from starjar.spec.policies import policy_help
 
@@ -47,8 +47,9 @@ def _add_up_parser(sub) -> None:
     u.add_argument("--buckets", default=None, help="nightjar's batch-size buckets, e.g. 1,2,4,8,16 "
                    "(default: octaves 1,2,4,...,128)")
     u.add_argument("--batch-size", type=int, default=8, help="running requests per target (default 8)")
-    u.add_argument("--draft-mode", default="batched", choices=["batched", "fifo"])
-    u.add_argument("--max-targets", type=int, default=8, help="N_max on each draft server (its cap with auto)")
+    u.add_argument("--draft-mode", default=DraftServerConfig.mode, choices=MODES)
+    u.add_argument("--max-targets", type=int, default=DraftServerConfig.max_targets,
+                   help=f"N_max on each draft server (its cap with auto; default {DraftServerConfig.max_targets})")
     u.add_argument("--autoscale-drafts", default=None, metavar="MIN..MAX",
                    help="add a draft server while targets wait for one (every one at N_max or saturated), retire "
                         "one (drain, then stop) when the others can carry its targets; starts with --draft-servers "

@@ -19,6 +19,7 @@ from controller.frontend.limits import (
     check_max_requests,
     check_request_timeout,
 )
+from draft_server.config import MODES, DraftServerConfig
 from starjar.errors import InvalidArgument
 from starjar.service.security import MIN_TOKEN_CHARS
 from target_worker.admission import DEFAULT_MAX_WAITING
@@ -82,8 +83,8 @@ class ClusterSpec:
     buckets: str | None = None  # nightjar's batch-size buckets, "1,2,4,8" (default: octaves 1,2,4,...,128)
     batch_size: int = 8  # running requests per target worker
     max_waiting: int = DEFAULT_MAX_WAITING  # requests queued per worker beyond its batch; then queue_full
-    draft_mode: str = "batched"  # batched | fifo
-    max_targets: int = 8  # N_max on each draft server (with admission "auto": its upper bound)
+    draft_mode: str = DraftServerConfig.mode  # batched | fifo
+    max_targets: int = DraftServerConfig.max_targets  # N_max on each draft server (admission "auto": its bound)
     draft_servers: int = 1  # draft server actors; the controller assigns each target to one (draft_assignment)
     autoscale_drafts: str | None = None  # "MIN..MAX": the controller adds and retires draft servers (draft_autoscale)
     admission: str = "fixed"  # fixed: N_max = max_targets | auto: the controller recomputes N_max (StarSD 4.2)
@@ -140,7 +141,7 @@ class ClusterSpec:
             raise InvalidArgument("--max-waiting", "must be >= 0", self.max_waiting)
         check_max_requests(self.max_requests)
         check_request_timeout(self.request_timeout_s)
-        if self.draft_mode not in ("batched", "fifo"):
+        if self.draft_mode not in MODES:
             raise InvalidArgument("--draft-mode", "must be batched or fifo", self.draft_mode)
         if self.admission not in ("fixed", "auto"):
             raise InvalidArgument("--admission", "must be fixed or auto", self.admission)
@@ -178,8 +179,6 @@ class ClusterSpec:
 
     def draft_server_config(self, host: str = "127.0.0.1"):
         """Each draft server's config: the spec's own settings, then the overrides."""
-        from draft_server.config import DraftServerConfig
-
         return build_config(DraftServerConfig, host=host, port=0, mode=self.draft_mode, max_targets=self.max_targets,
                             **self.draft_server)
 
