@@ -12,7 +12,7 @@ template, no data set needed), in about a minute:
      deterministic draft);
   3. step costs are timed on this machine, interleaved so that a noisy neighbour hits both sides: a draft
      step, a draft catch-up pass (3 positions) and a 4-sequence draft pass over the target's step, and the
-     target's pass over gamma+1 positions; a candidate whose catch-up pass is a cliff (1.5x the cheapest)
+     target's pass over gamma+1 positions; a candidate whose catch-up pass is a cliff (CLIFF x the cheapest)
      is not scored;
   4. the predicted batch-1 speedup E(gamma) / (v(gamma) + catch-up + (gamma-1) step) with
      E = (1 - alpha^(gamma+1)) / (1 - alpha) picks the candidate and gamma;
@@ -67,6 +67,7 @@ TARGET_FORWARD_REVISION = 3
 # teacher-forced pass, which overrated 8-bit activations on AVX2 kernels (0.823 against 0.323 in real steps).
 AGREEMENT = "stepwise"
 PAYS = 1.05  # a predicted batch-1 speedup below this is not worth a draft's memory and risk
+CLIFF = 1.5  # a catch-up pass this many times the cheapest candidate's is a cliff kernel, not scored
 
 
 def measured_acceptance(target_dir: str, draft_dir: str, force: bool = False, max_new: int = 32) -> dict:
@@ -210,7 +211,7 @@ def _candidates(target, draft_dir: str, variants: list[dict], prompts, outputs, 
         variant = {k: row[k] for k in VARIANT_KEYS if k in row}
         # The speedup model with every draft accepted: what no agreement could improve on.
         row["ceiling"] = ceiling = round(speculating_speedup(1.0, row["cost_b1"], row["cost_catchup"], verify_cost), 3)
-        if row["cost_catchup"] > 1.5 * cheapest:  # a cliff kernel: scoring it would take minutes for nothing
+        if row["cost_catchup"] > CLIFF * cheapest:  # a cliff kernel: scoring it would take minutes for nothing
             row.update(agreement=None, best_gamma=0, predicted_speedup=0.0,
                        note=f"not scored: a catch-up pass costs {row['cost_catchup'] / cheapest:.1f}x the cheapest")
         elif ceiling < PAYS:  # every candidate on a cliff path (forced): no agreement could make it pay
