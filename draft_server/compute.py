@@ -35,6 +35,7 @@ from starjar.cpu.kernels import adopt_thread_count
 from starjar.model import allocator
 
 log = logging.getLogger(__name__)
+LOOKAHEAD_BATCH = 8  # sequences one lookahead pass drafts for at most: the pass a real round may wait on stays short
 
 
 @dataclass(eq=False)
@@ -52,10 +53,12 @@ class _Active:
 class ComputeLoop(threading.Thread):
     def __init__(self, engine: DraftEngine, queue: WorkQueue, stats: ServerStats, mode: str = "batched",
                  max_batch_rounds: int = DraftServerConfig.max_batch_rounds, faults: Faults | None = None, tide=None,
-                 pass_catchup_tokens: int = MAX_FEED):
+                 pass_catchup_tokens: int = MAX_FEED, lookahead: str = "off"):
         """mode, max_batch_rounds and pass_catchup_tokens: DraftServerConfig's. batched: rounds join the passes in
         flight (continuous batching, at most max_batch_rounds at once); fifo: one round at a time.
-        tide: draft_server.tide.adaptation.Tide (online adaptation: sees each answered round, trains when idle)."""
+        tide: draft_server.tide.adaptation.Tide (online adaptation: sees each answered round, trains when idle).
+        lookahead: "chain" drafts ahead for each answered round's full acceptance while no round waits
+        (draft_server.lookahead); "off" does not."""
         super().__init__(name="draft-compute", daemon=True)
         self.engine = engine
         self.queue = queue
@@ -65,6 +68,7 @@ class ComputeLoop(threading.Thread):
         self.faults = faults or Faults(FaultPlan())
         self.tide = tide
         self.pass_catchup_tokens = pass_catchup_tokens
+        self.lookahead = lookahead == "chain"
         # The engine is this thread's; the offload check (from the server's sweeper) takes this lock too.
         self.lock = threading.Lock()
         self.last_round_s = time.perf_counter()
@@ -80,17 +84,21 @@ class ComputeLoop(threading.Thread):
         idle = 0.0
         while True:
             busy = bool(self._active or self._held)
-            tide = self.tide if not busy and not self.engine.offloaded else None
+            ahead = self._lookahead_jobs() if not busy else []
+            tide = self.tide if not busy and not ahead and not self.engine.offloaded else None
             train = tide is not None and tide.wants_idle()
             waited = 0.0
             if busy and not self.continuous:
                 items = []
             else:
                 room = self.max_batch_rounds - len(self._active) if self.continuous else 1
-                items = self.queue.take(block=not busy and not train, max_rounds=max(0, room))
+                items = self.queue.take(block=not busy and not train and not ahead, max_rounds=max(0, room))
                 waited = self.queue.last_wait_s
             if items is None:
                 return
+            if ahead and not items:  # no round waits: one lookahead pass, counted as idle time (none waited)
+                idle += self._look_ahead(ahead)
+                continue
             if train and not items:  # no round to serve: one training micro-step instead of waiting
                 idle += self._idle_train(tide)
                 continue
@@ -102,6 +110,7 @@ class ComputeLoop(threading.Thread):
             try:
                 with self.lock:
                     self._iterate(items)
+                    self.stats.record_lookahead(self.engine.stats)
                     if not self._active and not self._held:  # between rounds, so no pass in flight grows it right back
                         self.engine.shrink_cache()
                     self._give_back_outgrown_cache()
@@ -173,6 +182,10 @@ class ComputeLoop(threading.Thread):
             self.stats.record_round(wait, service, a.work.worker_id)
             replies = self.faults.before_reply(a.replies)
             a.work.reply(a.work, replies, wait, service, len(finished) + len(self._active))
+        if self.lookahead:  # the answered chains' likeliest next rounds, drafted while the targets verify
+            for a in finished:
+                for _, job in a.jobs:
+                    self.engine.stage(job)
         if self.tide is not None and finished:  # after every reply: learning stays off the rounds' path
             self._observe(self.tide, finished)
 
@@ -193,6 +206,23 @@ class ComputeLoop(threading.Thread):
         except Exception:
             log.exception("draft adaptation failed; it is off until restart (drafting goes on)")
             self.tide = None
+
+    def _lookahead_jobs(self) -> list:
+        if not self.lookahead or self.engine.offloaded:
+            return []
+        return self.engine.lookahead_jobs()[:LOOKAHEAD_BATCH]
+
+    def _look_ahead(self, jobs) -> float:
+        """One lookahead pass; its seconds. A failure drops the stages' sequences (their next rounds resync)."""
+        t0 = time.perf_counter()
+        with self.lock:
+            try:
+                self.engine.advance_lookahead(jobs)
+            except Exception:
+                log.exception("a lookahead pass failed; its sequences are dropped (their next rounds resync)")
+                self.engine.release(list(self.engine.stages))
+            self.stats.record_lookahead(self.engine.stats)
+        return time.perf_counter() - t0
 
     def _idle_train(self, tide) -> float:
         """One training micro-step (the queue was empty); its seconds count as idle time: no round waited.

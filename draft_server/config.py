@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from draft_server.lookahead import MODES as LOOKAHEAD_MODES
 from draft_server.tide.config import TideConfig
 from starjar.errors import InvalidArgument
 
@@ -54,12 +55,17 @@ class DraftServerConfig:
     # Online draft adaptation (TIDE): None = off. On, the draft learns a logit adapter from the targets'
     # verified tokens in the compute loop's idle time (draft_server/tide/adaptation.py).
     tide: TideConfig | None = None
+    # Lookahead (draft_server.lookahead): "chain" drafts each answered round's likeliest next round (all drafts
+    # accepted, the bonus token guessed) while no round waits; "off" leaves the idle time idle.
+    lookahead: str = "off"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise InvalidArgument("port", "must be in [0, 65535]", self.port)
         if self.mode not in MODES:
             raise InvalidArgument("mode", f"one of {MODES}", self.mode)
+        if self.lookahead not in LOOKAHEAD_MODES:
+            raise InvalidArgument("lookahead", f"one of {LOOKAHEAD_MODES}", self.lookahead)
         for name, lo, hi in (("max_targets", 0, 4096), ("max_sequences_per_target", 1, 65536),
                              ("max_tokens_per_sequence", 2, 1 << 20), ("max_gamma", 1, 64), ("max_tree_width", 1, 16),
                              ("max_tree_nodes", 1, 256),

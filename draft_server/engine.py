@@ -21,9 +21,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 
+from draft_server.draft_job import DraftJob, DraftSeq, DraftStats, logit_rows, tree_row
 from draft_server.kv_pool import MIN_LENGTH, MIN_SLOTS, DraftKVCache
+from draft_server.lookahead import Stage
 from draft_server.tree_draft import BeamTree, fit_width
 from starjar.model.grouped_forward import grouped_forward
 from starjar.model.loading import LoadedModel, kv_bytes_per_token
@@ -35,57 +36,6 @@ SHORT_FEED = 8  # feeds up to this many tokens share one pass whatever their pad
 # a pass's masks and attention scores grow with its tokens x its context, and must stay bounded.
 MAX_FEED = 512
 MAX_PASS_TOKENS = 2048
-
-
-@dataclass(eq=False)
-class _DraftSeq:
-    slot: int
-    seq_id: Hashable = None  # (tag, wire id) on the draft server: how a hidden-state tap names the sequence
-    verified: list[int] = field(default_factory=list)
-    cached: list[int] = field(default_factory=list)  # tokens whose KV is in the cache, in order
-    skip: int = 0  # leading verified tokens the draft never reads (past the model's prompt_window)
-
-    @property
-    def read(self) -> list[int]:
-        """The verified tokens the draft reads: cached is a prefix of these, at cache positions from 0."""
-        return self.verified[self.skip:]
-
-
-@dataclass(eq=False)
-class DraftJob:
-    """One sequence's drafting for one round: feed `feed`, take the argmax, until `gamma` drafts."""
-    seq_id: Hashable
-    seq: _DraftSeq
-    gamma: int
-    feed: list[int]  # the catch-up tokens first, then the last draft
-    drafts: list[int] = field(default_factory=list)
-    passes: int = 0
-    beam: BeamTree | None = None  # a candidate tree instead of a chain (draft_server.tree_draft)
-    # Catch-up tokens its next pass may feed, at least 1 (the compute loop's fair share, draft_server.fair_share);
-    # None: a whole chunk.
-    allow: int | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.beam.done if self.beam is not None else len(self.drafts) >= self.gamma
-
-    def reply(self) -> DraftReply:
-        return self.beam.tree() if self.beam is not None else self.drafts
-
-
-@dataclass
-class DraftStats:
-    rounds: int = 0
-    drafted_tokens: int = 0
-    catchup_tokens: int = 0  # tokens prefilled before drafting (>= 1 per drafting sequence)
-    catchup_s: float = 0.0  # time of those catch-up passes
-    step_s: float = 0.0  # time of the one-token draft steps
-    steps: int = 0
-    resyncs: int = 0
-    passes: int = 0  # draft forward passes (catch-up + one-token steps)
-    tree_jobs: int = 0  # sequence-rounds that built a candidate tree
-    tree_nodes: int = 0  # nodes of those trees
-    tree_expand_s: float = 0.0  # choosing their children and beams (besides the passes they rode in)
 
 
 class DraftEngine:
@@ -107,10 +57,11 @@ class DraftEngine:
             1, max_kv_tokens * model.model.config.num_hidden_layers // 40)
         self.cache = self._new_cache()
         self.max_sequences = max_sequences
-        self._seqs: dict[Hashable, _DraftSeq] = {}
+        self._seqs: dict[Hashable, DraftSeq] = {}
         self._owner_tokens: dict[Hashable, int] = {}
         self._longest = 0  # the longest sequence's verified tokens, as of the round being started
         self.over_budget = 0  # sequences answered resync for the KV budget
+        self.stages: dict[Hashable, Stage] = {}  # lookahead (draft_server.lookahead): at most one per sequence
         self.stats = DraftStats()
         # Offload (Nightjar section 6): weights to host memory and all KV dropped while nobody speculates.
         self.auto_reload = auto_reload  # propose() while offloaded starts the reload itself
@@ -141,6 +92,7 @@ class DraftEngine:
         if self._offloaded:
             return
         self._seqs.clear()
+        self.stages.clear()
         self._owner_tokens.clear()
         self.cache = self._new_cache()
         if self.model.device.type != "cpu":
@@ -200,13 +152,16 @@ class DraftEngine:
         jobs: list[tuple[int, DraftJob]] = []
         self._longest = max((len(q.verified) for q in self._seqs.values()), default=0)
         for i, req in enumerate(requests):
+            stage = self._claim_stage(req)
             seq = self._record(req)
             if seq is None:
                 self.stats.resyncs += 1
                 continue
             replies[i] = []
             gamma = min(req.gamma, self.model.max_context - len(seq.verified))
-            if gamma > 0 and seq.verified:
+            if stage is not None and stage.seq is seq:  # a lookahead hit: its drafts are kept
+                jobs += [(i, job)] if (job := self._take_stage(stage, gamma)) is not None else []
+            elif gamma > 0 and seq.verified:
                 # Catch-up: roll back to the common prefix (at least one token must be fed to get logits).
                 read = seq.read
                 keep = min(common_prefix(seq.cached, read), len(read) - 1)
@@ -234,7 +189,7 @@ class DraftEngine:
 
         for step in grouped_forward(self.model, self.cache, live, chunk, lambda j: j.seq.slot,
                                     short=SHORT_FEED, max_pass_tokens=self.max_pass_tokens,
-                                    tree=_tree_row, last=_logit_rows, max_gather_cells=self.max_gather_cells):
+                                    tree=tree_row, last=logit_rows, max_gather_cells=self.max_gather_cells):
             if all(j.passes == 0 for j in step.rows):
                 self.stats.catchup_s += step.seconds
             else:
@@ -270,8 +225,61 @@ class DraftEngine:
             self.stats.tree_expand_s += j.beam.expand_s
             self.stats.drafted_tokens += len(j.beam.tokens)
 
+    # ---- lookahead (draft_server.lookahead) ---------------------------------------------------
+
+    def stage(self, job: DraftJob) -> bool:
+        """Start drafting ahead for a finished chain job whose drafts were just answered; whether it did (a
+        sequence gone, a tree, or no room in the context or the KV budgets: no)."""
+        seq = self._seqs.get(job.seq_id)
+        g = len(job.drafts)
+        if seq is not job.seq or job.beam is not None or not job.done or g == 0 or not seq.cached:
+            return False
+        if len(seq.verified) + 2 * g + 1 > self.model.max_context or not self._fits(
+                DraftRequest(job.seq_id, len(seq.verified), [], g), seq, len(seq.verified) + g + 1):
+            return False
+        self.stages[job.seq_id] = Stage.after(job)
+        return True
+
+    def lookahead_jobs(self) -> list[DraftJob]:
+        """The unfinished jobs of the lookahead stages, oldest stage first."""
+        return [s.job for s in self.stages.values() if not (s.guess is not None and s.job.done)]
+
+    def advance_lookahead(self, jobs: Sequence[DraftJob]) -> int:
+        """One pass for lookahead jobs (from lookahead_jobs(), none started since). Returns the tokens drafted."""
+        drafted = self.stats.drafted_tokens
+        self.advance(jobs)
+        for s in self.stages.values():
+            s.advanced(self.cache)
+        drafted = self.stats.drafted_tokens - drafted
+        self.stats.lookahead_drafted += drafted
+        return drafted
+
+    def _claim_stage(self, req: DraftRequest) -> Stage | None:
+        """A real round for the sequence ends its stage: returned when the round matches what it assumed;
+        otherwise its KV goes back to what the answered round left (a miss) and None."""
+        stage = self.stages.pop(req.seq_id, None)
+        if stage is None or stage.matches(req):
+            return stage
+        stage.undo(self.cache)
+        if stage.drafted:  # a stage no pass reached (rounds kept coming) is no miss: nothing was drafted ahead
+            self.stats.lookahead_misses += 1
+            self.stats.lookahead_wasted += stage.drafted
+        return None
+
+    def _take_stage(self, stage: Stage, gamma: int) -> DraftJob | None:
+        if gamma <= 0:  # nothing asked: the KV goes back all the same
+            stage.undo(self.cache)
+            self.stats.lookahead_misses += 1
+            self.stats.lookahead_wasted += stage.drafted
+            return None
+        ready = len(stage.job.drafts)
+        self.stats.lookahead_hits += 1
+        self.stats.lookahead_wasted += max(0, ready - gamma)
+        return stage.take(gamma, self.cache)
+
     def release(self, seq_ids: Sequence[Hashable]) -> None:
         for sid in seq_ids:
+            self.stages.pop(sid, None)
             seq = self._seqs.pop(sid, None)
             if seq is None:
                 continue
@@ -301,7 +309,7 @@ class DraftEngine:
             torch.cuda.empty_cache()
         return True
 
-    def _record(self, req: DraftRequest) -> _DraftSeq | None:
+    def _record(self, req: DraftRequest) -> DraftSeq | None:
         """Apply a delta; None when the prefix before req.start is unknown (resync: the target resends the
         sequence from 0, so what is kept of it now is dropped) or the sequence breaks a limit."""
         seq = self._seqs.get(req.seq_id)
@@ -316,7 +324,7 @@ class DraftEngine:
         if seq is None:
             if req.start != 0 or len(self._seqs) >= self.max_sequences:
                 return None
-            seq = _DraftSeq(slot=-1, seq_id=req.seq_id)
+            seq = DraftSeq(slot=-1, seq_id=req.seq_id)
             self.cache.allocate(seq)
             self._seqs[req.seq_id] = seq
         self._count(req.seq_id, new_len - len(seq.verified))
@@ -332,7 +340,7 @@ class DraftEngine:
         self._longest = max(self._longest, len(seq.verified))
         return seq
 
-    def _window(self, seq: _DraftSeq) -> None:
+    def _window(self, seq: DraftSeq) -> None:
         """Where the draft starts reading a sequence it holds nothing of yet: the prompt's last prompt_window
         tokens (positions restart at 0 there: rotary attention depends only on distances)."""
         # TIDE's tap reports cache positions as sequence positions: a windowed sequence would misalign them.
@@ -341,7 +349,7 @@ class DraftEngine:
         seq.cached.clear()
         self.cache.truncate(seq.slot, 0)
 
-    def _fits(self, req: DraftRequest, seq: _DraftSeq | None, new_len: int) -> bool:
+    def _fits(self, req: DraftRequest, seq: DraftSeq | None, new_len: int) -> bool:
         """Whether the cache stays within the budgets once this sequence holds new_len tokens + its drafts."""
         extra = req.gamma + 1 if req.tree_width <= 1 else 1 + (req.gamma - 1) * req.tree_width
         need = new_len + extra
@@ -367,16 +375,6 @@ class DraftEngine:
 def _power_of_two(n: int) -> int:
     """The least power of two >= n (1 for n <= 1)."""
     return 1 << max(0, n - 1).bit_length()
-
-
-def _tree_row(job: DraftJob):
-    """The cache layout of a tree job's beam pass (None for chains and catch-ups)."""
-    return job.beam.layout() if job.beam is not None and job.passes else None
-
-
-def _logit_rows(job: DraftJob) -> int:
-    """How many trailing fed tokens need logits: a beam pass every beam's, everything else its last token's."""
-    return len(job.feed) if job.beam is not None and job.passes else 1
 
 
 def _owner(seq_id: Hashable) -> Hashable:

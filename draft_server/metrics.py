@@ -89,6 +89,14 @@ class _StateCollector:
                        s.stats.busy_s)
         yield _counter("idle_time_seconds", "compute-loop time spent waiting for rounds (after the first one)",
                        s.stats.idle_s)
+        yield _counter("lookahead_hits", "rounds whose verified tokens matched what lookahead drafted ahead for",
+                       snap["lookahead_hits"])
+        yield _counter("lookahead_misses", "rounds that ended a lookahead stage without a match",
+                       snap["lookahead_misses"])
+        yield _counter("lookahead_drafted_tokens", "tokens drafted ahead in idle time (bonus-token guesses included)",
+                       snap["lookahead_drafted_tokens"])
+        yield _counter("lookahead_wasted_tokens", "tokens drafted ahead that no reply used",
+                       snap["lookahead_wasted_tokens"])
         yield _counter("reclaimed_sequences", "sequences freed because their lease expired",
                        snap["reclaimed_sequences"])
         refusals = CounterMetricFamily(P + "refusals", "Attach calls refused, by reason", labels=["reason"])

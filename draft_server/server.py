@@ -57,7 +57,7 @@ class DraftServer:
         self.faults = Faults()  # chaos tests only: inert unless STARJAR_DRAFT_FAULTS is set
         self.tide = Tide(model, cfg.tide) if cfg.tide is not None else None
         self.compute = ComputeLoop(engine, self.queue, self.stats, cfg.mode, cfg.max_batch_rounds, self.faults,
-                                   self.tide, cfg.pass_catchup_tokens)
+                                   self.tide, cfg.pass_catchup_tokens, cfg.lookahead)
         vocab_size, tok_hash = model.fingerprint.split(":", 1)
         self.service = DraftService(cfg, self.sessions, self.queue, self.stats, (int(vocab_size), tok_hash),
                                     draft_name=draft_name, vocab_size=model.vocab_size, faults=self.faults)

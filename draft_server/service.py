@@ -212,7 +212,8 @@ class DraftService(pb_grpc.DraftServiceServicer):
             rounds_per_s=snap["rounds_per_s"], uptime_s=snap["uptime_s"],
             refused_admission=self.sessions.refused_admission, reclaimed_sequences=snap["reclaimed_sequences"],
             max_targets=self.sessions.max_targets, busy_s=snap["busy_s"], idle_s=snap["idle_s"],
-            tree_rounds=snap["tree_rounds"], tree_nodes=snap["tree_nodes"], tree_expand_s=snap["tree_expand_s"])
+            tree_rounds=snap["tree_rounds"], tree_nodes=snap["tree_nodes"], tree_expand_s=snap["tree_expand_s"],
+            **{k: v for k, v in snap.items() if k.startswith("lookahead_")})
         for worker, (n, rate) in sorted(snap["per_worker"].items()):
             msg.targets.add(worker_id=worker, rounds=n, rounds_per_s=rate)
         if self.tide is not None:

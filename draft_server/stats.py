@@ -39,6 +39,8 @@ class ServerStats:
         self.queue_full = 0  # streams ended because the global queue was full
         self.bad_sequences = 0  # sequences answered resync for breaking a limit (the stream went on)
         self.trees = [0, 0, 0.0]  # candidate trees built: sequence-rounds, nodes, bookkeeping seconds
+        self.lookahead = {"lookahead_hits": 0, "lookahead_misses": 0, "lookahead_drafted_tokens": 0,
+                          "lookahead_wasted_tokens": 0}
         self.observer = observer
 
     def record_idle(self, gap_s: float) -> None:
@@ -53,6 +55,14 @@ class ServerStats:
     def record_trees(self, rounds: int, nodes: int, expand_s: float) -> None:
         with self._lock:
             self.trees = [self.trees[0] + rounds, self.trees[1] + nodes, self.trees[2] + expand_s]
+
+    def record_lookahead(self, engine_stats) -> None:
+        """The draft engine's lookahead counters (draft_server.draft_job.DraftStats), as they stand now."""
+        e = engine_stats
+        with self._lock:
+            self.lookahead = {"lookahead_hits": e.lookahead_hits, "lookahead_misses": e.lookahead_misses,
+                              "lookahead_drafted_tokens": e.lookahead_drafted,
+                              "lookahead_wasted_tokens": e.lookahead_wasted}
 
     def record_busy(self, busy_s: float) -> None:
         with self._lock:
@@ -114,4 +124,5 @@ class ServerStats:
                 "uptime_s": now - self.start_s, "reclaimed_sequences": self.reclaimed_sequences,
                 "bad_sequences": self.bad_sequences, "queue_full": self.queue_full,
                 "tree_rounds": self.trees[0], "tree_nodes": self.trees[1], "tree_expand_s": self.trees[2],
+                **self.lookahead,
             }

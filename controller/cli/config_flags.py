@@ -10,6 +10,7 @@ import argparse
 from dataclasses import MISSING, fields
 
 from controller.cluster.settings import flag_of
+from draft_server.lookahead import MODES as LOOKAHEAD_MODES
 
 # field -> (type, help); the help gets the dataclass default appended.
 DRAFT_SERVER_FLAGS = {
@@ -23,6 +24,9 @@ DRAFT_SERVER_FLAGS = {
                                "session has been this long without a round"),
     "pass_catchup_tokens": (int, "prompt and resync tokens one draft pass feeds, shared fairly between targets: "
                                  "how long one target's prompts may keep another's drafts waiting"),
+    "lookahead": (LOOKAHEAD_MODES, "chain: while no round waits, draft each answered round's likeliest next round "
+                                   "(every draft accepted, the bonus token guessed); a round that matches is "
+                                   "answered from it. Real rounds always go first"),
 }
 HTTP_FLAGS = {
     "header_timeout_s": (float, "OpenAI port: seconds to the end of a request's headers (idle keep-alive "
@@ -43,8 +47,10 @@ def add_config_flags(parser, config_cls, flags: dict, title: str | None = None) 
     for name, (kind, text) in flags.items():
         default = _default(config_cls, name)
         shown = "unset" if default is None else default
-        group.add_argument(flag_of(name), dest=name, type=kind, default=None,
-                           metavar="SECONDS" if name.endswith("_s") else "N",
+        # kind: a type, or a tuple of the strings the field takes ({a,b} in the help)
+        how = dict(choices=kind) if isinstance(kind, tuple) else dict(
+            type=kind, metavar="SECONDS" if name.endswith("_s") else "N")
+        group.add_argument(flag_of(name), dest=name, default=None, **how,
                            help=f"{text} (default {shown})".replace("%", "%%"))
 
 

@@ -141,7 +141,7 @@ class TargetRate(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rounds_per_s: _Optional[float] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("attached_targets", "live_sequences", "queue_depth", "mode", "rounds", "batches", "drafted_tokens", "draft_steps", "mean_step_s", "mean_service_s", "mean_wait_s", "mean_idle_s", "load", "rounds_per_s", "targets", "uptime_s", "refused_admission", "reclaimed_sequences", "max_targets", "busy_s", "idle_s", "tide_acceptance_short", "tide_acceptance_long", "tide_collecting", "tide_train_steps", "tide_swaps", "tide_train_s", "tide_buffered_sequences", "tide_buffered_tokens", "tide_heldout_acceptance", "tide_cycles", "tree_rounds", "tree_nodes", "tree_expand_s")
+    __slots__ = ("attached_targets", "live_sequences", "queue_depth", "mode", "rounds", "batches", "drafted_tokens", "draft_steps", "mean_step_s", "mean_service_s", "mean_wait_s", "mean_idle_s", "load", "rounds_per_s", "targets", "uptime_s", "refused_admission", "reclaimed_sequences", "max_targets", "busy_s", "idle_s", "tide_acceptance_short", "tide_acceptance_long", "tide_collecting", "tide_train_steps", "tide_swaps", "tide_train_s", "tide_buffered_sequences", "tide_buffered_tokens", "tide_heldout_acceptance", "tide_cycles", "tree_rounds", "tree_nodes", "tree_expand_s", "lookahead_hits", "lookahead_misses", "lookahead_drafted_tokens", "lookahead_wasted_tokens")
     ATTACHED_TARGETS_FIELD_NUMBER: _ClassVar[int]
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,10 @@ class DraftStats(_message.Message):
     TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     TREE_EXPAND_S_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_WASTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     attached_targets: int
     live_sequences: int
     queue_depth: int
@@ -210,4 +214,8 @@ class DraftStats(_message.Message):
     tree_rounds: int
     tree_nodes: int
     tree_expand_s: float
-    def __init__(self, attached_targets: _Optional[int] = ..., live_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., mode: _Optional[str] = ..., rounds: _Optional[int] = ..., batches: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_service_s: _Optional[float] = ..., mean_wait_s: _Optional[float] = ..., mean_idle_s: _Optional[float] = ..., load: _Optional[float] = ..., rounds_per_s: _Optional[float] = ..., targets: _Optional[_Iterable[_Union[TargetRate, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused_admission: _Optional[int] = ..., reclaimed_sequences: _Optional[int] = ..., max_targets: _Optional[int] = ..., busy_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., tide_acceptance_short: _Optional[float] = ..., tide_acceptance_long: _Optional[float] = ..., tide_collecting: _Optional[bool] = ..., tide_train_steps: _Optional[int] = ..., tide_swaps: _Optional[int] = ..., tide_train_s: _Optional[float] = ..., tide_buffered_sequences: _Optional[int] = ..., tide_buffered_tokens: _Optional[int] = ..., tide_heldout_acceptance: _Optional[float] = ..., tide_cycles: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_expand_s: _Optional[float] = ...) -> None: ...
+    lookahead_hits: int
+    lookahead_misses: int
+    lookahead_drafted_tokens: int
+    lookahead_wasted_tokens: int
+    def __init__(self, attached_targets: _Optional[int] = ..., live_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., mode: _Optional[str] = ..., rounds: _Optional[int] = ..., batches: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_service_s: _Optional[float] = ..., mean_wait_s: _Optional[float] = ..., mean_idle_s: _Optional[float] = ..., load: _Optional[float] = ..., rounds_per_s: _Optional[float] = ..., targets: _Optional[_Iterable[_Union[TargetRate, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused_admission: _Optional[int] = ..., reclaimed_sequences: _Optional[int] = ..., max_targets: _Optional[int] = ..., busy_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., tide_acceptance_short: _Optional[float] = ..., tide_acceptance_long: _Optional[float] = ..., tide_collecting: _Optional[bool] = ..., tide_train_steps: _Optional[int] = ..., tide_swaps: _Optional[int] = ..., tide_train_s: _Optional[float] = ..., tide_buffered_sequences: _Optional[int] = ..., tide_buffered_tokens: _Optional[int] = ..., tide_heldout_acceptance: _Optional[float] = ..., tide_cycles: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_expand_s: _Optional[float] = ..., lookahead_hits: _Optional[int] = ..., lookahead_misses: _Optional[int] = ..., lookahead_drafted_tokens: _Optional[int] = ..., lookahead_wasted_tokens: _Optional[int] = ...) -> None: ...
