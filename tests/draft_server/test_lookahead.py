@@ -1,0 +1,131 @@
+"""Lookahead (chain mode) over real gRPC on loopback: hits answer what a server without lookahead answers, misses
+leave the draft's KV as it would have been, and a saturated server never drafts ahead."""
+
+import threading
+
+import grpc
+import pytest
+from draft_stream import Stream, attach, wait_until
+
+from benchmarks.fixtures.reference import hf_greedy
+from draft_server.background import BackgroundDraftServer
+from draft_server.config import DraftServerConfig
+from starjar.errors import InvalidArgument
+from starjar.v1 import draft_pb2 as pb
+from starjar.v1 import draft_pb2_grpc as pb_grpc
+
+GAMMA = 4
+PROMPT = [5, 17, 42, 99, 3, 250, 8, 61]
+
+
+def _config(lookahead: str, **kw) -> DraftServerConfig:
+    return DraftServerConfig(max_targets=4, max_gamma=8, max_tokens_per_sequence=512, lookahead=lookahead, **kw)
+
+
+@pytest.fixture()
+def pair(models):
+    """A lookahead-off server and a chain one, and a raw stream on each."""
+    servers = [BackgroundDraftServer(models["draft"], _config(m)).start() for m in ("off", "chain")]
+    channels = [grpc.insecure_channel(s.address) for s in servers]
+    stubs = [pb_grpc.DraftServiceStub(ch) for ch in channels]
+    streams = [Stream(stub, attach(stub, models).tag) for stub in stubs]
+    yield servers, streams, stubs
+    for s, ch, srv in zip(streams, channels, servers, strict=True):
+        s.close()
+        ch.close()
+        srv.stop(grace=0.5)
+
+
+def _both(streams, **seq) -> list[int]:
+    """One round on both servers: their drafts must be token for token the same."""
+    off, chain = (list(s.round(dict(seq_id=1, gamma=GAMMA, **seq)).sequences[0].tokens) for s in streams)
+    assert chain == off and len(off) == GAMMA
+    return off
+
+
+def _stats(stub) -> pb.DraftStats:
+    return stub.GetStats(pb.GetStatsRequest())
+
+
+def _staged(server, drafted: int) -> None:
+    """Wait until the chain server has drafted `drafted` tokens ahead (its stages are complete)."""
+    wait_until(lambda: server.server.stats.snapshot()["lookahead_drafted_tokens"] >= drafted, timeout=10)
+
+
+def test_full_acceptance_hits_and_answers_what_no_lookahead_answers(models, pair):
+    servers, streams, stubs = pair
+    verified = list(PROMPT)
+    drafts = _both(streams, start=0, tokens=verified)
+    for k in range(1, 7):
+        _staged(servers[1], k * (GAMMA + 1))
+        # The target accepts everything; its bonus token is the draft's own next token (the draft's guess).
+        new = drafts + hf_greedy(models["draft"], verified + drafts, 1)[:1]
+        drafts = _both(streams, start=len(verified), tokens=new)
+        verified += new
+    st, off = _stats(stubs[1]), _stats(stubs[0])
+    assert st.lookahead_hits >= 4 and st.lookahead_hits + st.lookahead_misses == 6
+    assert st.lookahead_drafted_tokens >= 6 * (GAMMA + 1) and st.lookahead_wasted_tokens <= GAMMA + 1
+    # A hit whose stage was complete needed no draft pass: fewer passes than the server without lookahead.
+    assert st.draft_steps < off.draft_steps
+    assert off.lookahead_hits == off.lookahead_drafted_tokens == 0
+
+
+@pytest.mark.parametrize("accepted", [0, 2, GAMMA - 1, GAMMA])
+def test_a_rejection_is_a_miss_and_answers_what_no_lookahead_answers(models, pair, accepted):
+    servers, streams, stubs = pair
+    verified = list(PROMPT)
+    drafts = _both(streams, start=0, tokens=verified)
+    _staged(servers[1], GAMMA + 1)
+    # The target keeps `accepted` drafts and then a token the draft did not guess (all four: the bonus differs).
+    guess = hf_greedy(models["draft"], verified + drafts, 1)[0]
+    choice = drafts[accepted] if accepted < GAMMA else guess
+    new = drafts[:accepted] + [(choice + 1) % models["draft"].vocab_size]
+    drafts = _both(streams, start=len(verified), tokens=new)
+    verified += new
+    # The next rounds go on from the rolled-back KV: still the same answers.
+    for k in range(2, 4):
+        _staged(servers[1], k * (GAMMA + 1))
+        new = drafts[:1] + [7]
+        drafts = _both(streams, start=len(verified), tokens=new)
+        verified += new
+    st = _stats(stubs[1])
+    assert st.lookahead_misses == 3 and st.lookahead_hits == 0
+    assert st.lookahead_wasted_tokens == 3 * (GAMMA + 1)
+
+
+def test_saturated_server_never_drafts_ahead(models, monkeypatch):
+    # fifo and slow passes: while three targets each send their next round as soon as the last is answered,
+    # two rounds always wait. Lookahead must not run then; once they stop it does.
+    monkeypatch.setenv("STARJAR_DRAFT_FAULTS", "slow_step_ms=15")
+    with BackgroundDraftServer(models["draft"], _config("chain", mode="fifo")) as srv:
+        ch = grpc.insecure_channel(srv.address)
+        stub = pb_grpc.DraftServiceStub(ch)
+        stop, go = threading.Event(), threading.Barrier(3)
+        tags = [attach(stub, models, f"t{k}").tag for k in range(3)]
+
+        def target(tag):
+            s = Stream(stub, tag)
+            verified = list(PROMPT)
+            go.wait()
+            r = s.round(dict(seq_id=1, start=0, tokens=verified, gamma=GAMMA))
+            while not stop.is_set():
+                new = list(r.sequences[0].tokens) + [7]
+                r = s.round(dict(seq_id=1, start=len(verified), tokens=new, gamma=GAMMA))
+                verified += new
+            s.close()
+
+        threads = [threading.Thread(target=target, args=(t,)) for t in tags]
+        [t.start() for t in threads]
+        wait_until(lambda: srv.server.stats.snapshot()["rounds"] >= 24, timeout=60)
+        saturated = _stats(stub)
+        stop.set()
+        [t.join() for t in threads]
+        assert saturated.rounds >= 24 and saturated.lookahead_drafted_tokens == 0
+        assert saturated.lookahead_hits == saturated.lookahead_misses == 0
+        wait_until(lambda: _stats(stub).lookahead_drafted_tokens > 0, timeout=10)  # idle now: it drafts ahead
+        ch.close()
+
+
+def test_lookahead_is_validated():
+    with pytest.raises(InvalidArgument, match="lookahead"):
+        DraftServerConfig(lookahead="tree")
