@@ -161,15 +161,20 @@ def test_sharing_and_http_limits_reach_every_server_from_one_declaration(model_d
     cfg = _draft_config(_parser().parse_args(["serve", "draft", "--max-targets-per-caller", "3",
                                               "--reclaim-after", "0.5", "--pass-catchup-tokens", "64"]))
     assert (cfg.max_targets_per_caller, cfg.reclaim_after_s, cfg.pass_catchup_tokens) == (3, 0.5, 64)
+    assert default.lookahead == "off"
+    assert _draft_config(_parser().parse_args(["serve", "draft", "--lookahead", "chain"])).lookahead == "chain"
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        _parser().parse_args(["serve", "draft", "--lookahead", "tree"])
 
     monkeypatch.setenv("STARJAR_HOME", str(tmp_path))
     base = ["up", "--target", model_dirs["llama"], "--draft", model_dirs["draft"], "--gamma", "2"]
     spec = ClusterSpec.from_dict(_spec(_parser().parse_args(
-        [*base, "--max-targets-per-caller", "4", "--pass-catchup-tokens", "128", "--header-timeout", "3",
+        [*base, "--max-targets-per-caller", "4", "--pass-catchup-tokens", "128", "--lookahead", "chain",
+         "--header-timeout", "3",
          "--max-body-bytes", "65536"])).to_dict())  # as the actors get it
     cfg = spec.draft_server_config("10.0.0.1")
-    assert (cfg.host, cfg.max_targets_per_caller, cfg.pass_catchup_tokens, cfg.max_batch_rounds) == (
-        "10.0.0.1", 4, 128, 64)
+    assert (cfg.host, cfg.max_targets_per_caller, cfg.pass_catchup_tokens, cfg.max_batch_rounds, cfg.lookahead) == (
+        "10.0.0.1", 4, 128, 64, "chain")
     limits = spec.http_limits()
     assert (limits.header_timeout_s, limits.max_body_bytes, limits.body_timeout_s) == (3.0, 65536, 30.0)
     assert _spec(_parser().parse_args(base)).draft_server_config().reclaim_after_s == default.reclaim_after_s

@@ -209,3 +209,21 @@ def test_a_round_finishing_after_its_target_left_is_not_kept_for_it(models, prom
         stats = srv.server.stats.snapshot()
     assert stats["rounds"] == 3  # the rounds finished after their targets left
     assert stats["per_worker"] == {}
+
+
+def test_lookahead_chain_keeps_the_output_the_targets_alone(models, prompt_ids, reference):
+    # The target's own model as the draft: every draft is accepted and the bonus token is the draft's guess,
+    # so rounds hit the staged drafts; the tiny draft misses mostly. The output is the target's either way.
+    ref = reference("llama", 48)[:6]
+    for draft in ("llama", "draft"):
+        cfg = DraftServerConfig(lookahead="chain")
+        with BackgroundDraftServer(models[draft], cfg) as srv:
+            eng, rp = engine_for(models, srv.address, "t", gamma=4, batch=2)
+            assert rp.wait_attached(10)
+            outs = [r.output_ids for r in eng.generate(prompt_ids[:6], GREEDY)]
+            rp.close()
+            stats = srv.server.stats.snapshot()
+        assert outs == ref, draft
+        assert stats["lookahead_hits"] + stats["lookahead_misses"] > 0, draft
+        if draft == "llama":
+            assert stats["lookahead_hits"] > 0
