@@ -129,3 +129,21 @@ def test_saturated_server_never_drafts_ahead(models, monkeypatch):
 def test_lookahead_is_validated():
     with pytest.raises(InvalidArgument, match="lookahead"):
         DraftServerConfig(lookahead="tree")
+
+
+@pytest.mark.parametrize("gammas", [(2, 4, 4), (6, 3, 4)])
+def test_a_hit_asking_another_gamma_answers_what_no_lookahead_answers(models, pair, gammas):
+    """Fewer drafts than staged: the KV is cut to what a real round leaves; more: the staged job drafts on."""
+    servers, streams, stubs = pair
+    verified = list(PROMPT)
+    drafts = _both(streams, start=0, tokens=verified)
+    drafted = 0
+    for gamma in gammas:
+        drafted += len(drafts) + 1
+        _staged(servers[1], drafted)
+        new = drafts + hf_greedy(models["draft"], verified + drafts, 1)[:1]
+        off, chain = (list(s.round(dict(seq_id=1, gamma=gamma, start=len(verified), tokens=new)).sequences[0].tokens)
+                      for s in streams)
+        assert chain == off and len(off) == gamma
+        drafts, verified = off, verified + new
+    assert _stats(stubs[1]).lookahead_hits >= 2
