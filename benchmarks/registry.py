@@ -18,7 +18,7 @@ BENCHMARKS = {"core": "benchmarks.core", "tax": "benchmarks.tax", "star": "bench
               "nightjar": "benchmarks.nightjar", "offload": "benchmarks.offload",
               "faults": "benchmarks.faults", "tide": "benchmarks.tide", "fabric": "benchmarks.fabric",
               "adaserve": "benchmarks.adaserve", "tide-oracle": "benchmarks.tide_oracle",
-              "breakdown": "benchmarks.breakdown"}
+              "breakdown": "benchmarks.breakdown", "lookahead": "benchmarks.lookahead"}
 
 
 def run_bench(args) -> int:

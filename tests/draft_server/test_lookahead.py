@@ -96,7 +96,7 @@ def test_a_rejection_is_a_miss_and_answers_what_no_lookahead_answers(models, pai
 def test_saturated_server_never_drafts_ahead(models, monkeypatch):
     # fifo and slow passes: while three targets each send their next round as soon as the last is answered,
     # two rounds always wait. Lookahead must not run then; once they stop it does.
-    monkeypatch.setenv("STARJAR_DRAFT_FAULTS", "slow_step_ms=15")
+    monkeypatch.setenv("STARJAR_DRAFT_FAULTS", "slow_step_ms=25")
     with BackgroundDraftServer(models["draft"], _config("chain", mode="fifo")) as srv:
         ch = grpc.insecure_channel(srv.address)
         stub = pb_grpc.DraftServiceStub(ch)
