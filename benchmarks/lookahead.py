@@ -45,6 +45,8 @@ def _start_servers(draft_dir: str, threads: int, pin: bool) -> dict[str, ServerP
         return {m: ServerProcess("draft", "--model", draft_dir, "--port", "0", "--lookahead", m, threads=threads)
                 for m in MODES}
     finally:
+        for tid in os.listdir("/proc/self/task") if pin else ():  # every thread of this process: the target's
+            os.sched_setaffinity(int(tid), cores[:-1])
         os.sched_setaffinity(0, cores[:-1] if pin else cores)
 
 

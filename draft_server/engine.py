@@ -159,7 +159,7 @@ class DraftEngine:
                 continue
             replies[i] = []
             gamma = min(req.gamma, self.model.max_context - len(seq.verified))
-            if stage is not None and stage.seq is seq:  # a lookahead hit: its drafts are kept
+            if stage is not None and stage.seq is seq and seq.cached:  # a lookahead hit: its drafts are kept
                 jobs += [(i, job)] if (job := self._take_stage(stage, gamma)) is not None else []
             elif gamma > 0 and seq.verified:
                 # Catch-up: roll back to the common prefix (at least one token must be fed to get logits).
