@@ -69,13 +69,15 @@ def run(args) -> dict:
             eng.generate(prompts[:1], SamplingParams(max_tokens=8))
             eng.proposer.close()
         before = _stats(servers["chain"].address)
-        rates, outs, rounds = {m: [] for m in MODES}, {}, {m: [] for m in MODES}
+        rates, outs, rounds, phases = {m: [] for m in MODES}, {}, {m: [] for m in MODES}, {m: {} for m in MODES}
         for _rep in range(2):
             for m in MODES:
                 eng = remote_engine(target, servers[m].address, gamma, 1, deadline_s=5.0)
                 reqs, rate = _timed(eng, prompts, params)
                 eng.proposer.close()
                 cs = eng.proposer.stats
+                for k in ("prefill_s", "propose_s", "verify_s"):
+                    phases[m][k] = phases[m].get(k, 0.0) + getattr(eng.stats, k)
                 rounds[m] += [(r, q, c) for r, q, c in zip(cs.round_s, cs.server_queue_s, cs.server_compute_s,
                                                             strict=True)]
                 rates[m].append(rate)
@@ -99,4 +101,6 @@ def run(args) -> dict:
             "outputs_identical": outs["off"] == outs["chain"],
             # Per round as the target saw it, p50 in ms: the whole round, the server's queue wait, its compute.
             "round_ms_p50": {m: [round(1000 * p50([x[i] for x in rounds[m]]), 3) for i in range(3)] for m in MODES},
-            "rounds": {m: len(rounds[m]) for m in MODES}}
+            "rounds": {m: len(rounds[m]) for m in MODES},
+            # The target's seconds in prefill, waiting for drafts and verifying, both repetitions.
+            "target_phases_s": {m: {k: round(v, 3) for k, v in phases[m].items()} for m in MODES}}
