@@ -242,14 +242,12 @@ class DraftEngine:
 
     def lookahead_jobs(self) -> list[DraftJob]:
         """The unfinished jobs of the lookahead stages, oldest stage first."""
-        return [s.job for s in self.stages.values() if not (s.guess is not None and s.job.done)]
+        return [s.job for s in self.stages.values() if not s.job.done]
 
     def advance_lookahead(self, jobs: Sequence[DraftJob]) -> int:
         """One pass for lookahead jobs (from lookahead_jobs(), none started since). Returns the tokens drafted."""
         drafted = self.stats.drafted_tokens
         self.advance(jobs)
-        for s in self.stages.values():
-            s.advanced(self.cache)
         drafted = self.stats.drafted_tokens - drafted
         self.stats.lookahead_drafted += drafted
         return drafted
@@ -272,7 +270,7 @@ class DraftEngine:
             self.stats.lookahead_misses += 1
             self.stats.lookahead_wasted += stage.drafted
             return None
-        ready = len(stage.job.drafts)
+        ready = len(stage.job.drafts) - 1  # past the guess
         self.stats.lookahead_hits += 1
         self.stats.lookahead_wasted += max(0, ready - gamma)
         return stage.take(gamma, self.cache)

@@ -2,18 +2,19 @@
 
 After a round is answered with drafts d1..dg, the likeliest outcome is full acceptance followed by the
 target's bonus token, guessed as the draft's own argmax after dg. A Stage drafts for that outcome in the
-compute loop's idle time, one pass at a time:
-
-  guess   feed [dg] (one pass): its argmax is the guess b; then the KV goes back to what the round left
-          (the verified prefix + d1..d(g-1)), so what follows is computed exactly as a real round would
-  chain   the job a real round with verified + d1..dg + b would start: feed [dg, b], then one token a pass,
-          until g drafts
+compute loop's idle time, one one-token pass at a time: one job fed [dg] that drafts g + 1 tokens, the guess
+b first and then the next round's drafts d1'..dg'. Nothing is fed twice: the guess's pass already leaves
+dg's KV where a real round would write it.
 
 A stage is keyed by its sequence, the verified length it assumes (`base`) and the tokens it assumes come
-next (`assumed`). The next real round of the sequence ends it: when the round's verified tokens are exactly
-verified[:base] + assumed, the round takes the stage's job over (a hit: its drafts so far are kept, and a
-complete job answers without a draft pass); otherwise the KV goes back to what the round left (a miss), so
-the draft's state is the one a server without lookahead would have.
+next (`assumed` = d1..dg b). The next real round of the sequence ends it: when the round's verified tokens are
+exactly verified[:base] + assumed, the round takes the stage's job over (a hit: its drafts so far are kept, and
+a complete job answers without a draft pass); otherwise the KV goes back to what the round left (a miss), so
+the draft reads what a server without lookahead would.
+
+A hit's drafts come from one-token passes where a server without lookahead feeds [dg, b] in one pass; they
+may differ in the last bits of the logits, so rarely in a token. What a request outputs never depends on its
+drafts (verification decides; seeded draws depend on the position alone, starjar.spec.sampling).
 """
 
 from __future__ import annotations
@@ -33,29 +34,23 @@ class Stage:
     base: int  # len(seq.verified) when the round was answered
     base_cached: int  # len(seq.cached) then: the KV a server without lookahead holds
     sent: list[int]  # the drafts that round answered (d1..dg)
-    job: DraftJob  # the guess's one-token job, then the chain's
-    guess: int | None = None
+    job: DraftJob  # fed [dg]: its first draft is the guess, the rest the next round's
 
     @classmethod
     def after(cls, job: DraftJob) -> Stage:
         """The stage for a finished chain job (its drafts were just answered)."""
-        seq = job.seq
-        guess_job = DraftJob(job.seq_id, seq, 1, [job.drafts[-1]])
-        return cls(seq, len(seq.verified), len(seq.cached), list(job.drafts), guess_job)
+        seq, g = job.seq, len(job.drafts)
+        ahead = DraftJob(job.seq_id, seq, g + 1, [job.drafts[-1]], passes=1)  # passes: steps, not a catch-up
+        return cls(seq, len(seq.verified), len(seq.cached), list(job.drafts), ahead)
+
+    @property
+    def guess(self) -> int | None:
+        return self.job.drafts[0] if self.job.drafts else None
 
     @property
     def drafted(self) -> int:
-        """Tokens this stage has drafted: the guess and the chain's drafts."""
-        return (self.guess is not None) + (len(self.job.drafts) if self.guess is not None else 0)
-
-    def advanced(self, cache: DraftKVCache) -> None:
-        """After a pass: a finished guess starts the chain (from the KV the answered round left)."""
-        if self.guess is not None or not self.job.done:
-            return
-        self.guess = self.job.drafts[0]
-        self.undo(cache)
-        read = self.seq.read + self.sent + [self.guess]
-        self.job = DraftJob(self.job.seq_id, self.seq, len(self.sent), read[self.base_cached:])
+        """Tokens this stage has drafted: the guess and the next round's drafts."""
+        return len(self.job.drafts)
 
     def matches(self, req: DraftRequest) -> bool:
         """Whether the round (not yet applied) makes the verified tokens exactly verified[:base] + assumed."""
@@ -68,16 +63,18 @@ class Stage:
                 and tokens[:cut] == self.seq.verified[req.start:self.base] and tokens[cut:] == assumed)
 
     def take(self, gamma: int, cache: DraftKVCache) -> DraftJob:
-        """A hit: the chain's job becomes the round's own, asking gamma drafts. One that has them already is
-        done (no draft pass), its KV cut to what a real round would leave."""
-        job = self.job
+        """A hit (the round already applied): the stage's drafts past the guess become the round's own job,
+        asking gamma drafts. One that has them already is done (no draft pass), its KV cut to what a real
+        round would leave: the verified tokens and the first gamma - 1 drafts."""
+        ahead = self.job
+        job = DraftJob(ahead.seq_id, self.seq, gamma, list(ahead.feed), drafts=ahead.drafts[1:],
+                       passes=ahead.passes)
         if len(job.drafts) >= gamma:
             keep = len(self.seq.read) + gamma - 1
             cache.truncate(self.seq.slot, keep)
             del self.seq.cached[keep:]
             del job.drafts[gamma:]
             job.feed = [job.drafts[-1]]
-        job.gamma = gamma
         return job
 
     def undo(self, cache: DraftKVCache) -> None:
