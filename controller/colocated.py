@@ -44,4 +44,6 @@ def remote_engine(target: LoadedModel, draft_address: str, gamma: int, max_batch
 
     proposer = RemoteProposer(draft_address, target.fingerprint, f"generate:{os.getpid()}", deadline_s)
     proposer.wait_attached(wait_attach_s)  # decoding starts anyway; it speculates once attached
-    return TargetEngine(target, proposer, policy or FixedGamma(gamma), engine_config(max_batch_size, gamma))
+    engine = TargetEngine(target, proposer, policy or FixedGamma(gamma), engine_config(max_batch_size, gamma))
+    engine.send_ahead = proposer.send_ahead
+    return engine

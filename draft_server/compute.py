@@ -69,6 +69,7 @@ class ComputeLoop(threading.Thread):
         self.tide = tide
         self.pass_catchup_tokens = pass_catchup_tokens
         self.lookahead = lookahead == "chain"
+        self.engine.prefill_ahead = self.lookahead
         # The engine is this thread's; the offload check (from the server's sweeper) takes this lock too.
         self.lock = threading.Lock()
         self.last_round_s = time.perf_counter()
@@ -210,17 +211,18 @@ class ComputeLoop(threading.Thread):
     def _lookahead_jobs(self) -> list:
         if not self.lookahead or self.engine.offloaded:
             return []
-        return self.engine.lookahead_jobs()[:LOOKAHEAD_BATCH]
+        return self.engine.ahead.jobs()[:LOOKAHEAD_BATCH]
 
     def _look_ahead(self, jobs) -> float:
-        """One lookahead pass; its seconds. A failure drops the stages' sequences (their next rounds resync)."""
+        """One lookahead pass; its seconds. A failure drops the sequences worked ahead for (their next rounds
+        resync)."""
         t0 = time.perf_counter()
         with self.lock:
             try:
                 self.engine.advance_lookahead(jobs)
             except Exception:
                 log.exception("a lookahead pass failed; its sequences are dropped (their next rounds resync)")
-                self.engine.release(list(self.engine.stages))
+                self.engine.release(self.engine.ahead.sequences())
             self.stats.record_lookahead(self.engine.stats)
         return time.perf_counter() - t0
 

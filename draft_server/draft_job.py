@@ -64,6 +64,7 @@ class DraftStats:
     lookahead_misses: int = 0
     lookahead_drafted: int = 0
     lookahead_wasted: int = 0
+    lookahead_prefilled: int = 0  # prompt tokens fed ahead of their first round (rounds with gamma 0)
 
 
 def tree_row(job: DraftJob):

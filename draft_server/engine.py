@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from draft_server.draft_job import DraftJob, DraftSeq, DraftStats, logit_rows, tree_row
 from draft_server.kv_pool import MIN_LENGTH, MIN_SLOTS, DraftKVCache
-from draft_server.lookahead import Stage
+from draft_server.lookahead import Lookahead
 from draft_server.tree_draft import BeamTree, fit_width
 from starjar.model.grouped_forward import grouped_forward
 from starjar.model.loading import LoadedModel, kv_bytes_per_token
@@ -61,8 +61,9 @@ class DraftEngine:
         self._owner_tokens: dict[Hashable, int] = {}
         self._longest = 0  # the longest sequence's verified tokens, as of the round being started
         self.over_budget = 0  # sequences answered resync for the KV budget
-        self.stages: dict[Hashable, Stage] = {}  # lookahead (draft_server.lookahead): at most one per sequence
         self.stats = DraftStats()
+        self.ahead = Lookahead(self.stats)  # draft_server.lookahead: work ahead of the next rounds
+        self.prefill_ahead = False  # a round with gamma 0 has its tokens fed in idle time (lookahead on)
         # Offload (Nightjar section 6): weights to host memory and all KV dropped while nobody speculates.
         self.auto_reload = auto_reload  # propose() while offloaded starts the reload itself
         self.on_reload = on_reload
@@ -92,7 +93,7 @@ class DraftEngine:
         if self._offloaded:
             return
         self._seqs.clear()
-        self.stages.clear()
+        self.ahead.clear()
         self._owner_tokens.clear()
         self.cache = self._new_cache()
         if self.model.device.type != "cpu":
@@ -152,7 +153,7 @@ class DraftEngine:
         jobs: list[tuple[int, DraftJob]] = []
         self._longest = max((len(q.verified) for q in self._seqs.values()), default=0)
         for i, req in enumerate(requests):
-            stage = self._claim_stage(req)
+            stage = self.ahead.claim(req, self.cache)
             seq = self._record(req)
             if seq is None:
                 self.stats.resyncs += 1
@@ -160,7 +161,7 @@ class DraftEngine:
             replies[i] = []
             gamma = min(req.gamma, self.model.max_context - len(seq.verified))
             if stage is not None and stage.seq is seq and seq.cached:  # a lookahead hit: its drafts are kept
-                jobs += [(i, job)] if (job := self._take_stage(stage, gamma)) is not None else []
+                jobs += [(i, job)] if (job := self.ahead.take(stage, gamma, self.cache)) is not None else []
             elif gamma > 0 and seq.verified:
                 # Catch-up: roll back to the common prefix (at least one token must be fed to get logits).
                 read = seq.read
@@ -171,6 +172,8 @@ class DraftEngine:
                 beam = BeamTree(gamma, width) if width > 1 else None
                 jobs.append((i, DraftJob(req.seq_id, seq, gamma, read[keep:], beam=beam)))
                 self.stats.catchup_tokens += len(read) - keep
+            elif self.prefill_ahead and seq.verified:  # only recorded: its prompt is fed ahead, in idle time
+                self.ahead.ingest(req, seq)
         return replies, jobs
 
     def advance(self, jobs: Sequence[DraftJob]) -> None:
@@ -237,47 +240,23 @@ class DraftEngine:
         if len(seq.verified) + 2 * g + 1 > self.model.max_context or not self._fits(
                 DraftRequest(job.seq_id, len(seq.verified), [], g), seq, len(seq.verified) + g + 1):
             return False
-        self.stages[job.seq_id] = Stage.after(job)
+        self.ahead.stage(job)
         return True
 
-    def lookahead_jobs(self) -> list[DraftJob]:
-        """The unfinished jobs of the lookahead stages, oldest stage first."""
-        return [s.job for s in self.stages.values() if not s.job.done]
-
     def advance_lookahead(self, jobs: Sequence[DraftJob]) -> int:
-        """One pass for lookahead jobs (from lookahead_jobs(), none started since). Returns the tokens drafted."""
+        """One pass for jobs ahead (from ahead.jobs(), none started since). Returns the tokens drafted (an
+        ingest's fed tokens are counted as prefilled ahead)."""
         drafted = self.stats.drafted_tokens
+        ingests = [(j, len(j.seq.cached)) for j in jobs if self.ahead.ingests.get(j.seq_id) is j]
         self.advance(jobs)
+        self.stats.lookahead_prefilled += sum(len(j.seq.cached) - n for j, n in ingests)
         drafted = self.stats.drafted_tokens - drafted
         self.stats.lookahead_drafted += drafted
         return drafted
 
-    def _claim_stage(self, req: DraftRequest) -> Stage | None:
-        """A real round for the sequence ends its stage: returned when the round matches what it assumed;
-        otherwise its KV goes back to what the answered round left (a miss) and None."""
-        stage = self.stages.pop(req.seq_id, None)
-        if stage is None or stage.matches(req):
-            return stage
-        stage.undo(self.cache)
-        if stage.drafted:  # a stage no pass reached (rounds kept coming) is no miss: nothing was drafted ahead
-            self.stats.lookahead_misses += 1
-            self.stats.lookahead_wasted += stage.drafted
-        return None
-
-    def _take_stage(self, stage: Stage, gamma: int) -> DraftJob | None:
-        if gamma <= 0:  # nothing asked: the KV goes back all the same
-            stage.undo(self.cache)
-            self.stats.lookahead_misses += 1
-            self.stats.lookahead_wasted += stage.drafted
-            return None
-        ready = len(stage.job.drafts) - 1  # past the guess
-        self.stats.lookahead_hits += 1
-        self.stats.lookahead_wasted += max(0, ready - gamma)
-        return stage.take(gamma, self.cache)
-
     def release(self, seq_ids: Sequence[Hashable]) -> None:
         for sid in seq_ids:
-            self.stages.pop(sid, None)
+            self.ahead.drop(sid)
             seq = self._seqs.pop(sid, None)
             if seq is None:
                 continue

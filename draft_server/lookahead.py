@@ -12,6 +12,10 @@ exactly verified[:base] + assumed, the round takes the stage's job over (a hit: 
 a complete job answers without a draft pass); otherwise the KV goes back to what the round left (a miss), so
 the draft reads what a server without lookahead would.
 
+A target may also send a new sequence's prompt before it prefills it itself (a round with gamma 0); the draft
+then feeds that prompt in idle time (an ingest job, PREFILL_CHUNK tokens a pass so that a real round waits on
+little), and the sequence's first real round finds its KV in place.
+
 A hit's drafts come from one-token passes where a server without lookahead feeds [dg, b] in one pass; they
 may differ in the last bits of the logits, so rarely in a token. What a request outputs never depends on its
 drafts (verification decides; seeded draws depend on the position alone, starjar.spec.sampling).
@@ -19,13 +23,15 @@ drafts (verification decides; seeded draws depend on the position alone, starjar
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
-from draft_server.draft_job import DraftJob, DraftSeq
+from draft_server.draft_job import DraftJob, DraftSeq, DraftStats
 from draft_server.kv_pool import DraftKVCache
 from starjar.spec.proposer import DraftRequest
 
 MODES = ("off", "chain")
+PREFILL_CHUNK = 64  # prompt tokens an ingest pass feeds at most: a real round arriving meanwhile waits on little
 
 
 @dataclass(eq=False)
@@ -82,3 +88,65 @@ class Stage:
         if len(self.seq.cached) > self.base_cached:
             cache.truncate(self.seq.slot, self.base_cached)
             del self.seq.cached[self.base_cached:]
+
+
+class Lookahead:
+    """A draft engine's work ahead: at most one stage or ingest job per sequence."""
+
+    def __init__(self, stats: DraftStats):
+        self.stats = stats
+        self.stages: dict[Hashable, Stage] = {}
+        self.ingests: dict[Hashable, DraftJob] = {}
+
+    def clear(self) -> None:
+        self.stages.clear()
+        self.ingests.clear()
+
+    def drop(self, seq_id: Hashable) -> None:
+        self.stages.pop(seq_id, None)
+        self.ingests.pop(seq_id, None)
+
+    def sequences(self) -> list[Hashable]:
+        return list(self.stages) + list(self.ingests)
+
+    def jobs(self) -> list[DraftJob]:
+        """The unfinished jobs ahead, oldest first: prompts to ingest, then stages."""
+        return [j for j in self.ingests.values() if not j.done] + [s.job for s in self.stages.values()
+                                                                   if not s.job.done]
+
+    def stage(self, job: DraftJob) -> None:
+        self.stages[job.seq_id] = Stage.after(job)
+
+    def ingest(self, req: DraftRequest, seq: DraftSeq) -> None:
+        """A round that only records tokens (gamma 0): feed the ones the KV lacks, ahead of the next round."""
+        read = seq.read
+        if len(read) <= len(seq.cached) or seq.cached != read[:len(seq.cached)]:
+            return
+        job = DraftJob(req.seq_id, seq, 1, read[len(seq.cached):], allow=PREFILL_CHUNK)  # its one draft is unused
+        self.ingests[req.seq_id] = job
+
+    def claim(self, req: DraftRequest, cache: DraftKVCache) -> Stage | None:
+        """A real round for the sequence ends what was ahead of it: a stage is returned when the round matches
+        what it assumed; otherwise its KV goes back to what the answered round left (a miss) and None. An
+        ingest's KV is the verified prompt's: it stays for the round's catch-up."""
+        self.ingests.pop(req.seq_id, None)
+        stage = self.stages.pop(req.seq_id, None)
+        if stage is None or stage.matches(req):
+            return stage
+        stage.undo(cache)
+        if stage.drafted:  # a stage no pass reached (rounds kept coming) is no miss: nothing was drafted ahead
+            self.stats.lookahead_misses += 1
+            self.stats.lookahead_wasted += stage.drafted
+        return None
+
+    def take(self, stage: Stage, gamma: int, cache: DraftKVCache) -> DraftJob | None:
+        """A claimed stage's job for a round asking gamma drafts (None when it asks none)."""
+        if gamma <= 0:  # nothing asked: the KV goes back all the same
+            stage.undo(cache)
+            self.stats.lookahead_misses += 1
+            self.stats.lookahead_wasted += stage.drafted
+            return None
+        ready = len(stage.job.drafts) - 1  # past the guess
+        self.stats.lookahead_hits += 1
+        self.stats.lookahead_wasted += max(0, ready - gamma)
+        return stage.take(gamma, cache)

@@ -97,6 +97,8 @@ class _StateCollector:
                        snap["lookahead_drafted_tokens"])
         yield _counter("lookahead_wasted_tokens", "tokens drafted ahead that no reply used",
                        snap["lookahead_wasted_tokens"])
+        yield _counter("lookahead_prefilled_tokens", "prompt tokens fed ahead of their sequence's first round",
+                       snap["lookahead_prefilled_tokens"])
         yield _counter("reclaimed_sequences", "sequences freed because their lease expired",
                        snap["reclaimed_sequences"])
         refusals = CounterMetricFamily(P + "refusals", "Attach calls refused, by reason", labels=["reason"])

@@ -84,7 +84,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
         return pb.AttachResponse(tag=s.tag, draft_model=self.draft_name, limits=pb.Limits(
             max_sequences=c.max_sequences_per_target, max_tokens_per_sequence=c.max_tokens_per_sequence,
             max_gamma=c.max_gamma, max_message_bytes=c.max_message_bytes, lease_seconds=c.lease_s,
-            max_tree_width=c.max_tree_width, max_tree_nodes=c.max_tree_nodes))
+            max_tree_width=c.max_tree_width, max_tree_nodes=c.max_tree_nodes, prefills_ahead=c.lookahead != "off"))
 
     def _refused(self, counted_as: str, exc: StarjarError) -> StarjarError:
         """Count a refused Attach by reason (a metric), and hand back the error to raise."""

@@ -2,20 +2,18 @@
 
 One `step()` is three calls with three owners:
   schedule    the Scheduler admits waiting requests (batch size, KV budget);
-  run         newcomers are prefilled (their first token), then every other
-              running sequence takes one decoding step:
+  run         newcomers are prefilled (their first token), then every other running sequence takes one step:
                 plan     the policy picks gamma for the batch size, capped per sequence; the newest are
                          preempted if the KV would overflow;
                 propose  the proposer drafts up to gamma tokens per sequence;
                 score    one ragged forward pass over gamma_i + 1 positions per sequence; speculative sampling
                          accepts a prefix of each draft plus one recovered or bonus token (the verdicts), and
                          rejected KV is rolled back;
-  postprocess the verdicts' tokens are emitted up to the stop rules, finished
-              sequences leave, and the step is counted and shown to the policy.
+  postprocess the verdicts' tokens are emitted up to the stop rules, finished sequences leave, the policy sees it.
 
 Invariant: a running sequence's KV holds every token but its last one (the "pending" token), its next input.
-The proposer is only an optimisation: if it fails, answers late or answers nonsense, the affected
-sequences decode that step without drafts, and the output is exactly what it would have been.
+The proposer is only an optimisation: if it fails, answers late or answers nonsense, the affected sequences
+decode that step without drafts, and the output is exactly what it would have been.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from starjar.spec.token_tree import TokenTree
 from starjar.spec.verify import Verdict, sample_next, verify
 from target_worker.catch_up_meter import catch_up_meter, report_catch_up
 from target_worker.elastic_kv import ElasticKV
+from target_worker.prompt_ahead import SendAhead, send_prompts_ahead
 from target_worker.prompt_check import check_prompt
 from target_worker.request import Request, Status
 from target_worker.scheduler import Scheduler
@@ -114,6 +113,7 @@ class TargetEngine:
         self.max_seq_tokens = min(model.max_context, budget)
         self.stats = EngineStats()
         self.step_listener: Callable[[int, int], None] | None = None  # (batch size, gamma) per decode step
+        self.send_ahead: SendAhead | None = None  # a remote proposer's: new prompts to the draft first
         self.elastic = elastic
         self.trees = TreeSelector(self.config.tree) if self.config.tree is not None else None
         self._outputs: dict[int, StepOutput] = {}  # the step in flight's, by request id
@@ -209,6 +209,7 @@ class TargetEngine:
     # ---- run: prefill ---------------------------------------------------------------------
 
     def _prefill(self, joined: list[Request], outputs: dict[int, StepOutput]) -> None:
+        send_prompts_ahead(self.send_ahead, joined)
         t0 = time.perf_counter()
         for req in joined:
             self.cache.allocate(req)

@@ -59,6 +59,9 @@ class PrefillRounds:
         # Per sequence, how many leading tokens the server is known to hold (an answered round carried them): a
         # sequence resent from 0 after a failed step is then no new prefill (the server reuses what it holds).
         self._held: dict[Hashable, int] = {}
+        # Prompts sent ahead (target_worker.prompt_ahead) and not yet in a real round: tokens, when sent. The
+        # server feeds them only while idle, so a first round may still find some of its prompt unfed.
+        self._ahead: dict[Hashable, tuple[int, float]] = {}
         # The target's steps as seen from here (EMA seconds): between rounds with drafts, and decoded alone while
         # a prompt prefilled; the last call's end, its sequences and which kind of step followed it.
         self.step_s: float | None = None
@@ -70,7 +73,19 @@ class PrefillRounds:
     def prompt_tokens(self, sent: Sequence[DraftRequest]) -> int:
         """Tokens this round makes the draft prefill that it does not hold yet (0 for an ordinary round)."""
         n = sum(max(0, len(r.tokens) - self._held.get(r.seq_id, 0)) for r in sent if r.start == 0)
+        n += sum(self._unfed_ahead(r.seq_id) for r in sent if r.start > 0 and r.seq_id in self._ahead)
         return n if n >= MIN_PROMPT_TOKENS else 0
+
+    def sent_ahead(self, seq_id: Hashable, tokens: int) -> None:
+        self._ahead[seq_id] = (tokens, time.monotonic())
+
+    def _unfed_ahead(self, seq_id: Hashable) -> int:
+        """A prompt sent ahead, now in its first real round: the tokens the server has likely not fed yet, as
+        its prefill rate says (all of them while that is unknown)."""
+        tokens, sent_s = self._ahead.pop(seq_id)
+        if self.s_per_token is None:
+            return tokens
+        return max(0, tokens - int((time.monotonic() - sent_s) / self.s_per_token))
 
     @property
     def in_flight(self) -> bool:
@@ -184,6 +199,7 @@ class PrefillRounds:
         gone = set(seq_ids)
         for seq_id in gone:
             self._held.pop(seq_id, None)
+            self._ahead.pop(seq_id, None)
         for round_id, (tokens, ends, sent_s) in list(self._rounds.items()):
             if any(s in gone for s, _ in ends):
                 self._rounds[round_id] = (tokens, [(None if s in gone else s, e) for s, e in ends], sent_s)
@@ -195,6 +211,7 @@ class PrefillRounds:
         self.shared_prior = shared_prior
         self._rounds.clear()
         self._held.clear()
+        self._ahead.clear()
         self.alone_steps.clear()
         self._last_call = None
 

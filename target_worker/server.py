@@ -37,6 +37,7 @@ class TargetServer:
                                         security=self.security)
                          if cfg.draft_server else None)
         engine = TargetEngine(model, self.proposer, policy or FixedGamma(4 if cfg.draft_server else 0), cfg.engine)
+        engine.send_ahead = self.proposer.send_ahead if self.proposer is not None else None
         self.model_name = model.path.rstrip("/").split("/")[-1]
         from target_worker.metrics import TargetMetrics
 

@@ -25,7 +25,7 @@ class AttachRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., no_training: _Optional[bool] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sequences", "max_tokens_per_sequence", "max_gamma", "max_message_bytes", "lease_seconds", "max_tree_width", "max_tree_nodes")
+    __slots__ = ("max_sequences", "max_tokens_per_sequence", "max_gamma", "max_message_bytes", "lease_seconds", "max_tree_width", "max_tree_nodes", "prefills_ahead")
     MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class Limits(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    PREFILLS_AHEAD_FIELD_NUMBER: _ClassVar[int]
     max_sequences: int
     max_tokens_per_sequence: int
     max_gamma: int
@@ -40,7 +41,8 @@ class Limits(_message.Message):
     lease_seconds: float
     max_tree_width: int
     max_tree_nodes: int
-    def __init__(self, max_sequences: _Optional[int] = ..., max_tokens_per_sequence: _Optional[int] = ..., max_gamma: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., max_tree_width: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
+    prefills_ahead: bool
+    def __init__(self, max_sequences: _Optional[int] = ..., max_tokens_per_sequence: _Optional[int] = ..., max_gamma: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., max_tree_width: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., prefills_ahead: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("tag", "limits", "draft_model")
@@ -141,7 +143,7 @@ class TargetRate(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., rounds_per_s: _Optional[float] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class DraftStats(_message.Message):
-    __slots__ = ("attached_targets", "live_sequences", "queue_depth", "mode", "rounds", "batches", "drafted_tokens", "draft_steps", "mean_step_s", "mean_service_s", "mean_wait_s", "mean_idle_s", "load", "rounds_per_s", "targets", "uptime_s", "refused_admission", "reclaimed_sequences", "max_targets", "busy_s", "idle_s", "tide_acceptance_short", "tide_acceptance_long", "tide_collecting", "tide_train_steps", "tide_swaps", "tide_train_s", "tide_buffered_sequences", "tide_buffered_tokens", "tide_heldout_acceptance", "tide_cycles", "tree_rounds", "tree_nodes", "tree_expand_s", "lookahead_hits", "lookahead_misses", "lookahead_drafted_tokens", "lookahead_wasted_tokens")
+    __slots__ = ("attached_targets", "live_sequences", "queue_depth", "mode", "rounds", "batches", "drafted_tokens", "draft_steps", "mean_step_s", "mean_service_s", "mean_wait_s", "mean_idle_s", "load", "rounds_per_s", "targets", "uptime_s", "refused_admission", "reclaimed_sequences", "max_targets", "busy_s", "idle_s", "tide_acceptance_short", "tide_acceptance_long", "tide_collecting", "tide_train_steps", "tide_swaps", "tide_train_s", "tide_buffered_sequences", "tide_buffered_tokens", "tide_heldout_acceptance", "tide_cycles", "tree_rounds", "tree_nodes", "tree_expand_s", "lookahead_hits", "lookahead_misses", "lookahead_drafted_tokens", "lookahead_wasted_tokens", "lookahead_prefilled_tokens")
     ATTACHED_TARGETS_FIELD_NUMBER: _ClassVar[int]
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +182,7 @@ class DraftStats(_message.Message):
     LOOKAHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_WASTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     attached_targets: int
     live_sequences: int
     queue_depth: int
@@ -218,4 +221,5 @@ class DraftStats(_message.Message):
     lookahead_misses: int
     lookahead_drafted_tokens: int
     lookahead_wasted_tokens: int
-    def __init__(self, attached_targets: _Optional[int] = ..., live_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., mode: _Optional[str] = ..., rounds: _Optional[int] = ..., batches: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_service_s: _Optional[float] = ..., mean_wait_s: _Optional[float] = ..., mean_idle_s: _Optional[float] = ..., load: _Optional[float] = ..., rounds_per_s: _Optional[float] = ..., targets: _Optional[_Iterable[_Union[TargetRate, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused_admission: _Optional[int] = ..., reclaimed_sequences: _Optional[int] = ..., max_targets: _Optional[int] = ..., busy_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., tide_acceptance_short: _Optional[float] = ..., tide_acceptance_long: _Optional[float] = ..., tide_collecting: _Optional[bool] = ..., tide_train_steps: _Optional[int] = ..., tide_swaps: _Optional[int] = ..., tide_train_s: _Optional[float] = ..., tide_buffered_sequences: _Optional[int] = ..., tide_buffered_tokens: _Optional[int] = ..., tide_heldout_acceptance: _Optional[float] = ..., tide_cycles: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_expand_s: _Optional[float] = ..., lookahead_hits: _Optional[int] = ..., lookahead_misses: _Optional[int] = ..., lookahead_drafted_tokens: _Optional[int] = ..., lookahead_wasted_tokens: _Optional[int] = ...) -> None: ...
+    lookahead_prefilled_tokens: int
+    def __init__(self, attached_targets: _Optional[int] = ..., live_sequences: _Optional[int] = ..., queue_depth: _Optional[int] = ..., mode: _Optional[str] = ..., rounds: _Optional[int] = ..., batches: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., draft_steps: _Optional[int] = ..., mean_step_s: _Optional[float] = ..., mean_service_s: _Optional[float] = ..., mean_wait_s: _Optional[float] = ..., mean_idle_s: _Optional[float] = ..., load: _Optional[float] = ..., rounds_per_s: _Optional[float] = ..., targets: _Optional[_Iterable[_Union[TargetRate, _Mapping]]] = ..., uptime_s: _Optional[float] = ..., refused_admission: _Optional[int] = ..., reclaimed_sequences: _Optional[int] = ..., max_targets: _Optional[int] = ..., busy_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., tide_acceptance_short: _Optional[float] = ..., tide_acceptance_long: _Optional[float] = ..., tide_collecting: _Optional[bool] = ..., tide_train_steps: _Optional[int] = ..., tide_swaps: _Optional[int] = ..., tide_train_s: _Optional[float] = ..., tide_buffered_sequences: _Optional[int] = ..., tide_buffered_tokens: _Optional[int] = ..., tide_heldout_acceptance: _Optional[float] = ..., tide_cycles: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_expand_s: _Optional[float] = ..., lookahead_hits: _Optional[int] = ..., lookahead_misses: _Optional[int] = ..., lookahead_drafted_tokens: _Optional[int] = ..., lookahead_wasted_tokens: _Optional[int] = ..., lookahead_prefilled_tokens: _Optional[int] = ...) -> None: ...

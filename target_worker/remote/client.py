@@ -18,9 +18,8 @@ import queue
 import random
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -32,11 +31,11 @@ from starjar.v1 import draft_pb2_grpc as pb_grpc
 from starjar.wire.keys import TAG_METADATA
 from target_worker.prefill_rounds import PrefillRounds, likely_shares_cores
 from target_worker.remote.breaker import Breaker
+from target_worker.remote.client_stats import ClientStats
 from target_worker.remote.loop import LOOP_ERRORS, SpeculateCall, WireLoop, channel_options, failure_reason, unary
-from target_worker.remote.round_codec import replies_of, within_limits
+from target_worker.remote.round_codec import replies_of, round_request, within_limits
 
 log = logging.getLogger(__name__)
-HISTORY = 100_000
 _CLOSE = object()
 
 
@@ -47,22 +46,6 @@ class DraftUnavailable(RuntimeError):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
-
-
-@dataclass
-class ClientStats:
-    rounds: int = 0
-    fallbacks: Counter = field(default_factory=Counter)  # reason -> steps without drafts
-    attaches: int = 0
-    refusals: Counter = field(default_factory=Counter)  # reason -> refused Attach calls
-    unasked_replies: int = 0  # answers to no round in flight (a faulty server's): dropped on arrival
-    # The last rounds' timings (bounded: a worker runs for weeks; metrics keep the long view).
-    round_s: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # as seen by the target
-    server_queue_s: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
-    server_compute_s: deque = field(default_factory=lambda: deque(maxlen=HISTORY))
-
-    def wire_overhead_s(self) -> list[float]:
-        return [r - q - c for r, q, c in zip(self.round_s, self.server_queue_s, self.server_compute_s, strict=True)]
 
 
 class RemoteProposer:
@@ -136,6 +119,28 @@ class RemoteProposer:
         finally:
             self._prefills.call_ended(requests, kind)
 
+    def send_ahead(self, requests: Sequence[DraftRequest]) -> list[bool]:
+        """Prompts this worker is about to prefill, sent first to a server that feeds them in its idle time
+        (Limits.prefills_ahead), so that the draft's prefill runs beside the target's: whether each went (its
+        first real round then starts past it). Never waits, and nothing it does fails a step."""
+        with self._lock:
+            stream, limits = self._stream, self.limits
+        went = [False] * len(requests)
+        if (stream is None or limits is None or not limits.prefills_ahead or not self.breaker.allow()
+                or self._prefills.in_flight or len(self._outstanding) >= MAX_OUTSTANDING):
+            return went
+        sent, index = within_limits(requests, limits, Counter())  # one held back goes with its first round
+        msg = round_request(next(self._round_ids), sent, self._wire_ids, self._next_wire_id.__next__)
+        with self._lock:
+            if not sent or self._stream is not stream:
+                return went
+            self._outstanding.add(msg.round_id)
+        stream.send(msg)
+        for r, i in zip(sent, index, strict=True):
+            self._prefills.sent_ahead(r.seq_id, len(r.tokens))
+            went[i] = True
+        return went
+
     def _propose(self, requests: Sequence[DraftRequest]) -> list[DraftReply]:
         if not self._attached.is_set():
             raise self._no_drafts("detached")
@@ -156,14 +161,8 @@ class RemoteProposer:
             self.breaker.missed()
             raise self._no_drafts("backlog", f"{len(self._outstanding)} rounds unanswered")
         round_id = next(self._round_ids)
-        msg = pb.SpeculateRequest(round_id=round_id)
-        wire = []
-        for r in sent:
-            wid = self._wire_ids.get(r.seq_id)
-            if wid is None:
-                wid = self._wire_ids[r.seq_id] = next(self._next_wire_id)
-            wire.append(wid)
-            msg.sequences.add(seq_id=wid, start=r.start, tokens=r.tokens, gamma=r.gamma, tree_width=r.tree_width)
+        msg = round_request(round_id, sent, self._wire_ids, self._next_wire_id.__next__)
+        wire = [q.seq_id for q in msg.sequences]
         t0 = time.perf_counter()
         with self._lock:  # a stream that ended meanwhile would never answer: an orphan holding the next rounds
             if self._stream is not stream:

@@ -4,7 +4,7 @@ applied before sending, and each sequence's drafts read from the answer. Plain f
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from starjar.errors import StarjarError
 from starjar.spec.proposer import DraftReply, DraftRequest
@@ -31,6 +31,18 @@ def within_limits(requests: Sequence[DraftRequest], limits, fallbacks: Counter) 
         sent.append(r)
         index.append(i)
     return sent, index
+
+
+def round_request(round_id: int, sent: Sequence[DraftRequest], wire_ids: dict[Hashable, int],
+                  new_id: Callable[[], int]) -> pb.SpeculateRequest:
+    """The round as it goes on the wire: each sequence under its wire id (one seen first gets new_id())."""
+    msg = pb.SpeculateRequest(round_id=round_id)
+    for r in sent:
+        if r.seq_id not in wire_ids:
+            wire_ids[r.seq_id] = new_id()
+        msg.sequences.add(seq_id=wire_ids[r.seq_id], start=r.start, tokens=r.tokens, gamma=r.gamma,
+                          tree_width=r.tree_width)
+    return msg
 
 
 def replies_of(resp: pb.SpeculateResponse, sent: Sequence[DraftRequest], index: Sequence[int], n_requests: int,

@@ -147,3 +147,22 @@ def test_a_hit_asking_another_gamma_answers_what_no_lookahead_answers(models, pa
         assert chain == off and len(off) == gamma
         drafts, verified = off, verified + new
     assert _stats(stubs[1]).lookahead_hits >= 2
+
+
+def test_a_prompt_sent_ahead_is_fed_in_idle_time_and_its_first_round_feeds_one_token(models, pair):
+    servers, streams, stubs = pair
+    engines = [s.server.compute.engine for s in servers]
+    for s in streams:  # gamma 0: only record; the chain server feeds it ahead, the other does not
+        assert list(s.round(dict(seq_id=1, start=0, tokens=PROMPT, gamma=0)).sequences[0].tokens) == []
+    wait_until(lambda: _stats(stubs[1]).lookahead_prefilled_tokens == len(PROMPT), timeout=10)
+    assert _stats(stubs[0]).lookahead_prefilled_tokens == 0
+    before = [e.stats.catchup_tokens for e in engines]
+    first = hf_greedy(models["llama"], PROMPT, 1)  # the target's first token, prefilled on its side
+    _both(streams, start=len(PROMPT), tokens=first)
+    fed = [e.stats.catchup_tokens - b for e, b in zip(engines, before, strict=True)]
+    assert fed == [len(PROMPT) + 1, 1]  # the chain server's round found the prompt's KV in place
+
+
+def test_only_a_server_that_prefills_ahead_says_so_at_attach(models, pair):
+    _, _, stubs = pair
+    assert [attach(stub, models, "w2").limits.prefills_ahead for stub in stubs] == [False, True]

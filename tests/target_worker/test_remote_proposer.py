@@ -8,6 +8,7 @@ import grpc
 from draft_server.background import BackgroundDraftServer
 from draft_server.config import DraftServerConfig
 from starjar.spec.policy import FixedGamma
+from starjar.spec.proposer import DraftRequest
 from starjar.spec.sampling import SamplingParams
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
@@ -219,11 +220,25 @@ def test_lookahead_chain_keeps_the_output_the_targets_alone(models, prompt_ids, 
         cfg = DraftServerConfig(lookahead="chain")
         with BackgroundDraftServer(models[draft], cfg) as srv:
             eng, rp = engine_for(models, srv.address, "t", gamma=4, batch=2)
+            eng.send_ahead = rp.send_ahead  # new prompts go to the draft before the target prefills them
             assert rp.wait_attached(10)
             outs = [r.output_ids for r in eng.generate(prompt_ids[:6], GREEDY)]
             rp.close()
             stats = srv.server.stats.snapshot()
         assert outs == ref, draft
         assert stats["lookahead_hits"] + stats["lookahead_misses"] > 0, draft
+        assert stats["lookahead_prefilled_tokens"] > 0, draft
         if draft == "llama":
             assert stats["lookahead_hits"] > 0
+
+
+def test_a_server_without_lookahead_is_sent_no_prompt_ahead(models, prompt_ids, reference):
+    with BackgroundDraftServer(models["draft"]) as srv:
+        eng, rp = engine_for(models, srv.address, "t", gamma=3, batch=2)
+        eng.send_ahead = rp.send_ahead
+        assert rp.wait_attached(10)
+        assert rp.send_ahead([DraftRequest("x", 0, prompt_ids[0], 0)]) == [False]
+        outs = [r.output_ids for r in eng.generate(prompt_ids[:4], GREEDY)]
+        rp.close()
+        rounds = srv.server.stats.snapshot()["rounds"]
+    assert outs == reference("llama", 48)[:4] and rounds > 0
