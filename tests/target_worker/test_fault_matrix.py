@@ -22,6 +22,7 @@ import pytest
 from fault_proxy import FaultProxy
 
 from draft_server.background import BackgroundDraftServer
+from draft_server.config import DraftServerConfig
 from draft_server.faults import FaultPlan
 from starjar.spec.policy import FixedGamma
 from starjar.spec.sampling import SamplingParams
@@ -53,10 +54,11 @@ CI_CELLS = {("blackhole", "mid_round"), ("reset", "between"), ("hang", "mid_roun
 
 
 def cells():
-    for kind in FAULTS:
-        for point in POINTS:
-            marks = () if (kind, point) in CI_CELLS else (pytest.mark.chaos,)
-            yield pytest.param(kind, point, id=f"{kind}-{point}", marks=marks)
+    for lookahead in ("off", "chain"):  # chain: the server drafts ahead and is sent prompts ahead
+        for kind in FAULTS:
+            for point in POINTS:
+                marks = () if (kind, point) in CI_CELLS else (pytest.mark.chaos,)
+                yield pytest.param(kind, point, lookahead, id=f"{kind}-{point}-{lookahead}", marks=marks)
 
 
 class TimedProposer:
@@ -105,6 +107,7 @@ def run_cell(models, srv, proxy, kind, point, prompts):
                 threading.Timer(0.002, switch_on, args=(kind, srv, proxy)).start()
     timed = TimedProposer(rp, on_call)
     eng = TargetEngine(models["llama"], timed, FixedGamma(3), EngineConfig(max_batch_size=N_PROMPTS))
+    eng.send_ahead = rp.send_ahead  # a server with lookahead is sent each prompt before the target prefills it
     if point != "attach" or kind in ("slice", "latency_under"):
         # A slow or sliced link attaches too, only later: wait, or a short run can end before it does.
         assert rp.wait_attached(10)
@@ -140,15 +143,15 @@ def check(outs, ref, es, cs, timed, kind, point):
         assert es.proposer_failures > 0  # the fault was felt and each such step ran without drafts
 
 
-@pytest.mark.parametrize("kind,point", list(cells()))
-def test_fault_matrix(models, prompt_ids, reference, monkeypatch, kind, point):
+@pytest.mark.parametrize("kind,point,lookahead", list(cells()))
+def test_fault_matrix(models, prompt_ids, reference, monkeypatch, kind, point, lookahead):
     prompts = prompt_ids[:N_PROMPTS]
     ref = reference("llama", MAX_NEW)[:N_PROMPTS]
     spec = FAULTS[kind]
     if point == "attach" and spec[0] == "switch":
         plan = ",".join(f"{k}={v}" for k, v in spec[1].items())
         monkeypatch.setenv("STARJAR_DRAFT_FAULTS", plan)  # read when the DraftServer is built
-    srv = BackgroundDraftServer(models["draft"]).start()
+    srv = BackgroundDraftServer(models["draft"], DraftServerConfig(lookahead=lookahead)).start()
     monkeypatch.delenv("STARJAR_DRAFT_FAULTS", raising=False)
     proxy = FaultProxy(srv.address)
     try:

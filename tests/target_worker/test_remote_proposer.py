@@ -242,3 +242,20 @@ def test_a_server_without_lookahead_is_sent_no_prompt_ahead(models, prompt_ids, 
         rp.close()
         rounds = srv.server.stats.snapshot()["rounds"]
     assert outs == reference("llama", 48)[:4] and rounds > 0
+
+
+def test_seeded_sampling_through_lookahead_repeats_the_target_alone(models, prompt_ids):
+    # A seeded draw depends on its position alone, so whatever was drafted ahead, hit or missed, the tokens are
+    # the target's own: the same as the target decoding alone with the same seeds.
+    params = [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=100 + i) for i in range(4)]
+    alone = TargetEngine(models["llama"], None, FixedGamma(0), EngineConfig(max_batch_size=4))
+    want = [r.output_ids for r in alone.generate(prompt_ids[:4], params)]
+    with BackgroundDraftServer(models["llama"], DraftServerConfig(lookahead="chain")) as srv:
+        eng, rp = engine_for(models, srv.address, "s", gamma=4, batch=4)
+        eng.send_ahead = rp.send_ahead
+        assert rp.wait_attached(10)
+        got = [r.output_ids for r in eng.generate(prompt_ids[:4], params)]
+        rp.close()
+        stats = srv.server.stats.snapshot()
+    assert got == want
+    assert stats["lookahead_hits"] > 0 and eng.stats.drafted_tokens > 0
