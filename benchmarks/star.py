@@ -56,9 +56,9 @@ def _settled_stats(address: str, limit_s: float = 3.0) -> pb.DraftStats:
     return stats
 
 
-def _run_n(draft_dir, mode, n, scripts, verify_s, duration_s, fingerprint) -> dict:
+def _run_n(draft_dir, mode, n, scripts, verify_s, duration_s, fingerprint, lookahead: str = "off") -> dict:
     server = ServerProcess("draft", "--model", draft_dir, "--port", "0", "--mode", mode, "--max-targets", "64",
-                           "--metrics-port", "0", threads=2)
+                           "--metrics-port", "0", "--lookahead", lookahead, threads=2)
     try:
         proposers = [RemoteProposer(server.address, fingerprint, f"target-{k}", deadline_s=30.0) for k in range(n)]
         targets, wall = run_replay_targets(proposers, scripts, verify_s, duration_s)
@@ -97,6 +97,16 @@ def exported_draft_metrics(metrics_address: str) -> dict:
     return {"draft_load": round(values["starjar_draft_load_ratio"], 4),
             "draft_load_from_counters": round(busy / (busy + idle), 4) if busy + idle else 0.0,
             "t_idle_ms": round(1000 * values["starjar_draft_idle_gap_seconds_sum"] / gaps, 3) if gaps else 0.0}
+
+
+def _lookahead_vs_off(prep: dict, duration: float, lookahead: str) -> dict:
+    """Batched, at N = 1 and 8: system tokens/s with lookahead over without, each pair run back to back."""
+    ratios = {}
+    for n in (1, 8):
+        rates = {m: _run_n(prep["draft_dir"], "batched", n, prep["scripts"], prep["verify_s"], duration,
+                           prep["fingerprint"], m)["system_tokens_per_s"] for m in (lookahead, "off")}
+        ratios[str(n)] = {**rates, "ratio": round(rates[lookahead] / rates["off"], 4) if rates["off"] else None}
+    return ratios
 
 
 def prepare(args) -> dict:
@@ -140,7 +150,7 @@ def run(args) -> dict:
     for mode in ("batched", "fifo"):
         rows = []
         for n in ns:
-            rows.append(_run_n(draft_dir, mode, n, scripts, verify_s, duration, fingerprint))
+            rows.append(_run_n(draft_dir, mode, n, scripts, verify_s, duration, fingerprint, args.lookahead))
             bar.set_postfix(mode=mode, n=n, sys_tok_s=rows[-1]["system_tokens_per_s"], load=rows[-1]["draft_load"])
             bar.update()
         modes[mode] = rows
@@ -164,6 +174,8 @@ def run(args) -> dict:
            "batched_scaling_6_over_1": round(b[6]["system_tokens_per_s"] / b[1]["system_tokens_per_s"], 3)
            if 6 in b else None,
            "batched_vs_fifo_round_rate_at_8": round(b[8]["r_q"] / f[8]["r_q"], 3) if 8 in b else None}
+    if args.lookahead != "off":
+        out["lookahead_vs_off"] = _lookahead_vs_off(prep, duration, args.lookahead)
     plot = Path(args.out).with_suffix(".png")
     out["plot"] = save_plot(plot, "star scaling (replay targets)",
                             {m: ([r["n_targets"] for r in rows], [r["system_tokens_per_s"] for r in rows])

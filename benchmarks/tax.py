@@ -41,7 +41,7 @@ def run(args) -> dict:
     params = SamplingParams(max_tokens=max_new)
     colocated_engine(target, draft, gamma, 1).generate(prompts[:1], SamplingParams(max_tokens=8))  # warm-up
 
-    server = ServerProcess("draft", "--model", draft_dir, "--port", "0", threads=2)
+    server = ServerProcess("draft", "--model", draft_dir, "--port", "0", "--lookahead", args.lookahead, threads=2)
     try:
         # Alternate the two modes twice so drift on the machine hits both alike.
         co_rates, re_rates, co_out, re_out, wire, draft_s = [], [], None, None, [], []
@@ -72,7 +72,8 @@ def run(args) -> dict:
         echo.kill()
     colocated, remote = sum(co_rates) / 2, sum(re_rates) / 2
     return {"pair": {"target": target_dir, "draft": draft_dir, "note": note},
-            "workload": {"prompts": n_prompts, "max_new_tokens": max_new, "gamma": gamma, "batch_size": 1},
+            "workload": {"prompts": n_prompts, "max_new_tokens": max_new, "gamma": gamma, "batch_size": 1,
+                         "lookahead": args.lookahead},
             "colocated_tokens_per_s": round(colocated, 3), "remote_tokens_per_s": round(remote, 3),
             "ratio": round(remote / colocated, 4),
             "wire_overhead_ms_p50": round(1000 * p50(wire), 4), "echo_ms_p50": round(echo_ms, 4),
