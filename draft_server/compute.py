@@ -186,7 +186,7 @@ class ComputeLoop(threading.Thread):
         if self.lookahead:  # the answered chains' likeliest next rounds, drafted while the targets verify
             for a in finished:
                 for _, job in a.jobs:
-                    self.engine.stage(job)
+                    self.engine.stage(job, _pusher(a.work))
         if self.tide is not None and finished:  # after every reply: learning stays off the rounds' path
             self._observe(self.tide, finished)
 
@@ -220,6 +220,7 @@ class ComputeLoop(threading.Thread):
         with self.lock:
             try:
                 self.engine.advance_lookahead(jobs)
+                self.engine.ahead.push_done()
             except Exception:
                 log.exception("a lookahead pass failed; its sequences are dropped (their next rounds resync)")
                 self.engine.release(self.engine.ahead.sequences())
@@ -285,3 +286,10 @@ class ComputeLoop(threading.Thread):
             self._give_back_outgrown_cache()
             log.info("no rounds for %.0f s: draft offloaded, its KV dropped", idle_s)
             return True
+
+
+def _pusher(work: RoundWork):
+    """How a complete stage of this round's sequences reaches its target: pushed on the round's stream."""
+    if work.push is None:
+        return None
+    return lambda st: work.push(st.job.seq_id[1], st.base, st.sent + [st.guess], st.job.drafts[1:])

@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from draft_server.draft_job import DraftJob, DraftSeq, DraftStats, logit_rows, tree_row
 from draft_server.kv_pool import MIN_LENGTH, MIN_SLOTS, DraftKVCache
-from draft_server.lookahead import Lookahead
+from draft_server.lookahead import Lookahead, Stage
 from draft_server.tree_draft import BeamTree, fit_width
 from starjar.model.grouped_forward import grouped_forward
 from starjar.model.loading import LoadedModel, kv_bytes_per_token
@@ -230,7 +230,7 @@ class DraftEngine:
 
     # ---- lookahead (draft_server.lookahead) ---------------------------------------------------
 
-    def stage(self, job: DraftJob) -> bool:
+    def stage(self, job: DraftJob, push: Callable[[Stage], None] | None = None) -> bool:
         """Start drafting ahead for a finished chain job whose drafts were just answered; whether it did (a
         sequence gone, a tree, or no room in the context or the KV budgets: no)."""
         seq = self._seqs.get(job.seq_id)
@@ -240,7 +240,7 @@ class DraftEngine:
         if len(seq.verified) + 2 * g + 1 > self.model.max_context or not self._fits(
                 DraftRequest(job.seq_id, len(seq.verified), [], g), seq, len(seq.verified) + g + 1):
             return False
-        self.ahead.stage(job)
+        self.ahead.stage(job, push)
         return True
 
     def advance_lookahead(self, jobs: Sequence[DraftJob]) -> int:

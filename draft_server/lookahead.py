@@ -16,6 +16,10 @@ A target may also send a new sequence's prompt before it prefills it itself (a r
 then feeds that prompt in idle time (an ingest job, PREFILL_CHUNK tokens a pass so that a real round waits on
 little), and the sequence's first real round finds its KV in place.
 
+When a stage is complete the server pushes its drafts on the sequence's stream, keyed by the verified length
+and tokens they assume (target_worker.remote.staged): a target whose round turns out to be exactly that one
+uses them without waiting for the reply.
+
 A hit's drafts come from one-token passes where a server without lookahead feeds [dg, b] in one pass; they
 may differ in the last bits of the logits, so rarely in a token. What a request outputs never depends on its
 drafts (verification decides; seeded draws depend on the position alone, starjar.spec.sampling).
@@ -23,7 +27,7 @@ drafts (verification decides; seeded draws depend on the position alone, starjar
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from draft_server.draft_job import DraftJob, DraftSeq, DraftStats
@@ -41,6 +45,7 @@ class Stage:
     base_cached: int  # len(seq.cached) then: the KV a server without lookahead holds
     sent: list[int]  # the drafts that round answered (d1..dg)
     job: DraftJob  # fed [dg]: its first draft is the guess, the rest the next round's
+    push: Callable[[Stage], None] | None = None  # told once when the job is done (the drafts go to the target)
 
     @classmethod
     def after(cls, job: DraftJob) -> Stage:
@@ -114,8 +119,16 @@ class Lookahead:
         return [j for j in self.ingests.values() if not j.done] + [s.job for s in self.stages.values()
                                                                    if not s.job.done]
 
-    def stage(self, job: DraftJob) -> None:
-        self.stages[job.seq_id] = Stage.after(job)
+    def stage(self, job: DraftJob, push: Callable[[Stage], None] | None = None) -> None:
+        self.stages[job.seq_id] = stage = Stage.after(job)
+        stage.push = push
+
+    def push_done(self) -> None:
+        """Tell each stage whose drafts are complete, once (a push sends them to the target)."""
+        for stage in self.stages.values():
+            if stage.push is not None and stage.job.done:
+                push, stage.push = stage.push, None
+                push(stage)
 
     def ingest(self, req: DraftRequest, seq: DraftSeq) -> None:
         """A round that only records tokens (gamma 0): feed the ones the KV lacks, ahead of the next round."""

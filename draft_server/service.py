@@ -109,7 +109,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
             self._streams.discard(stream)
             self._detach(session)
 
-    def round_work(self, session: Session, request: pb.SpeculateRequest, deliver) -> RoundWork:
+    def round_work(self, session: Session, request: pb.SpeculateRequest, deliver, push=None) -> RoundWork:
         """One checked round as work for the queue; records the session's live sequences and its last round.
         A sequence past a limit is sent as a resync request (the engine keeps no state for it)."""
         problems = check_round(request.sequences, self.cfg, self.vocab_size, session.seq_last_used.keys())
@@ -129,7 +129,7 @@ class DraftService(pb_grpc.DraftServiceServicer):
         session.rounds += 1
         session.last_round_s = now
         return RoundWork(session.tag, session.worker_id, request.round_id, reqs, deliver,
-                         train=not session.no_training)
+                         train=not session.no_training, push=push)
 
     # ---- Release --------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ class StreamHost(Protocol):
     stats: ServerStats
     draining: bool
 
-    def round_work(self, session: Session, request: pb.SpeculateRequest, deliver) -> RoundWork: ...
+    def round_work(self, session: Session, request: pb.SpeculateRequest, deliver, push=None) -> RoundWork: ...
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,13 @@ class SpeculateStream:
                 d.tokens.extend(r)
         self.loop.call_soon_threadsafe(self.out.put_nowait, (number, resp))
 
+    def push(self, seq_id: int, start: int, assumed: list[int], drafts: list[int]) -> None:
+        """From the compute thread: drafts staged ahead for a sequence (draft_server.lookahead), sent at once.
+        A push answers no round, so it takes no place in the replies' order."""
+        resp = pb.SpeculateResponse(round_id=0)
+        resp.staged.add(seq_id=seq_id, start=start, assumed=assumed, drafts=drafts)
+        self.loop.call_soon_threadsafe(self.out.put_nowait, (None, resp))
+
     # ---- reader and writer -----------------------------------------------------------------
 
     async def read(self) -> None:
@@ -135,7 +142,7 @@ class SpeculateStream:
             if len(svc.queue) >= cfg.max_queued_rounds:
                 svc.stats.queue_full += 1
                 raise ServerBusy(f"queue: {cfg.max_queued_rounds} rounds waiting", reason=QUEUE_FULL)
-            work = svc.round_work(self.session, request, functools.partial(self.deliver, self.received))
+            work = svc.round_work(self.session, request, functools.partial(self.deliver, self.received), self.push)
             self.received += 1
             self.in_flight += 1
             if self.in_flight >= cfg.max_rounds_in_flight:
@@ -153,6 +160,9 @@ class SpeculateStream:
                     return
                 continue
             number, resp = item
+            if number is None:  # a push
+                yield resp
+                continue
             self.finished[number] = resp
             while self.sent in self.finished:
                 resp = self.finished.pop(self.sent)

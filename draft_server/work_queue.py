@@ -28,6 +28,8 @@ class RoundWork:
     reply: Callable[[RoundWork, list, float, float, int], None]  # (work, replies, wait_s, compute_s, n)
     enqueued_s: float = field(default_factory=time.perf_counter)
     train: bool = True  # False: the target opted out of online adaptation (its tokens are never buffered)
+    # Sends drafts staged ahead on the round's stream: (wire seq id, start, assumed tokens, drafts); None: nowhere
+    push: Callable[[int, int, list, list], None] | None = None
 
 
 @dataclass

@@ -103,14 +103,28 @@ class RoundTimings(_message.Message):
     def __init__(self, queue_wait_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., batched_rounds: _Optional[int] = ...) -> None: ...
 
 class SpeculateResponse(_message.Message):
-    __slots__ = ("round_id", "sequences", "timings")
+    __slots__ = ("round_id", "sequences", "timings", "staged")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceDraft]
     timings: RoundTimings
-    def __init__(self, round_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceDraft, _Mapping]]] = ..., timings: _Optional[_Union[RoundTimings, _Mapping]] = ...) -> None: ...
+    staged: _containers.RepeatedCompositeFieldContainer[StagedDrafts]
+    def __init__(self, round_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceDraft, _Mapping]]] = ..., timings: _Optional[_Union[RoundTimings, _Mapping]] = ..., staged: _Optional[_Iterable[_Union[StagedDrafts, _Mapping]]] = ...) -> None: ...
+
+class StagedDrafts(_message.Message):
+    __slots__ = ("seq_id", "start", "assumed", "drafts")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    ASSUMED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    start: int
+    assumed: _containers.RepeatedScalarFieldContainer[int]
+    drafts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., assumed: _Optional[_Iterable[int]] = ..., drafts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("tag", "seq_ids", "detach")

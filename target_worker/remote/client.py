@@ -1,13 +1,10 @@
 """The remote proposer: a target worker's client of the draft service.
 
-The engine calls `propose()` synchronously once per speculative step. Every failure (refused at admission,
-not attached yet, a missed deadline, a broken stream, a malformed reply) raises `DraftUnavailable`, which the
-engine turns into a speculation-free step; sequences answered with `resync` are resent from position 0 next
-time. Meanwhile a background thread reattaches with exponential backoff. Nothing here can fail or change a
-request.
-
-All gRPC runs on the proposer's own event loop (target_worker.remote.loop): a
-round goes to the loop in one hand-off and its reply comes back on a queue.
+The engine calls `propose()` synchronously once per speculative step. Every failure (refused at admission, not
+attached yet, a missed deadline, a broken stream, a malformed reply) raises `DraftUnavailable`, which the engine
+turns into a speculation-free step; sequences answered with `resync` are resent from position 0 next time.
+Meanwhile a background thread reattaches with exponential backoff. Nothing here can fail or change a request.
+All gRPC runs on the proposer's own event loop (target_worker.remote.loop); replies come back on a queue.
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ from target_worker.remote.breaker import Breaker
 from target_worker.remote.client_stats import ClientStats
 from target_worker.remote.loop import LOOP_ERRORS, SpeculateCall, WireLoop, channel_options, failure_reason, unary
 from target_worker.remote.round_codec import replies_of, round_request, within_limits
+from target_worker.remote.staged import StagedDrafts
 
 log = logging.getLogger(__name__)
 _CLOSE = object()
@@ -67,6 +65,7 @@ class RemoteProposer:
         self._keepalive_s = keepalive_s
         self._outstanding: set[int] = set()  # rounds sent and not answered yet (at most MAX_OUTSTANDING)
         self._prefills = PrefillRounds(deadline_s)  # rounds that carry a prompt: a busy server, not a failing one
+        self.staged = StagedDrafts()  # drafts the server pushed ahead (lookahead)
         self._resolve = address if callable(address) else None
         self.address = "" if callable(address) else address
         self.worker_id = worker_id
@@ -170,6 +169,9 @@ class RemoteProposer:
             self._outstanding.add(round_id)
             prompt = self._prefills.sent(round_id, sent)
         stream.send(msg)
+        ready = self.staged.replies(sent, wire) if len(sent) == len(requests) else None
+        if ready is not None:  # every sequence's drafts were pushed ahead: no wait (its reply is dropped)
+            return ready
         extra_s = 0.0
         if self._prefills.wont_make_it(prompt):
             extra_s = self._prefills.wait_s(prompt)  # where the draft shares our cores, waiting is faster
@@ -191,10 +193,12 @@ class RemoteProposer:
     def release(self, seq_ids: Sequence[Hashable]) -> None:
         self._prefills.release(seq_ids)
         wire = [w for w in (self._wire_ids.pop(s, None) for s in seq_ids) if w is not None]
+        self.staged.drop(wire)
         tag = self._tag
         if not wire or tag is None or not self._attached.is_set() or self._stub is None:
             return  # the server frees them with the stream or the lease
-        self._in_background(self._stub, pb.ReleaseRequest(tag=tag, seq_ids=wire), "release")
+        release = pb.ReleaseRequest(tag=tag, seq_ids=wire)
+        self._wire.in_background(unary(self._stub.Release, release, timeout=2.0, metadata=self._auth), "release")
 
     def follow(self) -> None:
         """Leave the current draft server and ask the resolver where to attach (the controller moved this
@@ -205,7 +209,8 @@ class RemoteProposer:
         tag, stub = self._tag, self._stub
         self._drop_stream()
         if tag is not None and stub is not None:
-            self._in_background(stub, pb.ReleaseRequest(tag=tag, detach=True), "detach")
+            detach = pb.ReleaseRequest(tag=tag, detach=True)
+            self._wire.in_background(unary(stub.Release, detach, timeout=2.0, metadata=self._auth), "detach")
         self._wake.set()
 
     def close(self) -> None:
@@ -221,12 +226,6 @@ class RemoteProposer:
         self._wire.close()
 
     # ---- internals ------------------------------------------------------------------------
-
-    def _in_background(self, stub, request: pb.ReleaseRequest, what: str) -> None:
-        """A Release nobody waits for (the server frees the sequences with the stream or the lease anyway)."""
-        fut = self._wire.spawn(unary(stub.Release, request, timeout=2.0, metadata=self._auth))
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
-                              or log.debug("%s failed: %s", what, f.exception()))
 
     def _connect(self, address: str) -> None:
         """A channel to `address` on the loop (grpc.aio binds a channel to the loop it is made on)."""
@@ -356,6 +355,7 @@ class RemoteProposer:
             self._outstanding.clear()
             self._prefills.forget(shared)
             self._wire_ids.clear()  # a new tag knows no sequence: ids restart, the server asks for resyncs
+            self.staged.clear()
         self._wire.call(stream.open(self._stub, ((TAG_METADATA, resp.tag.hex()), *self._auth)), timeout=5.0)
         with self._lock:
             if self._stream is not stream:  # it ended already (refused, or the server went away)
@@ -365,10 +365,11 @@ class RemoteProposer:
         return True
 
     def _take_reply(self, resp: pb.SpeculateResponse) -> None:
-        """On the loop, each answer as it arrives: kept for the engine thread only if it answers a round in
-        flight and the queue has room for it, else dropped. A faulty server's unasked or repeated answers must not
-        pile up while nothing drafts (the queue is read only when a step proposes)."""
-        if resp.round_id in self._outstanding and self._replies.qsize() <= MAX_OUTSTANDING:
+        """On the loop, each answer as it arrives: a push kept aside; a reply kept for the engine thread only if it
+        answers a round in flight and the queue has room (a faulty server's unasked answers must not pile up)."""
+        if resp.round_id == 0 and resp.staged:
+            self.staged.take_push(resp)
+        elif resp.round_id in self._outstanding and self._replies.qsize() <= MAX_OUTSTANDING:
             self._replies.put(resp)
         else:
             self.stats.unasked_replies += 1

@@ -35,6 +35,11 @@ class WireLoop:
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
+    def in_background(self, call: Awaitable, what: str) -> None:
+        """A call nobody waits for (a Release: the server frees the sequences with the stream or the lease anyway)."""
+        self.spawn(call).add_done_callback(lambda f: f.cancelled() or f.exception() is None
+                                           or log.debug("%s failed: %s", what, f.exception()))
+
     def spawn(self, coro: Awaitable) -> concurrent.futures.Future:
         """Run a coroutine on the loop; its future (cancelled if the loop has stopped)."""
         if self.loop.is_closed():

@@ -166,3 +166,18 @@ def test_a_prompt_sent_ahead_is_fed_in_idle_time_and_its_first_round_feeds_one_t
 def test_only_a_server_that_prefills_ahead_says_so_at_attach(models, pair):
     _, _, stubs = pair
     assert [attach(stub, models, "w2").limits.prefills_ahead for stub in stubs] == [False, True]
+
+
+def test_a_complete_stage_is_pushed_with_the_outcome_it_assumes(models, pair):
+    servers, streams, stubs = pair
+    verified = list(PROMPT)
+    drafts = _both(streams, start=0, tokens=verified)
+    _staged(servers[1], GAMMA + 1)
+    guess = hf_greedy(models["draft"], verified + drafts, 1)[0]
+    new = drafts + [guess]
+    nxt = _both(streams, start=len(verified), tokens=new)  # full acceptance and the guessed bonus: a hit
+    assert streams[0].pushes == []  # no lookahead, no push
+    push = streams[1].pushes[-1]
+    assert push.round_id == 0 and not push.sequences and len(push.staged) == 1
+    st = push.staged[0]
+    assert (st.seq_id, st.start, list(st.assumed), list(st.drafts)) == (1, len(verified), new, nxt)

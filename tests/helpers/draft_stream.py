@@ -20,17 +20,20 @@ def attach(stub, models, worker="w"):
 
 
 class Stream:
-    """A raw Speculate stream: send a round, get its answer."""
+    """A raw Speculate stream: send a round, get its answer (pushes that come before it are kept in `pushes`)."""
 
     def __init__(self, stub, tag: bytes):
         self._q: queue.Queue = queue.Queue()
         self._responses = stub.Speculate(iter(self._q.get, None), metadata=(("starjar-tag", tag.hex()),))
         self._round = 0
+        self.pushes: list = []
 
     def round(self, *seqs, timeout=30):
         self._round += 1
         self._q.put(pb.SpeculateRequest(round_id=self._round, sequences=[pb.SequenceRound(**s) for s in seqs]))
-        return next(self._responses)
+        while (resp := next(self._responses)).round_id == 0:
+            self.pushes.append(resp)
+        return resp
 
     def close(self):
         self._q.put(None)

@@ -259,3 +259,27 @@ def test_seeded_sampling_through_lookahead_repeats_the_target_alone(models, prom
         stats = srv.server.stats.snapshot()
     assert got == want
     assert stats["lookahead_hits"] > 0 and eng.stats.drafted_tokens > 0
+
+
+def test_a_round_the_server_pushed_drafts_for_takes_them_without_waiting(models, prompt_ids):
+    from draft_stream import wait_until
+
+    from benchmarks.fixtures.reference import hf_greedy
+
+    with BackgroundDraftServer(models["llama"], DraftServerConfig(lookahead="chain")) as srv:
+        rp = RemoteProposer(srv.address, models["llama"].fingerprint, "p", 2.0, backoff_s=(0.02, 0.2))
+        assert rp.wait_attached(10)
+        prompt = list(prompt_ids[0])
+        drafts = rp.propose([DraftRequest("s", 0, prompt, 3)])[0]
+        # The server drafts the likeliest next round ahead (all accepted, its own bonus guess) and pushes it.
+        wait_until(lambda: srv.server.stats.snapshot()["lookahead_drafted_tokens"] >= 4, timeout=10)
+        wait_until(lambda: len(rp.staged._by_wire) == 1, timeout=5)
+        new = drafts + hf_greedy(models["llama"], prompt + drafts, 1)
+        rounds = rp.stats.rounds
+        pushed = rp.propose([DraftRequest("s", len(prompt), new, 3)])[0]
+        assert rp.staged.used == 1 and rp.stats.rounds == rounds  # answered here, not by a reply
+        # The server still got the round (a hit) and its reply, dropped on arrival, had the same drafts.
+        wait_until(lambda: srv.server.stats.snapshot()["lookahead_hits"] == 1, timeout=5)
+        later = rp.propose([DraftRequest("s", len(prompt) + len(new), pushed[:1] + [7], 3)])[0]
+        assert len(pushed) == 3 and len(later) == 3
+        rp.close()
