@@ -122,7 +122,11 @@ def test_saturated_server_never_drafts_ahead(models, monkeypatch):
         [t.join() for t in threads]
         assert saturated.rounds >= 24 and saturated.lookahead_drafted_tokens == 0
         assert saturated.lookahead_hits == saturated.lookahead_misses == 0
-        wait_until(lambda: _stats(stub).lookahead_drafted_tokens > 0, timeout=10)  # idle now: it drafts ahead
+        # Idle now: a round answered is drafted ahead (the saturating streams are closed, their sequences gone).
+        s = Stream(stub, attach(stub, models, "t9").tag)
+        s.round(dict(seq_id=1, start=0, tokens=PROMPT, gamma=GAMMA))
+        wait_until(lambda: _stats(stub).lookahead_drafted_tokens > 0, timeout=10)
+        s.close()
         ch.close()
 
 
