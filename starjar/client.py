@@ -10,19 +10,20 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
 from starjar.errors import InvalidArgument, StarjarError
 from starjar.service.status import error_field
+from starjar.spec.draft_cap import draft_cap_from_mapping
 from starjar.spec.sampling import SamplingParams
 from starjar.spec.token_ids import WIRE_LIMIT, check_token_ids
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
 from starjar.wire.keys import AUTH_METADATA, refusal_reason
-from starjar.wire.request import sampling_to_proto
+from starjar.wire.request import sampling_to_proto, set_draft_cap
 
 
 class ClientError(StarjarError):
@@ -117,17 +118,20 @@ _NUMBER_TYPES = {"temperature": (int, float), "top_p": (int, float), "tpot_slo_s
                  "max_tokens": (int,), "top_k": (int,), "seed": (int,)}
 
 
-def _request(prompt, prompt_token_ids, chat, request_id, model, tpot_slo_s=None, **sampling) -> pb.GenerateRequest:
+def _request(prompt, prompt_token_ids, chat, request_id, model, tpot_slo_s=None, speculation=None,
+             **sampling) -> pb.GenerateRequest:
     """The request, checked here first: a bad argument is an InvalidRequest naming it, as the server's would be
     (not a ValueError or TypeError from protobuf, which names nothing)."""
     try:
         _check_arguments(prompt_token_ids, {**sampling, "tpot_slo_s": tpot_slo_s})
+        cap = draft_cap_from_mapping(speculation)
         params = SamplingParams(**{k: v for k, v in sampling.items() if v is not None})  # validates locally
         req = pb.GenerateRequest(request_id=request_id or "", prompt=prompt or "",
                                  prompt_token_ids=list(prompt_token_ids or ()), chat=chat, model=model or "",
                                  sampling=sampling_to_proto(params))
         if tpot_slo_s is not None:
             req.tpot_slo_s = float(tpot_slo_s)
+        set_draft_cap(req, cap)
     except InvalidArgument as exc:
         raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, str(exc), field=exc.field) from None
     except (TypeError, ValueError) as exc:  # a value of the wrong type for its field
@@ -203,10 +207,13 @@ class Client(_Base):
                         top_k: int | None = None, seed: int | None = None, stop_token_ids: Sequence[int] = (),
                         ignore_eos: bool = False, chat: bool = False, request_id: str | None = None,
                         model: str | None = None, timeout: float | None = None,
-                        tpot_slo_s: float | None = None) -> Iterator[GenerationChunk]:
+                        tpot_slo_s: float | None = None,
+                        speculation: Mapping[str, int] | None = None) -> Iterator[GenerationChunk]:
         """tpot_slo_s: seconds per output token this request needs (AdaServe); the last chunk says whether it
-        held (tpot_s, tpot_slo_met)."""
-        req = _request(prompt, prompt_token_ids, chat, request_id, model or self.model, tpot_slo_s,
+        held (tpot_s, tpot_slo_met). speculation: {"max_draft_tokens": k} caps the draft tokens verified for this
+        request per step (0..16; 0: the target alone; absent: the server's choice); the last chunk's usage
+        counts the draft tokens verified and accepted."""
+        req = _request(prompt, prompt_token_ids, chat, request_id, model or self.model, tpot_slo_s, speculation,
                        max_tokens=max_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                        stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)
@@ -249,9 +256,9 @@ class AsyncClient(_Base):
                               top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
                               stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, chat: bool = False,
                               request_id: str | None = None, model: str | None = None,
-                              timeout: float | None = None,
-                              tpot_slo_s: float | None = None) -> AsyncIterator[GenerationChunk]:
-        req = _request(prompt, prompt_token_ids, chat, request_id, model or self.model, tpot_slo_s,
+                              timeout: float | None = None, tpot_slo_s: float | None = None,
+                              speculation: Mapping[str, int] | None = None) -> AsyncIterator[GenerationChunk]:
+        req = _request(prompt, prompt_token_ids, chat, request_id, model or self.model, tpot_slo_s, speculation,
                        max_tokens=max_tokens,
                        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                        stop_token_ids=tuple(stop_token_ids), ignore_eos=ignore_eos)

@@ -21,17 +21,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from starjar.errors import InvalidArgument
 from starjar.model.grouped_forward import forward_pass, grouped_forward
 from starjar.model.loading import LoadedModel
+from starjar.spec.draft_cap import check_max_draft_tokens
 from starjar.spec.policy import FixedGamma, SpeculationPolicy
 from starjar.spec.proposer import DraftRequest, Proposer
 from starjar.spec.sampling import SamplingParams
 from starjar.spec.token_tree import TokenTree
-from starjar.spec.verify import Verdict, sample_next, verify
+from starjar.spec.verify import sample_next, verify
 from target_worker.catch_up_meter import catch_up_meter, report_catch_up
+from target_worker.decode_plan import DecodePlan, SeqRound
 from target_worker.elastic_kv import ElasticKV
 from target_worker.prompt_ahead import SendAhead, send_prompts_ahead
 from target_worker.prompt_check import check_prompt
@@ -69,34 +71,6 @@ class StepOutput:
     error: str | None = None  # the step failed: this request ends with it (INTERNAL), the engine goes on
 
 
-@dataclass(eq=False)
-class SeqRound:
-    """One running sequence's part of a decode step."""
-
-    req: Request
-    gamma: int  # drafts it may ask for: the batch's gamma, capped by its max_tokens and context
-    draft: list[int] = field(default_factory=list)  # what the proposer gave (may be shorter, or nothing)
-    tree: TokenTree | None = None  # a tree proposal instead (draft then holds its tokens, for the counts)
-    verdict: Verdict | None = None  # set by the score phase
-
-
-@dataclass(eq=False)
-class DecodePlan:
-    """One decode step: the policy's gamma and its sequences, in slot order (the proposer's and the pass's)."""
-
-    gamma: int
-    rounds: list[SeqRound]
-    started_s: float = field(default_factory=time.perf_counter)  # the step's time counts from here
-    scored_s: float = 0.0  # when the score phase began
-    # The draft saw some sequence's prompt for the first time this step (a new request, a resync): its prefill
-    # is a cost of the request, paid once whatever gamma is, so the policy does not charge it to this gamma.
-    draft_prefill: bool = False
-
-    @property
-    def drafted(self) -> int:
-        return sum(len(r.draft) for r in self.rounds)
-
-
 class TargetEngine:
     def __init__(self, model: LoadedModel, proposer: Proposer | None = None,
                  policy: SpeculationPolicy | None = None, config: EngineConfig | None = None,
@@ -120,9 +94,10 @@ class TargetEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
-        req = Request(prompt_ids=list(prompt_ids), params=params)
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str | None = None,
+                    max_draft_tokens: int | None = None) -> Request:
+        """max_draft_tokens: the request's own cap on drafts per step (0: the target alone; None: the policy's)."""
+        req = Request(prompt_ids=list(prompt_ids), params=params, max_draft_tokens=max_draft_tokens)
         if request_id is not None:
             req.request_id = request_id
         return self.enqueue(req)
@@ -138,6 +113,8 @@ class TargetEngine:
         again here; a request from anywhere else (co-located use, benchmarks) is."""
         if not checked:
             req.prompt_ids = self.check(req.prompt_ids, req.params)
+            if req.max_draft_tokens is not None:
+                check_max_draft_tokens(req.max_draft_tokens)
         eos = () if req.params.ignore_eos else self.model.eos_token_ids
         req.stop_ids = frozenset(req.params.stop_token_ids) | frozenset(eos)
         self.scheduler.add(req)
@@ -230,8 +207,9 @@ class TargetEngine:
 
     def _plan(self, decoding: list[Request]) -> DecodePlan:
         """Gamma for this batch size, capped per sequence; the newest preempted until the step fits the KV."""
-        if self.proposer is not None:
-            self.policy.note_draft_lag([r.draft_lag() for r in decoding], [r.tokens_left() for r in decoding])
+        if self.proposer is not None:  # a sequence capped at 0 drafts never catches the draft up
+            spec = [r for r in decoding if r.max_draft_tokens != 0]
+            self.policy.note_draft_lag([r.draft_lag() for r in spec], [r.tokens_left() for r in spec])
         gamma = min(self.policy.choose(len(decoding)), self.config.max_gamma) if self.proposer else 0
         if self.step_listener is not None:
             self.step_listener(len(decoding), gamma)
@@ -240,10 +218,11 @@ class TargetEngine:
         return DecodePlan(gamma, rounds)
 
     def _cap_gamma(self, req: Request, gamma: int) -> int:
-        """No drafts past max_tokens or past the sequence's token limit."""
+        """No drafts past max_tokens, past the sequence's token limit, or past the request's own cap."""
         left_out = req.params.max_tokens - len(req.output_ids) - 1
         left_ctx = self.max_seq_tokens - req.num_tokens - 1
-        return max(0, min(gamma, left_out, left_ctx))
+        own = gamma if req.max_draft_tokens is None else req.max_draft_tokens
+        return max(0, min(gamma, left_out, left_ctx, own))
 
     def _fit_budget(self, batch: list[Request], gammas: list[int]) -> tuple[list[Request], list[int]]:
         """Preempt the newest sequences until this step's KV growth fits the budget."""
@@ -311,11 +290,13 @@ class TargetEngine:
             self.stats.propose_s += time.perf_counter() - t0
 
     def _tree_cap(self, r: SeqRound) -> int:
-        """Nodes a sequence's tree may keep before selection: gamma, or the tree policy's cap while KV has room."""
+        """Nodes a sequence's tree may keep before selection: gamma, or the tree policy's cap while KV has room;
+        never more than the request's own cap on draft tokens."""
         if self.trees is None:
             return r.gamma
         room = self.scheduler.kv_budget_tokens - self.cache.tokens_used() - self.num_running * (r.gamma + 1)
-        return max(r.gamma, min(self.trees.cfg.cap, r.gamma + max(0, room // max(1, self.num_running))))
+        nodes = max(r.gamma, min(self.trees.cfg.cap, r.gamma + max(0, room // max(1, self.num_running))))
+        return nodes if r.req.max_draft_tokens is None else min(nodes, r.req.max_draft_tokens)
 
     def _score(self, plan: DecodePlan) -> None:
         """One pass over each round's pending token and drafts; a verdict per round, rejected KV rolled back."""

@@ -43,6 +43,7 @@ class Request:
     draft_synced: int = 0  # how many of all_ids() the proposer has been told about
     spec_through: int = 0  # len(all_ids()) after its last speculative step: tokens past it came from plain steps
     tpot_slo_s: float | None = None  # the time per output token the client asked for (AdaServe), if any
+    max_draft_tokens: int | None = None  # the client's cap on drafts per step (0: none); None: the policy's
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (stop ids, EOS unless ignored), set at enqueue
 
     def __post_init__(self) -> None:

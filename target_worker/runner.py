@@ -41,10 +41,11 @@ class EngineRunner(threading.Thread):
         self.on_dead = on_dead
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str, on_output: OnOutput,
-               tpot_slo_s: float | None = None) -> Request:
-        """prompt_ids and params must have passed engine.check (they are not checked again).
-        On a dead engine the request ends at once with an error output."""
-        req = Request(prompt_ids=list(prompt_ids), params=params, request_id=request_id, tpot_slo_s=tpot_slo_s)
+               tpot_slo_s: float | None = None, max_draft_tokens: int | None = None) -> Request:
+        """prompt_ids, params and max_draft_tokens must have been checked where the request entered (they are
+        not checked again). On a dead engine the request ends at once with an error output."""
+        req = Request(prompt_ids=list(prompt_ids), params=params, request_id=request_id, tpot_slo_s=tpot_slo_s,
+                      max_draft_tokens=max_draft_tokens)
         with self._cv:  # under the lock: _die either sees this request in the inbox or we see it dead
             if not self.dead.is_set():
                 self._inbox.append(("add", req, on_output))

@@ -21,7 +21,7 @@ from starjar.errors import InternalFailure, InvalidArgument, NotServing, ServerB
 from starjar.model.text import encode_prompt
 from starjar.v1 import generate_pb2 as pb
 from starjar.v1 import generate_pb2_grpc as pb_grpc
-from starjar.wire.request import check_request_shape, sampling_from_proto
+from starjar.wire.request import check_request_shape, draft_cap_from_proto, sampling_from_proto
 from target_worker.admission import QUEUE_FULL, AdmissionQueue
 from target_worker.detok import IncrementalDetokenizer
 from target_worker.engine import StepOutput
@@ -41,6 +41,8 @@ class GenerateService(pb_grpc.GenerateServiceServicer):
         self.admission = admission or AdmissionQueue(self.engine.config.max_batch_size)
 
     def _prepare(self, request: pb.GenerateRequest):
+        """The one check of a request entering this worker: its prompt as ids, its sampling values and its cap
+        on draft tokens per step (speculation.max_draft_tokens; None: the policy's choice)."""
         check_request_shape(request, self.model_name)
         params = sampling_from_proto(request.sampling)
         if request.prompt:
@@ -50,7 +52,7 @@ class GenerateService(pb_grpc.GenerateServiceServicer):
         ids = self.engine.check(ids, params)
         if request.HasField("tpot_slo_s") and not 0 < request.tpot_slo_s <= MAX_TPOT_SLO_S:
             raise InvalidArgument("tpot_slo_s", f"must be in (0, {MAX_TPOT_SLO_S:g}] seconds", request.tpot_slo_s)
-        return ids, params
+        return ids, params, draft_cap_from_proto(request)
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.runner.dead.is_set():  # not started: the front end retries it on another worker
@@ -66,13 +68,13 @@ class GenerateService(pb_grpc.GenerateServiceServicer):
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         arrival = time.perf_counter()
-        ids, params = await asyncio.to_thread(self._prepare, request)  # InvalidArgument names the field
+        ids, params, cap = await asyncio.to_thread(self._prepare, request)  # InvalidArgument names the field
         rid = request.request_id or f"gen-{next(_ids)}"
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
         slo = request.tpot_slo_s if request.HasField("tpot_slo_s") else None
         req = self.runner.submit(ids, params, rid, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
-                                 slo)
+                                 slo, cap)
         detok = IncrementalDetokenizer(self.tokenizer)
         log.debug("request %s: %d prompt tokens", rid, len(ids))  # never the prompt text
         try:

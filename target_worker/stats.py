@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_GAMMA = 16  # the most drafts one sequence may ask for in a step
+from starjar.spec.draft_cap import MAX_DRAFT_TOKENS
+
+MAX_GAMMA = MAX_DRAFT_TOKENS  # the most drafts one sequence may ask for in a step (a request's cap at most)
 
 
 @dataclass

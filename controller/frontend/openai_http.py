@@ -61,11 +61,11 @@ def tpot_usage(ends: list[dict]) -> dict:
     return out
 
 
-def _add_usage(tokens: list[int], end: dict) -> None:
-    """Add one choice's (prompt, completion) tokens to the request's."""
-    if end.get("usage"):
-        tokens[0] += end["usage"][0]
-        tokens[1] += end["usage"][1]
+def _add_usage(tokens: list, end: dict) -> None:
+    """Add one choice's (prompt, completion, draft, accepted draft) tokens to the request's; a count one choice
+    did not report (None) is not reported for the request."""
+    for i, n in enumerate(end.get("usage") or ()):
+        tokens[i] = None if n is None or tokens[i] is None else tokens[i] + n
 
 
 def _response(err: HttpError) -> web.Response:
@@ -198,12 +198,14 @@ class OpenAIServer:
                 text = cut.push(resp.text)
                 if cut.stopped:
                     # Usage still counts what the worker generated (up to the chunk with the stop string).
-                    yield text, {"finish_reason": "stop", "usage": (await self._prompt_tokens(req), generated)}
+                    yield text, {"finish_reason": "stop",
+                                 "usage": (await self._prompt_tokens(req), generated, None, None)}
                     return  # leaving the loop cancels the worker's sequence
                 if resp.finish_reason:
                     text += cut.flush()
                     yield text, {"finish_reason": resp.finish_reason,
-                                 "usage": (resp.usage.prompt_tokens, resp.usage.completion_tokens),
+                                 "usage": (resp.usage.prompt_tokens, resp.usage.completion_tokens,
+                                           resp.usage.draft_tokens, resp.usage.accepted_draft_tokens),
                                  "timing": resp.timing}
                     return
                 if text:
@@ -231,11 +233,11 @@ class OpenAIServer:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        tokens = [0, 0]
+        tokens = [0, 0, 0, 0]
         for _, end in results:
             _add_usage(tokens, end)
         return web.json_response(envelope.whole([(text, end.get("finish_reason")) for text, end in results],
-                                                (tokens[0], tokens[1]), tpot_usage([end for _, end in results])))
+                                                tuple(tokens), tpot_usage([end for _, end in results])))
 
     # ---- server-sent events ---------------------------------------------------------------------
 
@@ -277,7 +279,7 @@ class OpenAIServer:
         if envelope.chat:
             for i in range(len(parsed.requests)):
                 await send(envelope.role_chunk(i))
-        tokens, open_choices, ends = [0, 0], len(parsed.requests), []
+        tokens, open_choices, ends = [0, 0, 0, 0], len(parsed.requests), []
         while open_choices:
             i, piece, fin, err = item if item is not None else await merged.get()
             item = None
@@ -292,5 +294,5 @@ class OpenAIServer:
                 _add_usage(tokens, fin)
                 ends.append(fin)
         if parsed.include_usage:
-            await send(envelope.usage_chunk((tokens[0], tokens[1]), tpot_usage(ends)))
+            await send(envelope.usage_chunk(tuple(tokens), tpot_usage(ends)))
         await resp.write(b"data: [DONE]\n\n")

@@ -5,7 +5,9 @@ controller.frontend.openai_http): a JSON body goes in, GenerateRequests or an er
 naming the field come out, and every response object is built by `Envelope`.
 Conventions follow OpenAI's API (and vLLM's where OpenAI is silent):
 temperature defaults to 1, completions default to 16 tokens; `top_k` and
-`ignore_eos` are accepted as extensions. temperature goes up to 100
+`ignore_eos` are accepted as extensions, and so are `tpot_slo_s` and
+`speculation` ({"max_draft_tokens": k}: at most k draft tokens verified per
+step for the request, 0 = none). temperature goes up to 100
 (starjar.spec.sampling.MAX_TEMPERATURE; OpenAI's own limit is 2), and every value is
 checked as the JSON gave it, before the wire's float32 could round it (a top_p
 of 1e-300 is refused as 1e-300, not as 0). A value out of bounds raises
@@ -22,10 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starjar.errors import InvalidArgument
+from starjar.spec.draft_cap import draft_cap_from_mapping
 from starjar.spec.sampling import SamplingParams
 from starjar.spec.token_ids import WIRE_LIMIT, first_out_of_range
 from starjar.v1 import generate_pb2 as pb
-from starjar.wire.request import MAX_PROMPT_CHARS, check_request_shape, sampling_to_proto
+from starjar.wire.request import MAX_PROMPT_CHARS, check_request_shape, sampling_to_proto, set_draft_cap
 
 MAX_PROMPTS = 16  # prompts in one /v1/completions request
 MAX_MESSAGES = 256
@@ -63,6 +66,7 @@ class Parsed:
     requests: list[pb.GenerateRequest] = field(default_factory=list)
     messages: list[dict] | None = None  # chat: the conversation, until the tokenizer's template renders it
     tpot_slo_s: float | None = None  # extension field: the TPOT SLO every choice asks for (AdaServe)
+    max_draft_tokens: int | None = None  # extension field speculation.max_draft_tokens, for every choice
 
     def add(self, prompt: str = "", ids: list[int] | None = None) -> None:
         """One more choice, from a text prompt or prompt token ids, checked as the gRPC front end checks it."""
@@ -70,6 +74,7 @@ class Parsed:
                                  prompt_token_ids=ids or [], sampling=sampling_to_proto(self.sampling))
         if self.tpot_slo_s is not None:
             req.tpot_slo_s = self.tpot_slo_s
+        set_draft_cap(req, self.max_draft_tokens)
         check_request_shape(req, self.model)
         self.requests.append(req)
 
@@ -102,7 +107,8 @@ def parse_completions(body: dict, model_name: str) -> Parsed:
     _unsupported(body, "logprobs", (None,))
     _unsupported(body, "suffix", (None,))
     prompts = _prompts(body.get("prompt"))
-    parsed = Parsed(sampling, model_name, tpot_slo_s=_tpot_slo(body))
+    parsed = Parsed(sampling, model_name, tpot_slo_s=_tpot_slo(body),
+                    max_draft_tokens=draft_cap_from_mapping(body.get("speculation")))
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             parsed.add(prompt=p)
@@ -140,7 +146,8 @@ def parse_chat(body: dict, model_name: str, has_template: bool) -> Parsed:
     messages = _messages(body.get("messages"))
     if not has_template:
         raise InvalidArgument("messages", "the model's tokenizer has no chat template; use /v1/completions")
-    parsed = Parsed(sampling, model_name, *_stream_flags(body), messages=messages, tpot_slo_s=_tpot_slo(body))
+    parsed = Parsed(sampling, model_name, *_stream_flags(body), messages=messages, tpot_slo_s=_tpot_slo(body),
+                    max_draft_tokens=draft_cap_from_mapping(body.get("speculation")))
     parsed.stops = _stops(body)
     return parsed
 
@@ -246,11 +253,20 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 # ---- responses ------------------------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int, timing: dict | None = None) -> dict:
-    """OpenAI's usage; timing (extension): the slowest choice's achieved tpot_s and, when the request gave a
+# A request's token counts: prompt, completion, draft tokens verified and accepted (None: not reported).
+Counts = tuple[int, int, int | None, int | None]
+
+def usage(prompt_tokens: int, completion_tokens: int, draft_tokens: int | None = None,
+          accepted_draft_tokens: int | None = None, timing: dict | None = None) -> dict:
+    """OpenAI's usage. Extensions: draft_tokens (draft tokens the target verified for the request) and
+    accepted_draft_tokens (of those, the ones it kept), left out when a choice ended at a stop string before
+    its worker reported them; timing: the slowest choice's achieved tpot_s and, when the request gave a
     tpot_slo_s, whether every choice met it (tpot_slo_met)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, **(timing or {})}
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if draft_tokens is not None and accepted_draft_tokens is not None:
+        out.update(draft_tokens=draft_tokens, accepted_draft_tokens=accepted_draft_tokens)
+    return {**out, **(timing or {})}
 
 
 @dataclass(frozen=True)
@@ -266,14 +282,14 @@ class Envelope:
     def new(cls, model: str, chat: bool) -> Envelope:
         return cls(("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12), int(time.time()), model, chat)
 
-    def wrap(self, obj: str, choices: list[dict], tokens: tuple[int, int] | None = None,
+    def wrap(self, obj: str, choices: list[dict], tokens: Counts | None = None,
              timing: dict | None = None) -> dict:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
         if tokens is not None:
             out["usage"] = usage(*tokens, timing)
         return out
 
-    def whole(self, results: list[tuple[str, str | None]], tokens: tuple[int, int],
+    def whole(self, results: list[tuple[str, str | None]], tokens: Counts,
               timing: dict | None = None) -> dict:
         """The non-streaming answer: per choice (text, finish_reason)."""
         choices = []
@@ -300,7 +316,7 @@ class Envelope:
         return self._event([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
                              "logprobs": None}])
 
-    def usage_chunk(self, tokens: tuple[int, int], timing: dict | None = None) -> dict:
+    def usage_chunk(self, tokens: Counts, timing: dict | None = None) -> dict:
         """The last event when the client asked for stream_options.include_usage."""
         return self.wrap(self._stream_object(), [], tokens, timing)
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19starjar/v1/generate.proto\x12\nstarjar.v1\"\xe6\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\xc2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.starjar.v1.SamplingParams\x12\x0c\n\x04\x63hat\x18\x05 \x01(\x08\x12\r\n\x05model\x18\x06 \x01(\t\x12\x17\n\ntpot_slo_s\x18\x14 \x01(\x01H\x00\x88\x01\x01\x42\r\n\x0b_tpot_slo_s\"n\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\r\"t\n\x06Timing\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x14 \x01(\x01\x12\x19\n\x0ctpot_slo_met\x18\x15 \x01(\x08H\x00\x88\x01\x01\x42\x0f\n\r_tpot_slo_met\"\xa4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.starjar.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.starjar.v1.Timing2Z\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.starjar.v1.GenerateRequest\x1a\x1c.starjar.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19starjar/v1/generate.proto\x12\nstarjar.v1\"\xe6\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"A\n\x0bSpeculation\x12\x1d\n\x10max_draft_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x42\x13\n\x11_max_draft_tokens\"\xf0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.starjar.v1.SamplingParams\x12\x0c\n\x04\x63hat\x18\x05 \x01(\x08\x12\r\n\x05model\x18\x06 \x01(\t\x12\x17\n\ntpot_slo_s\x18\x14 \x01(\x01H\x00\x88\x01\x01\x12,\n\x0bspeculation\x18\x15 \x01(\x0b\x32\x17.starjar.v1.SpeculationB\r\n\x0b_tpot_slo_s\"n\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\r\"t\n\x06Timing\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x14 \x01(\x01\x12\x19\n\x0ctpot_slo_met\x18\x15 \x01(\x08H\x00\x88\x01\x01\x42\x0f\n\r_tpot_slo_met\"\xa4\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.starjar.v1.Usage\x12\"\n\x06timing\x18\x06 \x01(\x0b\x32\x12.starjar.v1.Timing2Z\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.starjar.v1.GenerateRequest\x1a\x1c.starjar.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,14 +33,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=42
   _globals['_SAMPLINGPARAMS']._serialized_end=272
-  _globals['_GENERATEREQUEST']._serialized_start=275
-  _globals['_GENERATEREQUEST']._serialized_end=469
-  _globals['_USAGE']._serialized_start=471
-  _globals['_USAGE']._serialized_end=581
-  _globals['_TIMING']._serialized_start=583
-  _globals['_TIMING']._serialized_end=699
-  _globals['_GENERATERESPONSE']._serialized_start=702
-  _globals['_GENERATERESPONSE']._serialized_end=866
-  _globals['_GENERATESERVICE']._serialized_start=868
-  _globals['_GENERATESERVICE']._serialized_end=958
+  _globals['_SPECULATION']._serialized_start=274
+  _globals['_SPECULATION']._serialized_end=339
+  _globals['_GENERATEREQUEST']._serialized_start=342
+  _globals['_GENERATEREQUEST']._serialized_end=582
+  _globals['_USAGE']._serialized_start=584
+  _globals['_USAGE']._serialized_end=694
+  _globals['_TIMING']._serialized_start=696
+  _globals['_TIMING']._serialized_end=812
+  _globals['_GENERATERESPONSE']._serialized_start=815
+  _globals['_GENERATERESPONSE']._serialized_end=979
+  _globals['_GENERATESERVICE']._serialized_start=981
+  _globals['_GENERATESERVICE']._serialized_end=1071
 # @@protoc_insertion_point(module_scope)

@@ -24,8 +24,14 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
+class Speculation(_message.Message):
+    __slots__ = ("max_draft_tokens",)
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    max_draft_tokens: int
+    def __init__(self, max_draft_tokens: _Optional[int] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "chat", "model", "tpot_slo_s")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling", "chat", "model", "tpot_slo_s", "speculation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +39,7 @@ class GenerateRequest(_message.Message):
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TPOT_SLO_S_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -40,7 +47,8 @@ class GenerateRequest(_message.Message):
     chat: bool
     model: str
     tpot_slo_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., chat: _Optional[bool] = ..., model: _Optional[str] = ..., tpot_slo_s: _Optional[float] = ...) -> None: ...
+    speculation: Speculation
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., chat: _Optional[bool] = ..., model: _Optional[str] = ..., tpot_slo_s: _Optional[float] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_draft_tokens")

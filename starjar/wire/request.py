@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from starjar.errors import InvalidArgument
+from starjar.spec.draft_cap import check_max_draft_tokens
 from starjar.spec.sampling import SamplingParams
 from starjar.v1 import generate_pb2 as gen_pb
 
 MAX_REQUEST_ID = 128
 MAX_PROMPT_CHARS = 1 << 20
-# Trailing metadata key of a refusal's machine-readable reason (RESOURCE_EXHAUSTED: "queue_full", ...).
 
 
 def sampling_from_proto(p: gen_pb.SamplingParams) -> SamplingParams:
@@ -30,6 +30,19 @@ def sampling_to_proto(s: SamplingParams) -> gen_pb.SamplingParams:
     return msg
 
 
+def draft_cap_from_proto(req: gen_pb.GenerateRequest) -> int | None:
+    """The request's cap on draft tokens per step (speculation.max_draft_tokens), checked; None when unset."""
+    if not req.HasField("speculation") or not req.speculation.HasField("max_draft_tokens"):
+        return None
+    return check_max_draft_tokens(req.speculation.max_draft_tokens)
+
+
+def set_draft_cap(req: gen_pb.GenerateRequest, cap: int | None) -> None:
+    """Put a checked cap on the request (None leaves speculation unset: the server's choice)."""
+    if cap is not None:
+        req.speculation.max_draft_tokens = cap
+
+
 def check_request_shape(req: gen_pb.GenerateRequest, served_model: str) -> None:
     """What can be checked without a tokenizer."""
     if len(req.request_id) > MAX_REQUEST_ID:
@@ -42,3 +55,4 @@ def check_request_shape(req: gen_pb.GenerateRequest, served_model: str) -> None:
         raise InvalidArgument("prompt", f"at most {MAX_PROMPT_CHARS} characters", len(req.prompt))
     if req.chat and not req.prompt:
         raise InvalidArgument("chat", "needs a text prompt")
+    draft_cap_from_proto(req)
