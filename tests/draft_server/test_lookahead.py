@@ -2,6 +2,7 @@
 leave the draft's KV as it would have been, and a saturated server never drafts ahead."""
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -122,10 +123,18 @@ def test_saturated_server_never_drafts_ahead(models, monkeypatch):
         [t.join() for t in threads]
         assert saturated.rounds >= 24 and saturated.lookahead_drafted_tokens == 0
         assert saturated.lookahead_hits == saturated.lookahead_misses == 0
-        # Idle now: a round answered is drafted ahead (the saturating streams are closed, their sequences gone).
+        # Idle now: once the recent load has fallen, an answered round is drafted ahead (on a fresh stream: the
+        # saturating streams are closed, their sequences gone).
         s = Stream(stub, attach(stub, models, "t9").tag)
-        s.round(dict(seq_id=1, start=0, tokens=PROMPT, gamma=GAMMA))
-        wait_until(lambda: _stats(stub).lookahead_drafted_tokens > 0, timeout=10)
+        verified, tokens = [], list(PROMPT)
+        for _ in range(10):
+            r = s.round(dict(seq_id=1, start=len(verified), tokens=tokens, gamma=GAMMA))
+            verified += tokens
+            time.sleep(0.2)  # the target verifying: the server is idle
+            if _stats(stub).lookahead_drafted_tokens > 0:
+                break
+            tokens = list(r.sequences[0].tokens)[:1] + [7]
+        assert _stats(stub).lookahead_drafted_tokens > 0
         s.close()
         ch.close()
 
