@@ -134,6 +134,25 @@ def _few_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
+def bucket_paths(model: torch.nn.Module, rows: int) -> tuple[str, str]:
+    """The paths an installed model's linears take for a pass over `rows` rows in float32 on the CPU (what
+    _few_rows_forward picks): (the body's, the output-sized layers'); F.linear's for one row or no paths."""
+    shared = installed(model)
+    if shared is None or rows < 2:
+        return "linear", "linear"
+    return shared.body[_bucket(rows)], shared.head[_bucket(rows)]
+
+
+def is_wide(layer: torch.nn.Linear) -> bool:
+    """Whether an installed layer takes the output layer's paths (a vocabulary-wide product)."""
+    return bool(getattr(layer, "_starjar_wide", False))
+
+
+def packed_weight(layer: torch.nn.Linear) -> torch.Tensor:
+    """The layer's weight as MKL packs it for the packed path (packed now if it is not yet)."""
+    return _packed(layer)
+
+
 def _packed_product(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """x [rows, in] through MKL's sgemm on the layer's packed weight."""
     return torch.ops.mkl._mkl_linear(x, _packed(layer), layer.weight, layer.bias, x.shape[0])

@@ -179,6 +179,17 @@ class RaggedKVCache(Cache):
         vbuf[b, :, pos] = value_states.transpose(1, 2).to(self.dtype)
         return kbuf[rows, :, : self._kv_len], vbuf[rows, :, : self._kv_len]
 
+    def make_buffers(self, layers: int, heads: int, key_dim: int, value_dim: int) -> None:
+        """The buffers update() makes on a cache's first pass, made now, so that a forward writing through
+        pass_views can run that pass too."""
+        if self._keys:
+            return
+        for _ in range(layers):
+            self._keys.append(torch.zeros((self._slot_cap, heads, self._len_cap, key_dim), dtype=self.dtype,
+                                          device=self.device))
+            self._values.append(torch.zeros((self._slot_cap, heads, self._len_cap, value_dim), dtype=self.dtype,
+                                            device=self.device))
+
     def pass_views(self, layers: int) -> PassViews | None:
         """For the pass begin() prepared, unless it is a tree pass or one of `layers` layers has no buffers yet:
         (per layer K and V to write in place: the rows' buffers, views, for consecutive slots, else the whole

@@ -107,7 +107,7 @@ def _rows_linear(x: Tensor, packed: torch.classes.quantized.LinearPackedParamsBa
     return y.reshape(x.shape[0], x.shape[1], -1)
 
 
-def _write_read(keys: Tensor, values: Tensor, ks: Tensor, vs: Tensor, rows: Tensor | None, write: Tensor | None,
+def write_read(keys: Tensor, values: Tensor, ks: Tensor, vs: Tensor, rows: Tensor | None, write: Tensor | None,
                 start: int, kv_len: int) -> tuple[Tensor, Tensor]:
     """As RaggedKVCache.update: write a pass's ks/vs [B, Hkv, Q, D], return the keys and values to attend. rows [B]
     (scattered slots): keys/values are the whole buffers, written at write [B, Q], then gathered. rows None:
@@ -147,7 +147,7 @@ def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.cl
                 head_dim: int, eps: float, biases: list[Tensor | None], mats: list[Tensor | None], real: Tensor | None,
                 b: int, q: int) -> Tensor:
     """x [B, Q, hidden], or with `real` only the pass's real tokens [T, 1, hidden] (real: their indices in the
-    flattened B x Q; cos and sin likewise); keys, values, rows, write, start, kv_len: see _write_read; mask
+    flattened B x Q; cos and sin likewise); keys, values, rows, write, start, kv_len: see write_read; mask
     [B, 1, Q, K] additive, already folded for Q > 1; biases: of qkv, o, gate_up and down (None where a linear
     has none); mats: their int_mm weights and scales, (w_t, w_scale) each, None on the fused path. Only attention
     sees the padded B x Q layout: every other op is per token."""
@@ -159,7 +159,7 @@ def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.cl
     qs, ks, vs = qk[:, :, :nq], qk[:, :, nq:], heads[:, :, nq + nk:]
     if real is not None:
         qs, ks, vs = padded(qs, real, b, q), padded(ks, real, b, q), padded(vs, real, b, q)
-    k_att, v_att = _write_read(keys, values, ks.transpose(1, 2), vs.transpose(1, 2), rows, write, start, kv_len)
+    k_att, v_att = write_read(keys, values, ks.transpose(1, 2), vs.transpose(1, 2), rows, write, start, kv_len)
     query = qs.transpose(1, 2).contiguous().reshape(b, nk, (nq // nk) * q, head_dim)
     att = _attend(query, k_att, v_att, mask)
     att = att.reshape(b, nq, q, head_dim).transpose(1, 2).contiguous().reshape(b, q, -1)

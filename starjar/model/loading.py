@@ -21,6 +21,7 @@ from starjar.errors import InvalidArgument, ModelMismatch
 from starjar.model import attention, kv_precision, smoothing
 from starjar.model.kv_cache import RaggedKVCache
 from starjar.model.lean_decoder import LeanDecoder
+from starjar.model.lean_target import LeanTarget
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class LoadedModel:
     # what the draft reads changes its acceptance, never the output.
     prompt_window: int | None = None
     kv_dtype: torch.dtype | None = None  # an int8 draft's KV precision (starjar.model.kv_precision); None: dtype
+    # A float Llama-family model's scripted layers (a target's, or a float draft's): HF's forward to the last bit.
+    lean_target: LeanTarget | None = None
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -119,6 +122,10 @@ class LoadedModel:
         position_ids, mask = cache.begin(slots, counts, trees)
         if self.lean is not None:
             return self.lean.hidden(ids.to(self.device), position_ids, mask, cache, counts)
+        if self.lean_target is not None:
+            hidden = self.lean_target.hidden(ids.to(self.device), position_ids, mask, cache)
+            if hidden is not None:
+                return hidden
         return self.model.base_model(input_ids=ids.to(self.device), position_ids=position_ids,
                                      attention_mask=mask, cache=cache, use_cache=True).last_hidden_state
 
@@ -185,6 +192,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     elif dev.type == "cpu" and dt == torch.float32 and skinny_linear.install(model):
         skinny_linear.choose(model)  # this machine's fastest few-row products (measured once, cached)
     attention.install(model)  # grouped-query heads folded onto their KV head: no K/V copies per pass
+    lean_target = _lean_target(model) if recipe.get("kind") != quantized.KIND else None  # int8: LeanDecoder's
     cfg = model.config
     max_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
@@ -197,7 +205,18 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise InvalidArgument(what, "prompt_window in starjar.json must be a positive integer", window)
     return LoadedModel(str(p), model, tokenizer, dev, dt, vocab, int(max_ctx), eos_ids,
-                       tokenizer_fingerprint(tokenizer), lean, prompt_window=window, kv_dtype=kv_dtype)
+                       tokenizer_fingerprint(tokenizer), lean, prompt_window=window, kv_dtype=kv_dtype,
+                       lean_target=lean_target)
+
+
+def _lean_target(model: torch.nn.Module) -> LeanTarget | None:
+    """A float Llama-family model's scripted layers, with which pass classes run them here (measured once per
+    machine, cached), or None for a model they do not reproduce."""
+    if not LeanTarget.supports(model):
+        return None
+    lean = LeanTarget(model)
+    lean.settle()
+    return lean
 
 
 def _skip_layers(recipe: dict, layers: int, what: str, p: Path) -> tuple[int, ...]:

@@ -1,0 +1,196 @@
+"""The lean forward of a float Llama-family target (llama, qwen2, mistral): HF's layers without HF's Python.
+
+A target step of the default pair (SmolLM2-135M, 30 layers) runs about 50 small ops per layer through Hugging
+Face's module tree, each paying Python, hooks and dispatch; at batch 1 on 2 cores that overhead was most of the
+gap to llama.cpp on the same float32 weights. Here each decoder layer is one TorchScript function
+(starjar.model.target_step) that runs the same ops in the same order on the same weights, writing K and V in
+place into the RaggedKVCache: the hidden states, hence the logits, are bit for bit those of HF's forward.
+
+Pass shape classes (CLASSES): `step` (one row, one token: batch-1 decoding), `rows` (up to LONG rows in all:
+verification over gamma + 1 positions, multi-row decoding) and `long` (prefill). Whether the lean forward runs
+a class is measured once per machine and model shapes (both forwards timed in turns on the model's own passes,
+a few seconds; kept in starjar.cpu.kernels' cache). STARJAR_LEAN_TARGET=1 forces it wherever it applies, 0 forces
+HF's forward everywhere (tests force each). HF's forward always runs tree passes (their mask rows are not a
+plain prefix, which RaggedKVCache.pass_views leaves to update()) and models outside the families.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from starjar.cpu import kernels, skinny_linear
+from starjar.model import attention, target_step
+from starjar.model.kv_cache import RaggedKVCache
+
+log = logging.getLogger(__name__)
+
+ENV = "STARJAR_LEAN_TARGET"
+KIND = "lean-target"  # its entries in the kernel cache
+FAMILIES = ("llama", "qwen2", "mistral")
+CLASSES = ("step", "rows", "long")
+LONG = 64  # rows (B x Q) past which a pass counts as long; skinny_linear's last bucket
+PROBES = {"step": (1, 1), "rows": (2, 4), "long": (1, 128)}  # the (B, Q) each class is timed at
+CONTEXT = 64  # cached tokens per row before a timed pass
+
+
+def forced() -> bool | None:
+    """What STARJAR_LEAN_TARGET forces: True (lean where it applies), False (HF's forward), None (measured)."""
+    name = os.environ.get(ENV, "").strip().lower()
+    if name in ("", "auto"):
+        return None
+    if name not in ("0", "1"):
+        raise ValueError(f"{ENV} must be 0, 1 or unset, got {name!r}")
+    return name == "1"
+
+
+def shape_class(b: int, q: int) -> str:
+    return "step" if b == 1 and q == 1 else "rows" if b * q <= LONG else "long"
+
+
+class LeanTarget:
+    """Runs a float Llama-family CausalLM's decoder over a RaggedKVCache as scripted layers."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.base = base = model.base_model
+        layers = base.layers[: model.config.num_hidden_layers]
+        att = layers[0].self_attn
+        self.head_dim, self.scaling = att.head_dim, float(att.scaling)
+        self.eps = float(layers[0].input_layernorm.variance_epsilon)
+        self.kv_heads = att.k_proj.out_features // self.head_dim
+        # Per layer, looked up once: weights (norm, q, k, v, o, norm, gate, up, down), the seven linears and
+        # their biases, and the head counts.
+        self.plan = []
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            linears = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+            ws = [layer.input_layernorm.weight, *[lin.weight for lin in linears[:4]],
+                  layer.post_attention_layernorm.weight, *[lin.weight for lin in linears[4:]]]
+            self.plan.append((ws, [lin.bias for lin in linears], linears,
+                              a.q_proj.out_features // self.head_dim, a.k_proj.out_features // self.head_dim))
+        self._codes: dict[tuple[str, str], list[list[int]]] = {}  # per (body, wide) path: each layer's codes
+        self.choice: dict[str, bool] | None = None  # per shape class: lean or not (None: not measured yet)
+        self.step_layer, self.rows_layer = target_step.step_fn(), target_step.rows_fn()
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        """A float Llama-family model whose decoder this forward reproduces: SiLU MLPs, plain linears, one
+        RMSNorm epsilon, attention through starjar's folded implementation."""
+        cfg = getattr(model, "config", None)
+        if getattr(cfg, "model_type", None) not in FAMILIES or getattr(cfg, "hidden_act", None) != "silu" \
+                or getattr(cfg, "_attn_implementation", None) != attention.NAME:
+            return False
+        if next(model.parameters()).dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+        layers = model.base_model.layers[: cfg.num_hidden_layers]
+        eps = {float(n.variance_epsilon) for layer in layers
+               for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+        linears = [lin for layer in layers for lin in layer.modules() if isinstance(lin, torch.nn.Linear)]
+        return len(eps) == 1 and all(type(lin) is torch.nn.Linear for lin in linears) and \
+            len(linears) == 7 * len(layers)
+
+    def settle(self) -> None:
+        """Measure the per-class choice now (at load, not in a served step) unless a forced one holds."""
+        if forced() is None and self.choice is None:
+            self.choice = self._measured()
+
+    def wants(self, b: int, q: int) -> bool:
+        """Whether a chain pass of b rows of q tokens runs lean."""
+        force = forced()
+        if force is not None:
+            return force
+        if self.choice is None:
+            self.choice = self._measured()
+        return self.choice[shape_class(b, q)]
+
+    @torch.no_grad()
+    def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+               cache: RaggedKVCache) -> torch.Tensor | None:
+        """HF's base_model(...).last_hidden_state for the pass the cache's begin() prepared, or None where
+        this pass runs HF's forward (the class is not chosen, or a tree pass)."""
+        b, q = input_ids.shape
+        return self.run(input_ids, position_ids, mask, cache) if self.wants(b, q) else None
+
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
+            cache: RaggedKVCache) -> torch.Tensor | None:
+        """The lean forward, whatever the choice; None for a pass it cannot take (a tree pass)."""
+        cache.make_buffers(len(self.plan), self.kv_heads, self.head_dim, self.head_dim)
+        views = cache.pass_views(len(self.plan))
+        if views is None:
+            return None
+        keys, values, rows, write, start, kv_len = views
+        base = self.base
+        x = base.embed_tokens(input_ids)
+        cos, sin = base.rotary_emb(x, position_ids=position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, Q, D], as apply_rotary_pos_emb unsqueezes them
+        b, q = input_ids.shape
+        d, eps, scaling = self.head_dim, self.eps, self.scaling
+        if b == 1 and q == 1 and rows is None and write is None:
+            for (ws, bs, _, nq, nk), k, v in zip(self.plan, keys, values, strict=True):
+                x = self.step_layer(x, cos, sin, mask, ws, bs, k, v, start, kv_len, nq, nk, d, eps, scaling)
+            return base.norm(x)
+        codes = self._layer_codes(x, b * q)
+        folded: dict[int, torch.Tensor] = {}  # the mask as folded_attention folds it, once per pass
+        for (ws, bs, linears, nq, nk), k, v, c in zip(self.plan, keys, values, codes, strict=True):
+            g = nq // nk
+            if g not in folded:
+                folded[g] = mask if g == 1 or q == 1 else attention.fold_mask(mask, g)
+            packs = [skinny_linear.packed_weight(lin) if code == 2 else None for lin, code in zip(linears, c,
+                                                                                                  strict=True)]
+            x = self.rows_layer(x, cos, sin, folded[g], ws, bs, packs, c, k, v, rows, write, start, kv_len,
+                                nq, nk, d, eps, scaling)
+        return base.norm(x)
+
+    def _layer_codes(self, x: torch.Tensor, rows: int) -> list[list[int]]:
+        """Each layer's seven product codes (target_step.PATHS) for a pass over `rows` rows: the paths
+        skinny_linear installed, F.linear where it would not intervene (one row, not float32 on the CPU)."""
+        body, wide = ("linear", "linear") if x.dtype != torch.float32 or x.device.type != "cpu" \
+            else skinny_linear.bucket_paths(self.model, rows)
+        key = (body, wide)
+        if key not in self._codes:
+            self._codes[key] = [[target_step.PATHS[wide if skinny_linear.is_wide(lin) else body]
+                                 for lin in linears] for _, _, linears, _, _ in self.plan]
+        return self._codes[key]
+
+    def _measured(self) -> dict[str, bool]:
+        """The cached per-class choice for this machine and these shapes, measured now when there is none."""
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        entry = kernels.cached_entry(f"{KIND}-{dtype}", skinny_linear.shapes(self.model), self._measure,
+                                     usable=lambda e: isinstance(e.get("lean"), dict) and
+                                     set(e["lean"]) == set(CLASSES))
+        return {c: bool(entry["lean"][c]) for c in CLASSES}
+
+    def _measure(self, reps: int = 5) -> dict:
+        """Both forwards timed in turns on a pass of each class (PROBES) over CONTEXT cached tokens per row;
+        a class runs lean where that was faster."""
+        ms, lean = {}, {}
+        for cls, (b, q) in PROBES.items():
+            eager_s, lean_s = kernels.interleaved_medians([self._probe(b, q, False), self._probe(b, q, True)],
+                                                          reps if cls != "long" else max(2, reps // 2))
+            ms[cls] = {"eager": round(eager_s * 1000, 3), "lean": round(lean_s * 1000, 3)}
+            lean[cls] = lean_s < eager_s
+        log.info("lean target forward per pass class (%s): %s (measured: %s ms)", kernels.machine_label(),
+                 ", ".join(f"{c} {'lean' if on else 'HF'}" for c, on in lean.items()), ms)
+        return {"lean": lean, "ms": ms}
+
+    def _probe(self, b: int, q: int, lean: bool):
+        """A function running one pass of b rows x q tokens, lean or HF's, after CONTEXT tokens in its own cache."""
+        param = next(self.model.parameters())
+        cache = RaggedKVCache(param.device, param.dtype)
+        slots = [cache.allocate() for _ in range(b)]
+
+        @torch.no_grad()
+        def run(n: int) -> None:
+            for s in slots:
+                cache.truncate(s, min(cache.lengths[s], CONTEXT))
+            pos, mask = cache.begin(slots, [n] * b)
+            ids = torch.full((b, n), 7, dtype=torch.long, device=param.device)
+            if not lean or self.run(ids, pos, mask, cache) is None:
+                self.base(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
+
+        run(CONTEXT)
+        return lambda: run(q)
