@@ -1,0 +1,124 @@
+"""The lean target forward (starjar.model.lean_target): Hugging Face's logits to the last bit, on every pass shape."""
+
+import pytest
+import torch
+
+from controller.colocated import colocated_engine
+from starjar.cpu import kernels
+from starjar.model import lean_target
+from starjar.model.lean_target import ENV, LeanTarget
+from starjar.model.loading import load_model
+from starjar.spec.sampling import SamplingParams
+
+
+def _spy(model, monkeypatch) -> list:
+    """Counts calls of the model's HF decoder forward (the eager path)."""
+    calls = []
+    base = model.model.base_model
+    forward = base.forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(base, "forward", counted)
+    return calls
+
+
+def _passes(model, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Logits of a run of every pass shape the engines make, in a fresh cache: a ragged multi-row prefill, a lone
+    prefill, one-token steps at batch 1, verification over 4 positions, one-token steps of several rows,
+    ragged multi-token rows, rows on scattered slots, and a long pass."""
+    cache = model.new_cache()
+    slots = [cache.allocate() for _ in range(5)]
+    out = model.forward(cache, slots[:4], prompts[:4], [list(range(len(p))) for p in prompts[:4]])
+    out += model.forward(cache, slots[4:], prompts[4:5], [[len(prompts[4]) - 1]])
+    for tok in (5, 9, 14):
+        out += model.forward(cache, slots[:1], [[tok]], [[0]])
+    out += model.forward(cache, slots[1:2], [[3, 4, 5, 6]], [[0, 1, 2, 3]])
+    out += model.forward(cache, slots, [[7]] * 5, [[0]] * 5)
+    out += model.forward(cache, slots, [[8, 9, 10], [11], [12, 13], [14, 15, 16], [17]],
+                         [[0, 1, 2], [0], [0, 1], [0, 1, 2], [0]])
+    out += model.forward(cache, [slots[0], slots[2], slots[4]], [[20], [21], [22]], [[0], [0], [0]])
+    out += model.forward(cache, [slots[1], slots[3]], [[23, 24], [25, 26]], [[0, 1], [0, 1]])
+    out += model.forward(cache, slots[2:3], [list(range(30, 100))], [list(range(70))])
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_lean_logits_equal_hf_bitwise(models, prompt_ids, monkeypatch, family):
+    model = models[family]
+    assert model.lean_target is not None
+    calls = _spy(model, monkeypatch)
+    monkeypatch.setenv(ENV, "0")
+    hf = _passes(model, prompt_ids[:5])
+    assert len(calls) == 11  # every pass ran HF's forward
+    monkeypatch.setenv(ENV, "1")
+    lean = _passes(model, prompt_ids[:5])
+    assert len(calls) == 11  # ... and no pass did here
+    assert len(hf) == len(lean)
+    for a, b in zip(hf, lean, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_lean_bfloat16_equals_hf_bitwise(model_dirs, prompt_ids, monkeypatch):
+    monkeypatch.setenv(ENV, "0")
+    model = load_model(model_dirs["llama"], dtype="bfloat16")
+    assert model.lean_target is not None
+    hf = _passes(model, prompt_ids[:5])
+    monkeypatch.setenv(ENV, "1")
+    for a, b in zip(hf, _passes(model, prompt_ids[:5]), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tree_pass_keeps_hf_forward(models, monkeypatch):
+    model = models["llama"]
+    calls = _spy(model, monkeypatch)
+    monkeypatch.setenv(ENV, "1")
+    cache = model.new_cache()
+    slot = cache.allocate()
+    model.forward(cache, [slot], [[5, 6, 7]], [[2]])
+    assert not calls
+    # A root and two children: a tree pass, whose mask HF's forward takes.
+    model.forward(cache, [slot], [[8, 9, 10]], [[0, 1, 2]], trees=[(0, [-1, 0, 0])])
+    assert len(calls) == 1
+
+
+def test_other_families_keep_hf_forward(models):
+    assert models["gpt2"].lean_target is None
+    assert not LeanTarget.supports(models["gpt2"].model)
+
+
+def test_env_values(monkeypatch):
+    for value, want in (("1", True), ("0", False), ("", None), ("auto", None)):
+        monkeypatch.setenv(ENV, value)
+        assert lean_target.forced() is want
+    monkeypatch.setenv(ENV, "yes")
+    with pytest.raises(ValueError):
+        lean_target.forced()
+
+
+def test_measured_choice_is_cached(model_dirs, monkeypatch, tmp_path):
+    monkeypatch.setenv("STARJAR_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels, "_entries", {})  # nothing this process measured before
+    monkeypatch.delenv(ENV, raising=False)
+    model = load_model(model_dirs["qwen2"])  # measures each pass class at load
+    assert set(model.lean_target.choice) == set(lean_target.CLASSES)
+    assert (tmp_path / "kernels.json").read_text().count(lean_target.KIND) == 1
+    monkeypatch.setattr(kernels, "_entries", {})
+    again = LeanTarget(model.model)
+    monkeypatch.setattr(again, "_measure", lambda: pytest.fail("measured again"))
+    again.settle()  # read from the cache
+    assert again.choice == model.lean_target.choice
+    assert again.wants(1, 1) == again.choice["step"] and again.wants(4, 4) == again.choice["rows"]
+    monkeypatch.setenv(ENV, "0")
+    assert not again.wants(1, 1)
+
+
+@pytest.mark.parametrize("lean", ["1", "0"])
+@pytest.mark.parametrize("batch_size,gamma", [(1, 0), (4, 0), (1, 3), (8, 2)])
+def test_engine_greedy_equals_reference(models, prompt_ids, reference, monkeypatch, lean, batch_size, gamma):
+    monkeypatch.setenv(ENV, lean)
+    engine = colocated_engine(models["llama"], models["draft"] if gamma else None, gamma, batch_size)
+    reqs = engine.generate(prompt_ids[:16], SamplingParams(max_tokens=64))
+    assert [r.output_ids for r in reqs] == reference("llama")[:16]
