@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from controller.colocated import colocated_engine
-from starjar.cpu import kernels
+from starjar.cpu import kernels, skinny_linear
 from starjar.model import lean_target
 from starjar.model.lean_target import ENV, LeanTarget
 from starjar.model.loading import load_model
@@ -36,6 +36,7 @@ def _passes(model, prompts: list[list[int]]) -> list[torch.Tensor]:
     for tok in (5, 9, 14):
         out += model.forward(cache, slots[:1], [[tok]], [[0]])
     out += model.forward(cache, slots[1:2], [[3, 4, 5, 6]], [[0, 1, 2, 3]])
+    out += model.forward(cache, slots[2:3], [[3, 4]], [[0, 1]])  # 2 rows: where F.linear and W @ x.T differ
     out += model.forward(cache, slots, [[7]] * 5, [[0]] * 5)
     out += model.forward(cache, slots, [[8, 9, 10], [11], [12, 13], [14, 15, 16], [17]],
                          [[0, 1, 2], [0], [0, 1], [0, 1, 2], [0]])
@@ -52,13 +53,25 @@ def test_lean_logits_equal_hf_bitwise(models, prompt_ids, monkeypatch, family):
     calls = _spy(model, monkeypatch)
     monkeypatch.setenv(ENV, "0")
     hf = _passes(model, prompt_ids[:5])
-    assert len(calls) == 11  # every pass ran HF's forward
+    assert len(calls) == 12  # every pass ran HF's forward
     monkeypatch.setenv(ENV, "1")
     lean = _passes(model, prompt_ids[:5])
-    assert len(calls) == 11  # ... and no pass did here
+    assert len(calls) == 12  # ... and no pass did here
     assert len(hf) == len(lean)
     for a, b in zip(hf, lean, strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("path", ["linear", "wxt", "packed"])
+def test_lean_takes_each_few_rows_product(model_dirs, prompt_ids, monkeypatch, path):
+    """Each product starjar.cpu.skinny_linear may install for a row count, taken as HF's linears take it."""
+    monkeypatch.setenv(skinny_linear.ENV, path)
+    monkeypatch.setenv(ENV, "0")
+    model = load_model(model_dirs["llama"])
+    hf = _passes(model, prompt_ids[:5])
+    monkeypatch.setenv(ENV, "1")
+    for a, b in zip(hf, _passes(model, prompt_ids[:5]), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_lean_bfloat16_equals_hf_bitwise(model_dirs, prompt_ids, monkeypatch):
