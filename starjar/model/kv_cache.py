@@ -190,12 +190,13 @@ class RaggedKVCache(Cache):
             self._values.append(torch.zeros((self._slot_cap, heads, self._len_cap, value_dim), dtype=self.dtype,
                                             device=self.device))
 
-    def pass_views(self, layers: int) -> PassViews | None:
-        """For the pass begin() prepared, unless it is a tree pass or one of `layers` layers has no buffers yet:
+    def pass_views(self, layers: int, trees: bool = False) -> PassViews | None:
+        """For the pass begin() prepared, unless it is a tree pass (trees: unless the caller attends with the
+        pass's mask, which holds the tree) or one of `layers` layers has no buffers yet:
         (per layer K and V to write in place: the rows' buffers, views, for consecutive slots, else the whole
         buffers; the slots [B] when scattered, else None; the write positions [B, Q], or None when every row
         writes one span; the span's first position; the keys to attend). None otherwise (then update() writes)."""
-        if self._rows is None or len(self._keys) != layers or self._tree_pass:
+        if self._rows is None or len(self._keys) != layers or (self._tree_pass and not trees):
             return None
         rows, span = self._rows, self._write_span
         if not isinstance(rows, slice):

@@ -10,8 +10,9 @@ Pass shape classes (CLASSES): `step` (one row, one token: batch-1 decoding), `ro
 verification over gamma + 1 positions, multi-row decoding) and `long` (prefill). Whether the lean forward runs
 a class is measured once per machine and model shapes (both forwards timed in turns on the model's own passes,
 a few seconds; kept in starjar.cpu.kernels' cache). STARJAR_LEAN_TARGET=1 forces it wherever it applies, 0 forces
-HF's forward everywhere (tests force each). HF's forward always runs tree passes (their mask rows are not a
-plain prefix, which RaggedKVCache.pass_views leaves to update()) and models outside the families.
+HF's forward everywhere (tests force each). Token-tree verification passes run it too: their tree is all in the
+pass's mask and position ids, which both forwards take from RaggedKVCache.begin. Models outside the families, or
+whose layers it does not reproduce (LeanTarget.supports), keep HF's forward.
 """
 
 from __future__ import annotations
@@ -110,16 +111,16 @@ class LeanTarget:
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
                cache: RaggedKVCache) -> torch.Tensor | None:
         """HF's base_model(...).last_hidden_state for the pass the cache's begin() prepared, or None where
-        this pass runs HF's forward (the class is not chosen, or a tree pass)."""
+        this pass runs HF's forward (its class is not chosen here)."""
         b, q = input_ids.shape
         return self.run(input_ids, position_ids, mask, cache) if self.wants(b, q) else None
 
     @torch.no_grad()
     def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
             cache: RaggedKVCache) -> torch.Tensor | None:
-        """The lean forward, whatever the choice; None for a pass it cannot take (a tree pass)."""
+        """The lean forward, whatever the choice; None for a pass the cache cannot give views of."""
         cache.make_buffers(len(self.plan), self.kv_heads, self.head_dim, self.head_dim)
-        views = cache.pass_views(len(self.plan))
+        views = cache.pass_views(len(self.plan), trees=True)  # every layer attends with the pass's mask
         if views is None:
             return None
         keys, values, rows, write, start, kv_len = views

@@ -84,17 +84,30 @@ def test_lean_bfloat16_equals_hf_bitwise(model_dirs, prompt_ids, monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_tree_pass_keeps_hf_forward(models, monkeypatch):
+def _tree_passes(model) -> list[torch.Tensor]:
+    """A prompt, then token-tree verification passes (trees of RaggedKVCache.begin) on one and two rows."""
+    cache = model.new_cache()
+    slots = [cache.allocate() for _ in range(2)]
+    out = model.forward(cache, slots, [[5, 6, 7, 8], [9, 10, 11]], [[3], [2]])
+    # Root 12 with children 13 and 14, 15 under 13: four tokens positioned by depth, each seeing its ancestors.
+    out += model.forward(cache, slots[:1], [[12, 13, 14, 15]], [[0, 1, 2, 3]], trees=[(0, [-1, 0, 0, 1])])
+    cache.truncate(slots[0], 5)
+    out += model.forward(cache, slots, [[13, 16, 17], [18, 19]], [[0, 1, 2], [0, 1]],
+                         trees=[(0, [-1, 0, 0]), None])
+    return out
+
+
+def test_tree_passes_equal_hf_bitwise(models, monkeypatch):
     model = models["llama"]
     calls = _spy(model, monkeypatch)
+    monkeypatch.setenv(ENV, "0")
+    hf = _tree_passes(model)
+    assert len(calls) == 3
     monkeypatch.setenv(ENV, "1")
-    cache = model.new_cache()
-    slot = cache.allocate()
-    model.forward(cache, [slot], [[5, 6, 7]], [[2]])
-    assert not calls
-    # A root and two children: a tree pass, whose mask HF's forward takes.
-    model.forward(cache, [slot], [[8, 9, 10]], [[0, 1, 2]], trees=[(0, [-1, 0, 0])])
-    assert len(calls) == 1
+    lean = _tree_passes(model)
+    assert len(calls) == 3
+    for a, b in zip(hf, lean, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_other_families_keep_hf_forward(models):
