@@ -214,7 +214,11 @@ def _lean_target(model: torch.nn.Module) -> LeanTarget | None:
     machine, cached), or None for a model they do not reproduce."""
     if not LeanTarget.supports(model):
         return None
-    lean = LeanTarget(model)
+    try:
+        lean = LeanTarget(model)  # compiles its layers once per process
+    except (RuntimeError, torch.jit.frontend.NotSupportedError) as exc:  # a torch whose TorchScript lacks an op
+        log.warning("lean target forward unavailable (%s): running Hugging Face's", type(exc).__name__)
+        return None
     lean.settle()
     return lean
 
