@@ -5,7 +5,7 @@ starjar's own prompts under STARJAR_LEAN_TARGET=0 and =1, in turns (repeats inte
 hits both), and prints tokens/s per forward, their ratio, and whether the outputs were the same token for token.
 Prefill is in the time, as in `starjar bench core`.
 
-    nice -n 19 python -m benchmarks.probes.lean_target_speed --batch-sizes 1 4 8 --max-new 32
+    python -m benchmarks.probes.lean_target_speed --batch-sizes 1 4 8 16 --max-new 32 --repeats 3 --out F.json
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from benchmarks.meta import result_meta
 from controller.colocated import colocated_engine
 from starjar import workloads
 from starjar.cpu import kernels
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=64, help="prompts cut to this many tokens")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--out", default=None, help="also write the rows and the machine to this JSON file")
     args = ap.parse_args()
     os.environ[ENV] = "1"  # forced from the start: the load need not measure the choice
     target = load_model(args.target)
@@ -63,8 +65,13 @@ def main() -> None:
         rows.append({"batch_size": b, "hf_tokens_per_s": round(hf, 2), "lean_tokens_per_s": round(lean, 2),
                      "ratio": round(lean / hf, 3), "same_output": outs["0"] == outs["1"]})
         print(json.dumps(rows[-1]), flush=True)
-    print(json.dumps({"machine": kernels.machine_label(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                      "target": args.target, "max_new": args.max_new, "prompt_tokens": args.prompt_tokens}))
+    run = {"machine": kernels.machine_label(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "target": args.target, "max_new": args.max_new, "prompt_tokens": args.prompt_tokens,
+           "repeats": args.repeats}
+    print(json.dumps(run))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({**run, "rows": rows, "meta": result_meta(benchmark="lean_target_speed")}, f, indent=1)
 
 
 if __name__ == "__main__":
