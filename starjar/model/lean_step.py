@@ -23,14 +23,12 @@ turns both off (to compare, or to force the eager path).
 from __future__ import annotations
 
 import os
-import threading
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-_scripted: dict[str, torch.jit.ScriptFunction] = {}
-_compiling = threading.Lock()
+from starjar.model.scripting import scripted
 
 
 def enabled() -> bool:
@@ -74,17 +72,10 @@ def _attend(query: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None) ->
     return F.scaled_dot_product_attention(query.to(keys.dtype), keys, values, attn_mask=mask).to(query.dtype)
 
 
-def _script(fn):
-    """fn compiled by TorchScript once per process (about 0.2 s; LeanDecoder asks at load, not in a step)."""
-    with _compiling:
-        if fn.__name__ not in _scripted:
-            _scripted[fn.__name__] = torch.jit.script(fn)
-    return _scripted[fn.__name__]
-
 
 def layer_fn():
     """The scripted one-row one-token layer."""
-    return _script(_layer)
+    return scripted(_layer)
 
 
 def _rows_linear(x: Tensor, packed: torch.classes.quantized.LinearPackedParamsBase, reduce_range: bool,
@@ -173,4 +164,4 @@ def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, w_in: Tensor, qkv: torch.cl
 
 def rows_layer_fn():
     """The scripted multi-row layer (several rows, or several tokens of one row)."""
-    return _script(_rows_layer)
+    return scripted(_rows_layer)

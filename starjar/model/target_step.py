@@ -16,17 +16,14 @@ the padded [B, Q] layout HF sees, so each linear gets the rows HF's would).
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from starjar.model.lean_step import write_read
+from starjar.model.scripting import scripted
 
 PATHS = {"linear": 0, "wxt": 1, "packed": 2}  # skinny_linear's path names -> the codes the layers take
-_scripted: dict[str, torch.jit.ScriptFunction] = {}
-_compiling = threading.Lock()
 
 
 def hf_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -113,18 +110,12 @@ def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, ws: list[Tens
     return x + _linear(F.silu(gate) * up, ws[8], bs[6], paths[6], packs[6])
 
 
-def _script(fn) -> torch.jit.ScriptFunction:
-    with _compiling:
-        if fn.__name__ not in _scripted:
-            _scripted[fn.__name__] = torch.jit.script(fn)
-    return _scripted[fn.__name__]
-
 
 def step_fn() -> torch.jit.ScriptFunction:
     """The scripted one-row one-token layer (compiled once per process, about 0.2 s)."""
-    return _script(_step_layer)
+    return scripted(_step_layer)
 
 
 def rows_fn() -> torch.jit.ScriptFunction:
     """The scripted layer for every other chain pass."""
-    return _script(_rows_layer)
+    return scripted(_rows_layer)
