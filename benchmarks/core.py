@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from benchmarks.common import pair_dirs, prompt_texts
 from benchmarks.fixtures.reference import hf_greedy
+from benchmarks.memory_floor import memory_floor
 from controller.colocated import colocated_engine, load_pair
 from draft_server.engine import DraftEngine
 from starjar.spec.proposer import DraftRequest
@@ -113,7 +114,12 @@ def run(args) -> dict:
         "greedy_equal_all": all(r["greedy_equal"] == r["requests"] for r in runs)
         and all(h["greedy_equal"] == len(prompts) for h in hf_assisted),
         "switching_cost": switching_cost(draft, prompts, quick),
+        # The target's bytes per token, the machine's read bandwidth and how near the decode rate is to their floor.
+        "memory_floor": (floor := memory_floor(target, prompts[0][:64])),
     }
+    print(f"target alone at batch 1: {floor['decode_batch1_tokens_per_s']} tokens/s decoding, "
+          f"{floor['fraction_of_floor']:.0%} of the memory floor ({floor['bytes_per_token'] / 1e6:.0f} MB a token at "
+          f"{floor['read_bandwidth_gb_per_s']} GB/s read: {floor['floor_tokens_per_s']} tokens/s)", file=sys.stderr)
     return result
 
 
