@@ -89,16 +89,8 @@ class _StateCollector:
                        s.stats.busy_s)
         yield _counter("idle_time_seconds", "compute-loop time spent waiting for rounds (after the first one)",
                        s.stats.idle_s)
-        yield _counter("lookahead_hits", "rounds whose verified tokens matched what lookahead drafted ahead for",
-                       snap["lookahead_hits"])
-        yield _counter("lookahead_misses", "rounds that ended a lookahead stage without a match",
-                       snap["lookahead_misses"])
-        yield _counter("lookahead_drafted_tokens", "tokens drafted ahead in idle time (bonus-token guesses included)",
-                       snap["lookahead_drafted_tokens"])
-        yield _counter("lookahead_wasted_tokens", "tokens drafted ahead that no reply used",
-                       snap["lookahead_wasted_tokens"])
-        yield _counter("lookahead_prefilled_tokens", "prompt tokens fed ahead of their sequence's first round",
-                       snap["lookahead_prefilled_tokens"])
+        for name, doc in LOOKAHEAD_COUNTERS:
+            yield _counter(name, doc, snap[name])
         yield _counter("reclaimed_sequences", "sequences freed because their lease expired",
                        snap["reclaimed_sequences"])
         refusals = CounterMetricFamily(P + "refusals", "Attach calls refused, by reason", labels=["reason"])
@@ -143,6 +135,16 @@ def _tide_metrics(t: dict, uptime_s: float):
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(P + name, doc, value=value)
+
+
+# The lookahead counters (draft_server.lookahead), named as in the stats snapshot and GetStats.
+LOOKAHEAD_COUNTERS = (
+    ("lookahead_hits", "rounds whose verified tokens matched what lookahead drafted ahead for"),
+    ("lookahead_misses", "rounds that ended a lookahead stage without a match"),
+    ("lookahead_drafted_tokens", "tokens drafted ahead in idle time (bonus-token guesses included)"),
+    ("lookahead_wasted_tokens", "tokens drafted ahead that no reply used"),
+    ("lookahead_prefilled_tokens", "prompt tokens fed ahead of their sequence's first round"),
+)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
