@@ -26,7 +26,7 @@ import os
 import torch
 
 from starjar.cpu import kernels, skinny_linear
-from starjar.model import attention, target_step
+from starjar.model import attention, fused_projections, target_step
 from starjar.model.kv_cache import RaggedKVCache
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ class LeanTarget:
         self.head_dim, self.scaling = att.head_dim, float(att.scaling)
         self.eps = float(layers[0].input_layernorm.variance_epsilon)
         self.kv_heads = att.k_proj.out_features // self.head_dim
+        # One-row steps run every layer in one call over fused q/k/v and gate/up weights where that gives
+        # the same bits here (the modules' weights become views of them first, so the plan below sees those).
+        fused = fused_projections.fuse(layers)
         # Per layer, looked up once: weights (norm, q, k, v, o, norm, gate, up, down), the seven linears and
         # their biases, and the head counts.
         self.plan = []
@@ -75,9 +78,16 @@ class LeanTarget:
                   layer.post_attention_layernorm.weight, *[lin.weight for lin in linears[4:]]]
             self.plan.append((ws, [lin.bias for lin in linears], linears,
                               a.q_proj.out_features // self.head_dim, a.k_proj.out_features // self.head_dim))
+        self.fused = None if fused is None else (
+            [[ws[0], wq, ws[4], ws[5], wg, ws[8]] for (ws, *_), (wq, _, wg, _) in zip(self.plan, fused, strict=True)],
+            [[bq, bs[3], bg, bs[6]] for (_, bs, *_), (_, bq, _, bg) in zip(self.plan, fused, strict=True)],
+            [nq for *_, nq, _ in self.plan], [nk for *_, nk in self.plan])
         self._codes: dict[tuple[str, str], list[list[int]]] = {}  # per (body, wide) path: each layer's codes
         self.choice: dict[str, bool] | None = None  # per shape class: lean or not (None: not measured yet)
         self.step_layer, self.rows_layer = target_step.step_fn(), target_step.rows_fn()
+        self.fused_step = target_step.fused_step_fn() if fused is not None else None
+        half = self.head_dim // 2
+        self.perm = torch.cat((torch.arange(half, self.head_dim), torch.arange(half)))  # rotate_half as a gather
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -133,6 +143,12 @@ class LeanTarget:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, Q, D], as apply_rotary_pos_emb unsqueezes them
         b, q = input_ids.shape
         d, eps, scaling = self.head_dim, self.eps, self.scaling
+        if b == 1 and q == 1 and rows is None and write is None and self.fused is not None:
+            half = d // 2
+            sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            ws, bs, nqs, nks = self.fused
+            return base.norm(self.fused_step(x, cos, sin_signed, self.perm.to(x.device), mask, ws, bs, keys,
+                                             values, start, kv_len, nqs, nks, d, eps, scaling))
         if b == 1 and q == 1 and rows is None and write is None:
             for (ws, bs, _, nq, nk), k, v in zip(self.plan, keys, values, strict=True):
                 x = self.step_layer(x, cos, sin, mask, ws, bs, k, v, start, kv_len, nq, nk, d, eps, scaling)

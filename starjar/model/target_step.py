@@ -111,6 +111,37 @@ def _rows_layer(x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, ws: list[Tens
 
 
 
+def _fused_step_layer(x: Tensor, cos: Tensor, sin_signed: Tensor, perm: Tensor, mask: Tensor, ws: list[Tensor],
+                      bs: list[Tensor | None], keys: Tensor, values: Tensor, start: int, kv_len: int, nq: int,
+                      nk: int, d: int, eps: float, scaling: float) -> Tensor:
+    """_step_layer over fused projections (starjar.model.fused_projections), every value bit for bit its own:
+    ws: input norm, qkv, o, post norm, gate-up, down weights; bs: the four products' biases. q and k rotate in
+    one go, HF's rotate_half as a gather by perm with its sign folded into sin_signed (x * -s == -x * s)."""
+    h = hf_rms_norm(x, ws[0], eps)
+    heads = F.linear(h, ws[1], bs[0]).view(1, 1, -1, d).transpose(1, 2)  # [1, nq + 2 nk, 1, d]
+    qk = heads.narrow(1, 0, nq + nk)
+    qk = qk * cos + qk.index_select(-1, perm) * sin_signed
+    keys.narrow(2, start, 1).copy_(qk.narrow(1, nq, nk))
+    values.narrow(2, start, 1).copy_(heads.narrow(1, nq + nk, nk))
+    att = _attend(qk.narrow(1, 0, nq), keys.narrow(2, 0, kv_len), values.narrow(2, 0, kv_len), mask, nq, nk, d,
+                  scaling)
+    x = x + F.linear(att, ws[2], bs[1])
+    h = hf_rms_norm(x, ws[3], eps)
+    gate_up = F.linear(h, ws[4], bs[2])
+    inner = gate_up.shape[-1] // 2
+    return x + F.linear(F.silu(gate_up.narrow(-1, 0, inner)) * gate_up.narrow(-1, inner, inner), ws[5], bs[3])
+
+
+def _fused_step(x: Tensor, cos: Tensor, sin_signed: Tensor, perm: Tensor, mask: Tensor, ws: list[list[Tensor]],
+                bs: list[list[Tensor | None]], keys: list[Tensor], values: list[Tensor], start: int, kv_len: int,
+                nq: list[int], nk: list[int], d: int, eps: float, scaling: float) -> Tensor:
+    """Every layer's fused step in one call: no Python between layers."""
+    for i in range(len(ws)):
+        x = _fused_step_layer(x, cos, sin_signed, perm, mask, ws[i], bs[i], keys[i], values[i], start, kv_len,
+                              nq[i], nk[i], d, eps, scaling)
+    return x
+
+
 def step_fn() -> torch.jit.ScriptFunction:
     """The scripted one-row one-token layer (compiled once per process, about 0.2 s)."""
     return scripted(_step_layer)
@@ -119,3 +150,8 @@ def step_fn() -> torch.jit.ScriptFunction:
 def rows_fn() -> torch.jit.ScriptFunction:
     """The scripted layer for every other chain pass."""
     return scripted(_rows_layer)
+
+
+def fused_step_fn() -> torch.jit.ScriptFunction:
+    """The scripted one-row one-token pass over all layers' fused projections."""
+    return scripted(_fused_step)

@@ -5,7 +5,7 @@ import torch
 
 from controller.colocated import colocated_engine
 from starjar.cpu import kernels, skinny_linear
-from starjar.model import lean_target
+from starjar.model import fused_projections, lean_target
 from starjar.model.lean_target import ENV, LeanTarget
 from starjar.model.loading import load_model
 from starjar.spec.sampling import SamplingParams
@@ -23,6 +23,10 @@ def _spy(model, monkeypatch) -> list:
 
     monkeypatch.setattr(base, "forward", counted)
     return calls
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def _passes(model, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -49,7 +53,7 @@ def _passes(model, prompts: list[list[int]]) -> list[torch.Tensor]:
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_lean_logits_equal_hf_bitwise(models, prompt_ids, monkeypatch, family):
     model = models[family]
-    assert model.lean_target is not None
+    assert model.lean_target is not None and model.lean_target.fused is not None  # steps take the fused layers
     calls = _spy(model, monkeypatch)
     monkeypatch.setenv(ENV, "0")
     hf = _passes(model, prompt_ids[:5])
@@ -60,6 +64,29 @@ def test_lean_logits_equal_hf_bitwise(models, prompt_ids, monkeypatch, family):
     assert len(hf) == len(lean)
     for a, b in zip(hf, lean, strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_projections_change_no_bit(model_dirs, prompt_ids, monkeypatch, family):
+    """The fused model's lean passes equal HF's forward on a model loaded with its weights left apart, and the
+    projections are views of the concatenations (no second copy)."""
+    monkeypatch.setattr(fused_projections, "_same_products", lambda *a: False)  # as on a machine where they differ
+    apart = load_model(model_dirs[family])
+    assert apart.lean_target.fused is None
+    attn = apart.model.model.layers[0].self_attn
+    assert _storage(attn.q_proj.weight) != _storage(attn.k_proj.weight)  # left as loaded
+    monkeypatch.setenv(ENV, "0")
+    hf = _passes(apart, prompt_ids[:5])
+    monkeypatch.setenv(ENV, "1")
+    assert [torch.equal(a, b) for a, b in zip(hf, _passes(apart, prompt_ids[:5]), strict=True)] == [True] * len(hf)
+    monkeypatch.undo()
+    monkeypatch.setenv(ENV, "1")
+    fused = load_model(model_dirs[family])
+    layer = fused.model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    assert _storage(attn.q_proj.weight) == _storage(attn.k_proj.weight) == _storage(attn.v_proj.weight)
+    assert _storage(mlp.gate_proj.weight) == _storage(mlp.up_proj.weight)
+    assert [torch.equal(a, b) for a, b in zip(hf, _passes(fused, prompt_ids[:5]), strict=True)] == [True] * len(hf)
 
 
 @pytest.mark.parametrize("path", ["linear", "wxt", "packed"])

@@ -1,0 +1,76 @@
+"""Each decoder layer's q, k and v weights in one tensor, and its gate and up weights in another.
+
+A batch-1 target step reads every weight once; three GEMVs over q, k and v (and two over gate and up) pay
+their dispatch and thread fork per product, one GEMV over the concatenation pays it once. The modules keep
+working on their own weights: after fusing, each Linear's weight is a view of its rows of the concatenation
+(no second copy), so Hugging Face's forward and every other pass read the same memory.
+
+Fusing is only taken where it changes no bit: a one-row product over the concatenation must equal the
+separate products exactly (each output is the same dot product, but a kernel may pick its blocking by the
+output width), checked on the running machine on the layers' own weights before anything is rebound.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+CHECKS = 4  # random rows each concatenation is checked on
+
+
+def _concat(linears: list[torch.nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    """The linears' weights (and biases) stacked by output row."""
+    weight = torch.cat([lin.weight.detach() for lin in linears]).contiguous()
+    bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears]).contiguous()
+    return weight, bias
+
+
+def _same_products(linears: list[torch.nn.Linear], weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether one-row products over the concatenation equal the separate ones bit for bit here."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _ in range(CHECKS):
+            x = torch.randn(1, 1, weight.shape[1], generator=gen).to(weight.dtype)
+            apart = torch.cat([F.linear(x, lin.weight, lin.bias) for lin in linears], dim=-1)
+            if not torch.equal(apart, F.linear(x, weight, bias)):
+                return False
+    return True
+
+
+def _rebind(linears: list[torch.nn.Linear], weight: Tensor, bias: Tensor | None) -> None:
+    """Each linear's weight (and bias) becomes the view of its rows of the concatenation."""
+    row = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = torch.nn.Parameter(weight.narrow(0, row, n), requires_grad=False)
+        if bias is not None:
+            lin.bias = torch.nn.Parameter(bias.narrow(0, row, n), requires_grad=False)
+        row += n
+
+
+def fuse(layers) -> list[tuple[Tensor, Tensor | None, Tensor, Tensor | None]] | None:
+    """Per decoder layer: (qkv weight, qkv bias, gate-up weight, gate-up bias), the modules rebound to views of
+    them; None, with nothing changed, where some concatenation would not give the same bits (or mixes biased
+    and unbiased linears)."""
+    groups = [grp for layer in layers for grp in ([layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                  layer.self_attn.v_proj], [layer.mlp.gate_proj, layer.mlp.up_proj])]
+    checked: set[tuple] = set()
+    for lins in groups:
+        if len({lin.bias is None for lin in lins}) != 1:
+            return None
+        shape = (tuple(lin.weight.shape for lin in lins), lins[0].bias is None, lins[0].weight.dtype)
+        if shape not in checked:  # the blocking a kernel picks depends on the shapes, not the values
+            if not _same_products(lins, *_concat(lins)):
+                log.info("projections left apart: a fused product differs in the last bits here (%s)", shape)
+                return None
+            checked.add(shape)
+    fused = []
+    for lins in groups:  # one layer's concatenation at a time: the old weights go as their views come
+        fused.append(_concat(lins))
+        _rebind(lins, *fused[-1])
+    return [(*fused[i], *fused[i + 1]) for i in range(0, len(fused), 2)]
