@@ -153,6 +153,17 @@ def packed_weight(layer: torch.nn.Linear) -> torch.Tensor:
     return _packed(layer)
 
 
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A weight [out, in] as MKL packs it for the packed path (a second copy)."""
+    with torch.no_grad():
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_HINT)
+
+
+def drop_packed(layer: torch.nn.Linear) -> None:
+    """Free the layer's packed copy (packed again on its next packed product)."""
+    layer.__dict__.pop("_starjar_packed", None)
+
+
 def _packed_product(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """x [rows, in] through MKL's sgemm on the layer's packed weight."""
     return torch.ops.mkl._mkl_linear(x, _packed(layer), layer.weight, layer.bias, x.shape[0])
@@ -179,8 +190,7 @@ def _packed(layer: torch.nn.Linear) -> torch.Tensor:
     stamp = (w.data_ptr(), w._version)
     held = layer.__dict__.setdefault("_starjar_packed", _Packed())
     if held.stamp != stamp:
-        with torch.no_grad():
-            held.tensor = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), PACK_HINT)
+        held.tensor = pack(w)
         held.stamp = stamp
     return held.tensor
 

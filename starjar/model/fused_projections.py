@@ -5,9 +5,10 @@ their dispatch and thread fork per product, one GEMV over the concatenation pays
 working on their own weights: after fusing, each Linear's weight is a view of its rows of the concatenation
 (no second copy), so Hugging Face's forward and every other pass read the same memory.
 
-Fusing is only taken where it changes no bit: a one-row product over the concatenation must equal the
-separate products exactly (each output is the same dot product, but a kernel may pick its blocking by the
-output width), checked on the running machine on the layers' own weights before anything is rebound.
+Fusing is only taken where it changes no bit: products over the concatenation (one row and several, by each
+path starjar.cpu.skinny_linear may take) must equal the separate products exactly (each output is the same
+dot product, but a kernel may pick its blocking by the output width), checked on the running machine on the
+layers' own weights before anything is rebound.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from starjar.cpu import skinny_linear
+
 log = logging.getLogger(__name__)
 
-CHECKS = 4  # random rows each concatenation is checked on
+ROWS = (1, 1, 4, 16)  # the row counts each concatenation is checked at (random rows)
 
 
 def _concat(linears: list[torch.nn.Linear]) -> tuple[Tensor, Tensor | None]:
@@ -30,15 +33,28 @@ def _concat(linears: list[torch.nn.Linear]) -> tuple[Tensor, Tensor | None]:
     return weight, bias
 
 
+def _products(x: Tensor, weight: Tensor, bias: Tensor | None) -> list[Tensor]:
+    """x [rows, in] through every product the lean forward may take for rows (starjar.model.target_step)."""
+    out = [F.linear(x, weight, bias)]
+    if x.shape[0] > 1 and x.dtype == torch.float32:
+        wxt = weight.matmul(x.t()).t()
+        out.append(wxt if bias is None else wxt + bias)
+        if skinny_linear.packing_available():
+            out.append(torch.ops.mkl._mkl_linear(x, skinny_linear.pack(weight), weight, bias, x.shape[0]))
+    return out
+
+
 def _same_products(linears: list[torch.nn.Linear], weight: Tensor, bias: Tensor | None) -> bool:
-    """Whether one-row products over the concatenation equal the separate ones bit for bit here."""
+    """Whether products over the concatenation equal the separate ones bit for bit here, for one row and for
+    several (ROWS), by every path."""
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for _ in range(CHECKS):
-            x = torch.randn(1, 1, weight.shape[1], generator=gen).to(weight.dtype)
-            apart = torch.cat([F.linear(x, lin.weight, lin.bias) for lin in linears], dim=-1)
-            if not torch.equal(apart, F.linear(x, weight, bias)):
-                return False
+        for rows in ROWS:
+            x = torch.randn(rows, weight.shape[1], generator=gen).to(weight.dtype)
+            apart = [_products(x, lin.weight, lin.bias) for lin in linears]
+            for i, whole in enumerate(_products(x, weight, bias)):
+                if not torch.equal(torch.cat([p[i] for p in apart], dim=-1), whole):
+                    return False
     return True
 
 
@@ -73,4 +89,6 @@ def fuse(layers) -> list[tuple[Tensor, Tensor | None, Tensor, Tensor | None]] | 
     for lins in groups:  # one layer's concatenation at a time: the old weights go as their views come
         fused.append(_concat(lins))
         _rebind(lins, *fused[-1])
+        for lin in lins:
+            skinny_linear.drop_packed(lin)  # packed from the old weights; the lean forward packs the whole
     return [(*fused[i], *fused[i + 1]) for i in range(0, len(fused), 2)]

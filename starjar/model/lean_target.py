@@ -86,6 +86,12 @@ class LeanTarget:
         self.choice: dict[str, bool] | None = None  # per shape class: lean or not (None: not measured yet)
         self.step_layer, self.rows_layer = target_step.step_fn(), target_step.rows_fn()
         self.fused_step = target_step.fused_step_fn() if fused is not None else None
+        self.fused_rows = target_step.fused_rows_fn() if fused is not None else None
+        self._fused_packs: list[list[torch.Tensor | None]] = [[None, None] for _ in self.plan]
+        if fused is not None and skinny_linear.PACKED in getattr(skinny_linear.installed(model), "body", ()):
+            for i in range(len(self.plan)):  # packed now, as choose() packs the modules: not in a served pass
+                for which in (0, 1):
+                    self._fused_packed(i, which)
         half = self.head_dim // 2
         self.perm = torch.cat((torch.arange(half, self.head_dim), torch.arange(half)))  # rotate_half as a gather
 
@@ -154,6 +160,8 @@ class LeanTarget:
                 x = self.step_layer(x, cos, sin, mask, ws, bs, k, v, start, kv_len, nq, nk, d, eps, scaling)
             return base.norm(x)
         codes = self._layer_codes(x, b * q)
+        if self.fused is not None:
+            return base.norm(self._fused_rows_pass(x, cos, sin, mask, codes, views, q))
         folded: dict[int, torch.Tensor] = {}  # the mask as folded_attention folds it, once per pass
         for (ws, bs, linears, nq, nk), k, v, c in zip(self.plan, keys, values, codes, strict=True):
             g = nq // nk
@@ -164,6 +172,35 @@ class LeanTarget:
             x = self.rows_layer(x, cos, sin, folded[g], ws, bs, packs, c, k, v, rows, write, start, kv_len,
                                 nq, nk, d, eps, scaling)
         return base.norm(x)
+
+    def _fused_rows_pass(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                         codes: list[list[int]], views: tuple, q: int) -> torch.Tensor:
+        """A chain pass other than a one-row step over the fused projections."""
+        keys, values, rows, write, start, kv_len = views
+        d = self.head_dim
+        sin_signed = torch.cat((-sin[..., : d // 2], sin[..., d // 2:]), dim=-1)
+        perm = self.perm.to(x.device)
+        ws, bs, nqs, nks = self.fused
+        folded: dict[int, torch.Tensor] = {}  # the mask as folded_attention folds it, once per pass
+        for i, (c, (_, _, linears, nq, nk)) in enumerate(zip(codes, self.plan, strict=True)):
+            g = nq // nk
+            if g not in folded:
+                folded[g] = mask if g == 1 or q == 1 else attention.fold_mask(mask, g)
+            paths = [c[0], c[3], c[4], c[6]]  # qkv takes q's path, gate-up gate's
+            packs = [self._fused_packed(i, 0) if paths[0] == 2 else None,
+                     skinny_linear.packed_weight(linears[3]) if paths[1] == 2 else None,
+                     self._fused_packed(i, 1) if paths[2] == 2 else None,
+                     skinny_linear.packed_weight(linears[6]) if paths[3] == 2 else None]
+            x = self.fused_rows(x, cos, sin_signed, perm, folded[g], ws[i], bs[i], packs, paths, keys[i], values[i],
+                                rows, write, start, kv_len, nq, nk, d, self.eps, self.scaling)
+        return x
+
+    def _fused_packed(self, layer: int, which: int) -> torch.Tensor:
+        """Layer's packed qkv (which 0) or gate-up (1) weight, packed on first use."""
+        held = self._fused_packs[layer]
+        if held[which] is None:
+            held[which] = skinny_linear.pack(self.fused[0][layer][1 if which == 0 else 4])
+        return held[which]
 
     def _layer_codes(self, x: torch.Tensor, rows: int) -> list[list[int]]:
         """Each layer's seven product codes (target_step.PATHS) for a pass over `rows` rows: the paths
@@ -193,6 +230,10 @@ class LeanTarget:
                                                           reps if cls != "long" else max(2, reps // 2))
             ms[cls] = {"eager": round(eager_s * 1000, 3), "lean": round(lean_s * 1000, 3)}
             lean[cls] = lean_s < eager_s
+        if self.fused is not None:  # HF's passes packed the fused modules again; the lean forward packs the whole
+            for _, _, linears, _, _ in self.plan:
+                for lin in (*linears[:3], *linears[4:6]):
+                    skinny_linear.drop_packed(lin)
         log.info("lean target forward per pass class (%s): %s (measured: %s ms)", kernels.machine_label(),
                  ", ".join(f"{c} {'lean' if on else 'HF'}" for c, on in lean.items()), ms)
         return {"lean": lean, "ms": ms}

@@ -142,6 +142,28 @@ def _fused_step(x: Tensor, cos: Tensor, sin_signed: Tensor, perm: Tensor, mask: 
     return x
 
 
+def _fused_rows_layer(x: Tensor, cos: Tensor, sin_signed: Tensor, perm: Tensor, mask: Tensor, ws: list[Tensor],
+                      bs: list[Tensor | None], packs: list[Tensor | None], paths: list[int], keys: Tensor,
+                      values: Tensor, rows: Tensor | None, write: Tensor | None, start: int, kv_len: int, nq: int,
+                      nk: int, d: int, eps: float, scaling: float) -> Tensor:
+    """_rows_layer over fused projections, as _fused_step_layer is _step_layer's: ws, bs as there; paths and
+    packs for the four products (qkv, o, gate-up, down) as _rows_layer's are for seven."""
+    b, q = x.shape[0], x.shape[1]
+    h = hf_rms_norm(x, ws[0], eps)
+    heads = _linear(h, ws[1], bs[0], paths[0], packs[0]).view(b, q, -1, d).transpose(1, 2)
+    qk = heads.narrow(1, 0, nq + nk)
+    qk = qk * cos + qk.index_select(-1, perm) * sin_signed
+    k_att, v_att = write_read(keys, values, qk.narrow(1, nq, nk), heads.narrow(1, nq + nk, nk), rows, write,
+                              start, kv_len)
+    att = _attend(qk.narrow(1, 0, nq), k_att, v_att, mask, nq, nk, d, scaling)
+    x = x + _linear(att, ws[2], bs[1], paths[1], packs[1])
+    h = hf_rms_norm(x, ws[3], eps)
+    gate_up = _linear(h, ws[4], bs[2], paths[2], packs[2])
+    inner = gate_up.shape[-1] // 2
+    return x + _linear(F.silu(gate_up.narrow(-1, 0, inner)) * gate_up.narrow(-1, inner, inner), ws[5], bs[3],
+                       paths[3], packs[3])
+
+
 def step_fn() -> torch.jit.ScriptFunction:
     """The scripted one-row one-token layer (compiled once per process, about 0.2 s)."""
     return scripted(_step_layer)
@@ -155,3 +177,8 @@ def rows_fn() -> torch.jit.ScriptFunction:
 def fused_step_fn() -> torch.jit.ScriptFunction:
     """The scripted one-row one-token pass over all layers' fused projections."""
     return scripted(_fused_step)
+
+
+def fused_rows_fn() -> torch.jit.ScriptFunction:
+    """The scripted layer for every other chain pass over fused projections."""
+    return scripted(_fused_rows_layer)
