@@ -44,13 +44,13 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def decode_rate(target, prompt: list[int]) -> float:
-    """Tokens per second of the target alone decoding DECODE_TOKENS after `prompt` (its prefill not counted)."""
+def decode_rate(target, prompt: list[int], tokens: int = DECODE_TOKENS) -> float:
+    """Tokens per second of the target alone decoding `tokens` after `prompt` (its prefill not counted)."""
     colocated_engine(target, None, 0, 1).generate([prompt], SamplingParams(max_tokens=4))  # warm-up
     engine = colocated_engine(target, None, 0, 1)
     t0 = time.perf_counter()
-    engine.generate([prompt], SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True))
-    return DECODE_TOKENS / (time.perf_counter() - t0 - engine.stats.prefill_s)
+    engine.generate([prompt], SamplingParams(max_tokens=tokens, ignore_eos=True))
+    return tokens / (time.perf_counter() - t0 - engine.stats.prefill_s)
 
 
 def memory_floor(target, prompt: list[int]) -> dict:

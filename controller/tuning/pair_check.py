@@ -61,8 +61,9 @@ HEAD_VOCAB = 16384  # covers 94% of the default target's output tokens on Spec-B
 # (2: the scripted multi-row draft layer, starjar.model.lean_step; 3: candidates with finer activations, NUMERICS).
 DRAFT_FORWARD_REVISION = 3
 # The same for the target's passes (2: few-row products chosen by measurement, starjar.cpu.skinny_linear; 3: MKL-packed
-# weights where they measure faster; 4: the lean target forward, starjar.model.lean_target).
-TARGET_FORWARD_REVISION = 4
+# weights where they measure faster; 4: the lean target forward, starjar.model.lean_target; 5: its fused projections,
+# starjar.model.fused_projections).
+TARGET_FORWARD_REVISION = 5
 # How agreement is measured (_agreement): a measurement taken another way is stale. "stepwise" replaced one
 # teacher-forced pass, which overrated 8-bit activations on AVX2 kernels (0.823 against 0.323 in real steps).
 AGREEMENT = "stepwise"

@@ -1,17 +1,23 @@
-"""A float Llama-family target's decoder layer compiled by TorchScript, op for op as Hugging Face runs it.
+"""A float Llama-family target's decoder layer compiled by TorchScript, every value as Hugging Face computes it.
 
 A target's logits must be Hugging Face's own to the last bit (greedy output is the target decoding alone), so
-nothing here is fused or reordered: q, k and v are three linears on the original weights, RMSNorm goes through
-float32 and back as LlamaRMSNorm does, the rotation is HF's rotate_half on the [B, H, Q, D] views HF rotates,
-attention is starjar.model.attention.folded_attention's (the target's attention implementation) with the
-same query layout and scale, and every linear takes the product starjar.cpu.skinny_linear installed on the
-model for the pass's row count (F.linear, W @ x.T or MKL's packed sgemm; PATHS). Only the Python between the
-ops goes: HF's module calls, hooks and keyword plumbing, and the cache's update() per layer (K and V are
-written in place through RaggedKVCache.pass_views, as starjar.model.lean_step writes them).
+no sum is reordered: RMSNorm goes through float32 and back as LlamaRMSNorm does, the rotation computes HF's
+products and sums, attention is starjar.model.attention.folded_attention's (the target's attention
+implementation) with the same query layout and scale, and every linear takes the product
+starjar.cpu.skinny_linear installed on the model for the pass's row count (F.linear, W @ x.T or MKL's packed
+sgemm; PATHS). Only the Python between the ops goes: HF's module calls, hooks and keyword plumbing, and the
+cache's update() per layer (K and V are written in place through RaggedKVCache.pass_views, as
+starjar.model.lean_step writes them).
 
-Two functions, one per pass shape class: the one-row one-token step (every linear is F.linear's GEMV, K and V
-written at one position of the row's buffers) and any other chain pass (several rows, several tokens, or both;
-the padded [B, Q] layout HF sees, so each linear gets the rows HF's would).
+The _fused_ layers take fewer ops for the same bits: q, k and v as one product over their concatenated weights
+(and gate and up likewise; starjar.model.fused_projections checks on the running machine that this changes no
+bit), q and k rotated in one go with rotate_half as a gather, and the one-row step runs every layer in one
+call. Measured on the default target (Intel Xeon, AVX512, 2 threads): a batch-1 step 35.1 -> 29.6 ms. The
+unfused layers stay for models whose concatenated products would differ.
+
+Per pass shape class: the one-row one-token step (every linear is F.linear's GEMV, K and V written at one
+position of the row's buffers) and any other chain pass (several rows, several tokens, or both; the padded
+[B, Q] layout HF sees, so each linear gets the rows HF's would).
 """
 
 from __future__ import annotations
