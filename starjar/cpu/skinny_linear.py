@@ -107,6 +107,11 @@ def _packing_fits(model: torch.nn.Module) -> bool:
     return need <= avail // 2
 
 
+def bucket_index(rows: int) -> int:
+    """The index in BUCKETS of the bucket a pass over `rows` rows falls in (the last for more)."""
+    return _bucket(rows)
+
+
 def _bucket(rows: int) -> int:
     for i, top in enumerate(BUCKETS):
         if rows <= top:

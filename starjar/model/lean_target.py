@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 ENV = "STARJAR_LEAN_TARGET"
 KIND = "lean-target"  # its entries in the kernel cache
+FUSED_KIND = "fused-rows"  # the entries of the fused-or-apart choice per row bucket
 FAMILIES = ("llama", "qwen2", "mistral")
 CLASSES = ("step", "rows", "long")
 LONG = 64  # rows (B x Q) past which a pass counts as long; skinny_linear's last bucket
@@ -86,8 +87,12 @@ class LeanTarget:
         self.choice: dict[str, bool] | None = None  # per shape class: lean or not (None: not measured yet)
         self.step_layer, self.rows_layer = target_step.step_fn(), target_step.rows_fn()
         self.fused_step = target_step.fused_step_fn() if fused is not None else None
-        self.fused_rows = target_step.fused_rows_fn() if fused is not None else None
+        self.fused_rows_layer = target_step.fused_rows_fn() if fused is not None else None
         self._fused_packs: list[list[torch.Tensor | None]] = [[None, None] for _ in self.plan]
+        # Per skinny_linear row bucket, whether passes over that many rows take the fused products: one-row
+        # steps always do; for rows it is measured (the Xeon's packed sgemm was 5% slower fused at 16 rows).
+        self.fused_rows: list[bool] | None = None
+        self._fused_override: bool | None = None  # set while the choice is measured
         if fused is not None and skinny_linear.PACKED in getattr(skinny_linear.installed(model), "body", ()):
             for i in range(len(self.plan)):  # packed now, as choose() packs the modules: not in a served pass
                 for which in (0, 1):
@@ -113,9 +118,24 @@ class LeanTarget:
             len(linears) == 7 * len(layers)
 
     def settle(self) -> None:
-        """Measure the per-class choice now (at load, not in a served step) unless a forced one holds."""
+        """Measure the per-class choice now (at load, not in a served step) unless a forced one holds, and
+        which row buckets take the fused products."""
         if forced() is None and self.choice is None:
             self.choice = self._measured()
+        if self.fused is not None and self.fused_rows is None:
+            self.fused_rows = self._fused_measured()
+
+    def takes_fused(self, rows: int) -> bool:
+        """Whether a chain pass over `rows` rows (B x Q) runs the fused products."""
+        if self.fused is None:
+            return False
+        if self._fused_override is not None:
+            return self._fused_override
+        if rows == 1:
+            return True
+        if self.fused_rows is None:
+            self.fused_rows = self._fused_measured()
+        return self.fused_rows[skinny_linear.bucket_index(rows)]
 
     def wants(self, b: int, q: int) -> bool:
         """Whether a chain pass of b rows of q tokens runs lean."""
@@ -149,7 +169,7 @@ class LeanTarget:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, Q, D], as apply_rotary_pos_emb unsqueezes them
         b, q = input_ids.shape
         d, eps, scaling = self.head_dim, self.eps, self.scaling
-        if b == 1 and q == 1 and rows is None and write is None and self.fused is not None:
+        if b == 1 and q == 1 and rows is None and write is None and self.takes_fused(1):
             half = d // 2
             sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
             ws, bs, nqs, nks = self.fused
@@ -160,7 +180,7 @@ class LeanTarget:
                 x = self.step_layer(x, cos, sin, mask, ws, bs, k, v, start, kv_len, nq, nk, d, eps, scaling)
             return base.norm(x)
         codes = self._layer_codes(x, b * q)
-        if self.fused is not None:
+        if self.takes_fused(b * q):
             return base.norm(self._fused_rows_pass(x, cos, sin, mask, codes, views, q))
         folded: dict[int, torch.Tensor] = {}  # the mask as folded_attention folds it, once per pass
         for (ws, bs, linears, nq, nk), k, v, c in zip(self.plan, keys, values, codes, strict=True):
@@ -191,8 +211,8 @@ class LeanTarget:
                      skinny_linear.packed_weight(linears[3]) if paths[1] == 2 else None,
                      self._fused_packed(i, 1) if paths[2] == 2 else None,
                      skinny_linear.packed_weight(linears[6]) if paths[3] == 2 else None]
-            x = self.fused_rows(x, cos, sin_signed, perm, folded[g], ws[i], bs[i], packs, paths, keys[i], values[i],
-                                rows, write, start, kv_len, nq, nk, d, self.eps, self.scaling)
+            x = self.fused_rows_layer(x, cos, sin_signed, perm, folded[g], ws[i], bs[i], packs, paths, keys[i],
+                                      values[i], rows, write, start, kv_len, nq, nk, d, self.eps, self.scaling)
         return x
 
     def _fused_packed(self, layer: int, which: int) -> torch.Tensor:
@@ -230,15 +250,43 @@ class LeanTarget:
                                                           reps if cls != "long" else max(2, reps // 2))
             ms[cls] = {"eager": round(eager_s * 1000, 3), "lean": round(lean_s * 1000, 3)}
             lean[cls] = lean_s < eager_s
-        if self.fused is not None:  # HF's passes packed the fused modules again; the lean forward packs the whole
-            for _, _, linears, _, _ in self.plan:
-                for lin in (*linears[:3], *linears[4:6]):
-                    skinny_linear.drop_packed(lin)
+        self._drop_module_packs()
         log.info("lean target forward per pass class (%s): %s (measured: %s ms)", kernels.machine_label(),
                  ", ".join(f"{c} {'lean' if on else 'HF'}" for c, on in lean.items()), ms)
         return {"lean": lean, "ms": ms}
 
-    def _probe(self, b: int, q: int, lean: bool):
+    def _drop_module_packs(self) -> None:
+        """Free the packed copies that passes over the fused modules' own weights made (HF's forward, or the
+        lean one with the projections apart); the fused products pack the whole."""
+        if self.fused is not None:
+            for _, _, linears, _, _ in self.plan:
+                for lin in (*linears[:3], *linears[4:6]):
+                    skinny_linear.drop_packed(lin)
+
+    def _fused_measured(self) -> list[bool]:
+        """The cached per-bucket fused-or-apart choice for this machine and these shapes, measured now when
+        there is none."""
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        n = len(skinny_linear.BUCKETS)
+        entry = kernels.cached_entry(f"{FUSED_KIND}-{dtype}", skinny_linear.shapes(self.model), self._measure_fused,
+                                     usable=lambda e: isinstance(e.get("fused"), list) and len(e["fused"]) == n)
+        return [bool(f) for f in entry["fused"]]
+
+    def _measure_fused(self, reps: int = 3) -> dict:
+        """The lean forward timed with the projections apart and fused, in turns, on one row of as many tokens
+        as each row bucket holds; a bucket takes the fused products where they were not slower."""
+        ms, fused = [], []
+        for rows in skinny_linear.BUCKETS:
+            apart_s, fused_s = kernels.interleaved_medians([self._probe(1, rows, True, False),
+                                                            self._probe(1, rows, True, True)], reps)
+            ms.append({"apart": round(apart_s * 1000, 3), "fused": round(fused_s * 1000, 3)})
+            fused.append(fused_s <= apart_s)
+        self._drop_module_packs()
+        log.info("fused projections per row bucket %s (%s): %s (measured: %s ms)", skinny_linear.BUCKETS,
+                 kernels.machine_label(), fused, ms)
+        return {"fused": fused, "buckets": list(skinny_linear.BUCKETS), "ms": ms}
+
+    def _probe(self, b: int, q: int, lean: bool, fused: bool | None = None):
         """A function running one pass of b rows x q tokens, lean or HF's, after CONTEXT tokens in its own cache."""
         param = next(self.model.parameters())
         cache = RaggedKVCache(param.device, param.dtype)
@@ -250,7 +298,12 @@ class LeanTarget:
                 cache.truncate(s, min(cache.lengths[s], CONTEXT))
             pos, mask = cache.begin(slots, [n] * b)
             ids = torch.full((b, n), 7, dtype=torch.long, device=param.device)
-            if not lean or self.run(ids, pos, mask, cache) is None:
+            self._fused_override = fused
+            try:
+                done = lean and self.run(ids, pos, mask, cache) is not None
+            finally:
+                self._fused_override = None
+            if not done:
                 self.base(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
 
         run(CONTEXT)

@@ -89,6 +89,27 @@ def test_fused_projections_change_no_bit(model_dirs, prompt_ids, monkeypatch, fa
     assert [torch.equal(a, b) for a, b in zip(hf, _passes(fused, prompt_ids[:5]), strict=True)] == [True] * len(hf)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_rows_passes_fused_or_apart_equal_hf(model_dirs, prompt_ids, monkeypatch, tmp_path, fused):
+    """Each way a multi-row pass may run (its bucket's measured choice, forced here), HF's bits."""
+    monkeypatch.setenv("STARJAR_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels, "_entries", {})
+    model = load_model(model_dirs["qwen2"])  # biased q/k/v: the fused bias too
+    lean = model.lean_target
+    assert len(lean.fused_rows) == len(skinny_linear.BUCKETS)  # measured at load
+    assert (tmp_path / "kernels.json").read_text().count(lean_target.FUSED_KIND) == 1
+    lean.fused_rows = [fused] * len(skinny_linear.BUCKETS)
+    layers = {"fused": 0, "apart": 0}
+    for name, attr in (("fused", "fused_rows_layer"), ("apart", "rows_layer")):
+        layer = getattr(lean, attr)
+        monkeypatch.setattr(lean, attr, lambda *a, _n=name, _f=layer: layers.__setitem__(_n, layers[_n] + 1) or _f(*a))
+    monkeypatch.setenv(ENV, "0")
+    hf = _passes(model, prompt_ids[:5])
+    monkeypatch.setenv(ENV, "1")
+    assert [torch.equal(a, b) for a, b in zip(hf, _passes(model, prompt_ids[:5]), strict=True)] == [True] * len(hf)
+    assert (layers["fused"] > 0, layers["apart"] > 0) == (fused, not fused)
+
+
 @pytest.mark.parametrize("path", ["linear", "wxt", "packed"])
 def test_lean_takes_each_few_rows_product(model_dirs, prompt_ids, monkeypatch, path):
     """Each product starjar.cpu.skinny_linear may install for a row count, taken as HF's linears take it."""
