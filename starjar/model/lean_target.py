@@ -124,6 +124,21 @@ class LeanTarget:
             self.choice = self._measured()
         if self.fused is not None and self.fused_rows is None:
             self.fused_rows = self._fused_measured()
+            self._settle_packs()
+
+    def _settle_packs(self) -> None:
+        """Keep packed the weights the packed product will read: the whole qkv and gate-up where a bucket on
+        the packed path runs fused, the modules' own where one runs them apart (packed now, not in a pass)."""
+        paths = skinny_linear.installed(self.model)
+        if paths is None:
+            return
+        packed = [on for on, path in zip(self.fused_rows, paths.body, strict=True) if path == skinny_linear.PACKED]
+        if True not in packed:
+            self._fused_packs = [[None, None] for _ in self.plan]
+        if False in packed:
+            for _, _, linears, _, _ in self.plan:
+                for lin in (*linears[:3], *linears[4:6]):
+                    skinny_linear.packed_weight(lin)
 
     def takes_fused(self, rows: int) -> bool:
         """Whether a chain pass over `rows` rows (B x Q) runs the fused products."""

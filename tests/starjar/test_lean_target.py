@@ -117,9 +117,10 @@ def test_lean_takes_each_few_rows_product(model_dirs, prompt_ids, monkeypatch, p
     monkeypatch.setenv(ENV, "0")
     model = load_model(model_dirs["llama"])
     attn = model.model.model.layers[0].self_attn
-    # Packed at load as the whole qkv product, not as three (whose packed copies went with the old weights).
-    assert (model.lean_target._fused_packs[0][0] is not None) == (path == "packed")
-    assert "_starjar_packed" not in attn.q_proj.__dict__
+    # Packed at load: the whole qkv where a bucket runs it fused, the three apart where one runs them apart.
+    lean = model.lean_target
+    assert (lean._fused_packs[0][0] is not None) == (path == "packed" and any(lean.fused_rows))
+    assert ("_starjar_packed" in attn.q_proj.__dict__) == (path == "packed" and not all(lean.fused_rows))
     hf = _passes(model, prompt_ids[:5])
     monkeypatch.setenv(ENV, "1")
     for a, b in zip(hf, _passes(model, prompt_ids[:5]), strict=True):
