@@ -3,11 +3,13 @@
 A target step of the default pair (SmolLM2-135M, 30 layers) runs about 50 small ops per layer through Hugging
 Face's module tree, each paying Python, hooks and dispatch; at batch 1 on 2 cores that overhead was most of the
 gap to llama.cpp on the same float32 weights. Here each decoder layer is one TorchScript function
-(starjar.model.target_step) that runs the same ops in the same order on the same weights, writing K and V in
-place into the RaggedKVCache: the hidden states, hence the logits, are bit for bit those of HF's forward.
-Measured for the default target decoding alone (gamma 0, 32 new tokens after 64-token prompts, prefill
-included; Intel Xeon, AVX512, 2 threads; benchmarks/probes/lean_target_speed.py): 17.9 -> 22.5 tokens/s at
-batch 1 (1.25x), 1.18x at batch 4, 1.19x at batch 8, the same tokens either way.
+(starjar.model.target_step) that computes every value HF's does with the same sums on the same weights, writing
+K and V in place into the RaggedKVCache: the hidden states, hence the logits, are bit for bit those of HF's.
+Measured for the default target decoding alone (gamma 0, 64 new tokens after 64-token prompts, prefill
+included; Intel Xeon, AVX512, 2 threads; benchmarks/probes/lean_target_speed.py, in turns with HF's forward):
+21.1 -> 29.0 tokens/s at batch 1 (1.38x), 1.31x at batch 4, 1.25x at batch 8, 1.16x at batch 16, the same
+tokens either way. Where the running machine gives the same bits (starjar.model.fused_projections), q/k/v and
+gate/up are one product each; passes over a row bucket take them fused or apart as measured (FUSED_KIND).
 
 Pass shape classes (CLASSES): `step` (one row, one token: batch-1 decoding), `rows` (up to LONG rows in all:
 verification over gamma + 1 positions, multi-row decoding) and `long` (prefill). Whether the lean forward runs
