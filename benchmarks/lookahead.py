@@ -46,7 +46,10 @@ def _start_servers(draft_dir: str, threads: int, pin: bool) -> dict[str, ServerP
                 for m in MODES}
     finally:
         for tid in os.listdir("/proc/self/task") if pin else ():  # every thread of this process: the target's
-            os.sched_setaffinity(int(tid), cores[:-1])
+            try:
+                os.sched_setaffinity(int(tid), cores[:-1])
+            except ProcessLookupError:  # a thread that ended since the listing
+                pass
         os.sched_setaffinity(0, cores[:-1] if pin else cores)
 
 
