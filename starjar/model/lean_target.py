@@ -138,9 +138,8 @@ class LeanTarget:
         if True not in packed:
             self._fused_packs = [[None, None] for _ in self.plan]
         if False in packed:
-            for _, _, linears, _, _ in self.plan:
-                for lin in (*linears[:3], *linears[4:6]):
-                    skinny_linear.packed_weight(lin)
+            for lin in self._fused_modules():
+                skinny_linear.packed_weight(lin)
 
     def takes_fused(self, rows: int) -> bool:
         """Whether a chain pass over `rows` rows (B x Q) runs the fused products."""
@@ -187,10 +186,8 @@ class LeanTarget:
         b, q = input_ids.shape
         d, eps, scaling = self.head_dim, self.eps, self.scaling
         if b == 1 and q == 1 and rows is None and write is None and self.takes_fused(1):
-            half = d // 2
-            sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
             ws, bs, nqs, nks = self.fused
-            return base.norm(self.fused_step(x, cos, sin_signed, self.perm.to(x.device), mask, ws, bs, keys,
+            return base.norm(self.fused_step(x, cos, _signed_sin(sin), self.perm.to(x.device), mask, ws, bs, keys,
                                              values, start, kv_len, nqs, nks, d, eps, scaling))
         if b == 1 and q == 1 and rows is None and write is None:
             for (ws, bs, _, nq, nk), k, v in zip(self.plan, keys, values, strict=True):
@@ -215,7 +212,7 @@ class LeanTarget:
         """A chain pass other than a one-row step over the fused projections."""
         keys, values, rows, write, start, kv_len = views
         d = self.head_dim
-        sin_signed = torch.cat((-sin[..., : d // 2], sin[..., d // 2:]), dim=-1)
+        sin_signed = _signed_sin(sin)
         perm = self.perm.to(x.device)
         ws, bs, nqs, nks = self.fused
         folded: dict[int, torch.Tensor] = {}  # the mask as folded_attention folds it, once per pass
@@ -272,13 +269,17 @@ class LeanTarget:
                  ", ".join(f"{c} {'lean' if on else 'HF'}" for c, on in lean.items()), ms)
         return {"lean": lean, "ms": ms}
 
+    def _fused_modules(self):
+        """The linears whose weights are views of the fused products: q, k, v, gate and up of each layer."""
+        for _, _, linears, _, _ in self.plan:
+            yield from (*linears[:3], *linears[4:6])
+
     def _drop_module_packs(self) -> None:
         """Free the packed copies that passes over the fused modules' own weights made (HF's forward, or the
         lean one with the projections apart); the fused products pack the whole."""
         if self.fused is not None:
-            for _, _, linears, _, _ in self.plan:
-                for lin in (*linears[:3], *linears[4:6]):
-                    skinny_linear.drop_packed(lin)
+            for lin in self._fused_modules():
+                skinny_linear.drop_packed(lin)
 
     def _fused_measured(self) -> list[bool]:
         """The cached per-bucket fused-or-apart choice for this machine and these shapes, measured now when
@@ -325,3 +326,9 @@ class LeanTarget:
 
         run(CONTEXT)
         return lambda: run(q)
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with rotate_half's sign folded in (its first half negated), for the fused layers' gather."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
