@@ -28,7 +28,7 @@ import os
 import torch
 
 from starjar.cpu import kernels, skinny_linear
-from starjar.model import attention, fused_projections, target_step
+from starjar.model import attention, fused_projections, native_step, target_step
 from starjar.model.kv_cache import RaggedKVCache
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 ENV = "STARJAR_LEAN_TARGET"
 KIND = "lean-target"  # its entries in the kernel cache
 FUSED_KIND = "fused-rows"  # the entries of the fused-or-apart choice per row bucket
+NATIVE_KIND = "native-step"  # the entries of the native-or-scripted choice for one-row steps
 FAMILIES = ("llama", "qwen2", "mistral")
 CLASSES = ("step", "rows", "long")
 LONG = 64  # rows (B x Q) past which a pass counts as long; skinny_linear's last bucket
@@ -99,6 +100,11 @@ class LeanTarget:
             for i in range(len(self.plan)):  # packed now, as choose() packs the modules: not in a served pass
                 for which in (0, 1):
                     self._fused_packed(i, which)
+        # The native step takes each layer's fused weights and biases as one flat list (six and four a layer).
+        self.flat = None if fused is None else ([w for ws in self.fused[0] for w in ws],
+                                                [b for bs in self.fused[1] for b in bs])
+        self.native: bool | None = None  # whether one-row steps run natively here (None: not measured yet)
+        self._native_override: bool | None = None  # set while that is measured
         half = self.head_dim // 2
         self.perm = torch.cat((torch.arange(half, self.head_dim), torch.arange(half)))  # rotate_half as a gather
 
@@ -127,6 +133,7 @@ class LeanTarget:
         if self.fused is not None and self.fused_rows is None:
             self.fused_rows = self._fused_measured()
             self._settle_packs()
+        self.takes_native()  # built, loaded and measured at load, not in a served step
 
     def _settle_packs(self) -> None:
         """Keep packed the weights the packed product will read: the whole qkv and gate-up where a bucket on
@@ -152,6 +159,24 @@ class LeanTarget:
         if self.fused_rows is None:
             self.fused_rows = self._fused_measured()
         return self.fused_rows[skinny_linear.bucket_index(rows)]
+
+    def takes_native(self) -> bool:
+        """Whether one-row steps run the native step (starjar.model.native_step): forced by its variable, or
+        measured against the scripted step once per machine and shapes."""
+        if self.fused is None:
+            return False
+        if self._native_override is not None:
+            return self._native_override
+        force = native_step.forced()
+        if force is False:
+            return False
+        if force and not native_step.available():
+            raise RuntimeError(f"{native_step.ENV}=1, but the native step could not be built: "
+                               f"{native_step.unavailable_reason()}")
+        if self.native is None:
+            param = next(self.model.parameters())
+            self.native = native_step.takes(param) and native_step.available() and self._native_measured()
+        return bool(force) or self.native
 
     def wants(self, b: int, q: int) -> bool:
         """Whether a chain pass of b rows of q tokens runs lean."""
@@ -187,6 +212,9 @@ class LeanTarget:
         d, eps, scaling = self.head_dim, self.eps, self.scaling
         if b == 1 and q == 1 and rows is None and write is None and self.takes_fused(1):
             ws, bs, nqs, nks = self.fused
+            if native_step.takes(x) and self.takes_native():
+                return base.norm(native_step.step(x, cos, _signed_sin(sin), mask, *self.flat, keys, values, start,
+                                                  kv_len, nqs, nks, d, eps, scaling))
             return base.norm(self.fused_step(x, cos, _signed_sin(sin), self.perm.to(x.device), mask, ws, bs, keys,
                                              values, start, kv_len, nqs, nks, d, eps, scaling))
         if b == 1 and q == 1 and rows is None and write is None:
@@ -304,7 +332,23 @@ class LeanTarget:
                  kernels.machine_label(), fused, ms)
         return {"fused": fused, "buckets": list(skinny_linear.BUCKETS), "ms": ms}
 
-    def _probe(self, b: int, q: int, lean: bool, fused: bool | None = None):
+    def _native_measured(self) -> bool:
+        """The cached native-or-scripted choice for one-row steps on this machine and these shapes, measured now
+        when there is none."""
+        entry = kernels.cached_entry(f"{NATIVE_KIND}-float32", skinny_linear.shapes(self.model),
+                                     self._measure_native, usable=lambda e: isinstance(e.get("native"), bool))
+        return entry["native"]
+
+    def _measure_native(self, reps: int = 5) -> dict:
+        """One-row steps timed scripted and native, in turns; the native one is taken where it was faster."""
+        scripted_s, native_s = kernels.interleaved_medians([self._probe(1, 1, True, native=False),
+                                                            self._probe(1, 1, True, native=True)], reps)
+        ms = {"scripted": round(scripted_s * 1000, 3), "native": round(native_s * 1000, 3)}
+        log.info("native target step (%s): %s (measured: %s ms)", kernels.machine_label(),
+                 "taken" if native_s < scripted_s else "not taken", ms)
+        return {"native": native_s < scripted_s, "ms": ms}
+
+    def _probe(self, b: int, q: int, lean: bool, fused: bool | None = None, native: bool | None = None):
         """A function running one pass of b rows x q tokens, lean or HF's, after CONTEXT tokens in its own cache."""
         param = next(self.model.parameters())
         cache = RaggedKVCache(param.device, param.dtype)
@@ -316,11 +360,11 @@ class LeanTarget:
                 cache.truncate(s, min(cache.lengths[s], CONTEXT))
             pos, mask = cache.begin(slots, [n] * b)
             ids = torch.full((b, n), 7, dtype=torch.long, device=param.device)
-            self._fused_override = fused
+            self._fused_override, self._native_override = fused, native
             try:
                 done = lean and self.run(ids, pos, mask, cache) is not None
             finally:
-                self._fused_override = None
+                self._fused_override = self._native_override = None
             if not done:
                 self.base(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
 

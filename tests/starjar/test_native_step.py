@@ -1,0 +1,121 @@
+"""The native one-row target step (starjar.model.native_step): the scripted step's bits, chosen or forced."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from controller.colocated import colocated_engine
+from starjar.cpu import kernels
+from starjar.model import lean_target, native_step
+from starjar.model.loading import load_model
+from starjar.spec.sampling import SamplingParams
+
+
+def _steps(model, prompts: list[list[int]], steps: int = 12) -> list[torch.Tensor]:
+    """Logits of a prefill per prompt and then one-token steps at batch 1, each in its own fresh cache."""
+    out = []
+    for prompt in prompts:
+        cache = model.new_cache()
+        slot = cache.allocate()
+        out += model.forward(cache, [slot], [prompt], [[len(prompt) - 1]])
+        for tok in range(3, 3 + steps):
+            out += model.forward(cache, [slot], [[tok]], [[0]])
+    return out
+
+
+def _count_native(monkeypatch) -> list:
+    calls = []
+    step = native_step.step
+    monkeypatch.setattr(native_step, "step", lambda *a: calls.append(1) or step(*a))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_native_steps_equal_hf_and_scripted_bitwise(models, prompt_ids, monkeypatch, family):
+    """Forced native, forced scripted and HF's forward give the same logits to the last bit (qwen2: biased
+    q/k/v), and each forced way is the one that ran."""
+    model = models[family]
+    assert native_step.available(), native_step.unavailable_reason()
+    calls = _count_native(monkeypatch)
+    monkeypatch.setenv(lean_target.ENV, "0")
+    hf = _steps(model, prompt_ids[:3])
+    monkeypatch.setenv(lean_target.ENV, "1")
+    monkeypatch.setenv(native_step.ENV, "0")
+    scripted = _steps(model, prompt_ids[:3])
+    assert calls == []
+    monkeypatch.setenv(native_step.ENV, "1")
+    native = _steps(model, prompt_ids[:3])
+    assert len(calls) == 3 * 12
+    for a, b, c in zip(hf, scripted, native, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c), (a - c).abs().max()
+
+
+def test_native_kv_writes_equal_scripted(models, prompt_ids, monkeypatch):
+    """After the same steps, the cache holds the same keys and values either way."""
+    model = models["llama"]
+    monkeypatch.setenv(lean_target.ENV, "1")
+    buffers = {}
+    for way in ("0", "1"):
+        monkeypatch.setenv(native_step.ENV, way)
+        cache = model.new_cache()
+        slot = cache.allocate()
+        model.forward(cache, [slot], [prompt_ids[4]], [[len(prompt_ids[4]) - 1]])
+        for tok in (5, 6, 7, 8):
+            model.forward(cache, [slot], [[tok]], [[0]])
+        buffers[way] = [t[slot, :, : cache.lengths[slot]].clone() for t in (*cache._keys, *cache._values)]
+    assert all(torch.equal(a, b) for a, b in zip(buffers["0"], buffers["1"], strict=True))
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_engine_greedy_equals_reference_native_or_not(models, prompt_ids, reference, monkeypatch, native):
+    """Target alone (batch 1) and speculative, with the step native or scripted: HF generate()'s tokens."""
+    monkeypatch.setenv(lean_target.ENV, "1")
+    monkeypatch.setenv(native_step.ENV, native)
+    for gamma in (0, 3):
+        engine = colocated_engine(models["llama"], models["draft"] if gamma else None, gamma, 1)
+        reqs = engine.generate(prompt_ids[:6], SamplingParams(max_tokens=64))
+        assert [r.output_ids for r in reqs] == reference("llama")[:6]
+
+
+def test_native_choice_measured_once_and_cached(model_dirs, monkeypatch, tmp_path):
+    monkeypatch.setenv("STARJAR_HOME", str(tmp_path))
+    monkeypatch.delenv(native_step.ENV, raising=False)
+    monkeypatch.delenv(lean_target.ENV, raising=False)
+    monkeypatch.setattr(kernels, "_entries", {})
+    model = load_model(model_dirs["llama"])
+    assert isinstance(model.lean_target.native, bool)  # settled at load
+    stored = json.loads((tmp_path / "kernels.json").read_text())
+    entries = [e for name, e in stored.items() if lean_target.NATIVE_KIND in name]
+    assert len(entries) == 1 and entries[0]["native"] == model.lean_target.native
+    assert set(entries[0]["ms"]) == {"scripted", "native"}
+
+
+_UNBUILDABLE = """
+import logging, sys
+logging.basicConfig(level=logging.WARNING)
+from starjar.model import native_step
+from starjar.model.loading import load_model
+model = load_model(sys.argv[1])
+print("available", native_step.available(), "native", model.lean_target.native)
+"""
+
+
+def test_without_a_compiler_the_scripted_step_runs(model_dirs, tmp_path):
+    """Where the step cannot be built (no compiler here), the model loads and steps scripted with a warning
+    that says why; forced on, the load fails saying so."""
+    env = dict(os.environ, CXX="/nonexistent/c++", STARJAR_NATIVE_DIR=str(tmp_path / "native"),
+               STARJAR_HOME=str(tmp_path / "home"))
+    env.pop(native_step.ENV, None)
+    run = subprocess.run([sys.executable, "-c", _UNBUILDABLE, str(model_dirs["llama"])], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "available False native False" in run.stdout
+    assert "native target step unavailable, the scripted step runs" in run.stderr
+    env[native_step.ENV] = "1"
+    run = subprocess.run([sys.executable, "-c", _UNBUILDABLE, str(model_dirs["llama"])], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and f"{native_step.ENV}=1, but the native step could not be built" in run.stderr
