@@ -8,12 +8,15 @@ the median of benchmarks.memory_floor's repeats),
 on the same threads; a slow spell of the machine hits both. Prints each round, the medians and their ratio.
 
     python -m benchmarks.probes.llama_cpp_reference --llama-bench build/bin/llama-bench --gguf target-f32.gguf
+
+--also-scripted adds, each round, the decode with the scripted one-row step (what the native step replaced).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 
@@ -23,6 +26,7 @@ from benchmarks.memory_floor import decode_rate
 from benchmarks.meta import result_meta
 from starjar import workloads
 from starjar.cpu import kernels
+from starjar.model import native_step
 from starjar.model.default_pair import TARGET_NAME, models_home
 from starjar.model.loading import load_model
 
@@ -41,6 +45,8 @@ def main() -> None:
     ap.add_argument("--target", default=str(models_home() / TARGET_NAME))
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--also-scripted", action="store_true",
+                    help="each round also decodes with the scripted one-row step (STARJAR_NATIVE_STEP=0)")
     ap.add_argument("--out", default=None, help="also write the rounds and the machine to this JSON file")
     args = ap.parse_args()
     threads = torch.get_num_threads()
@@ -51,17 +57,32 @@ def main() -> None:
         ref = llama_bench(args.llama_bench, args.gguf, threads, args.tokens, 3)
         ours = decode_rate(target, prompt, args.tokens)
         rounds.append({"llama_cpp_tokens_per_s": round(ref, 2), "starjar_tokens_per_s": round(ours, 2)})
-        print(f"round {i + 1}: llama.cpp {ref:.2f} tokens/s, starjar {ours:.2f} tokens/s", flush=True)
+        if args.also_scripted:
+            rounds[-1]["starjar_scripted_tokens_per_s"] = round(_scripted_rate(target, prompt, args.tokens), 2)
+        print(f"round {i + 1}: " + ", ".join(f"{k.removesuffix('_tokens_per_s')} {v:.2f} tokens/s"
+                                             for k, v in rounds[-1].items()), flush=True)
     ref = statistics.median(r["llama_cpp_tokens_per_s"] for r in rounds)
     ours = statistics.median(r["starjar_tokens_per_s"] for r in rounds)
     run = {"machine": kernels.machine_label(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "threads": threads, "tokens": args.tokens, "llama_cpp_tokens_per_s": ref, "starjar_tokens_per_s": ours,
-           "ratio": round(ours / ref, 3)}
+           "ratio": round(ours / ref, 3), "native_step": target.lean_target.takes_native()}
+    if args.also_scripted:
+        scripted = statistics.median(r["starjar_scripted_tokens_per_s"] for r in rounds)
+        run.update(starjar_scripted_tokens_per_s=scripted, scripted_ratio=round(scripted / ref, 3))
     print(json.dumps(run))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**run, "rounds": rounds, "gguf_bytes": _size(args.gguf),
                        "meta": result_meta(benchmark="llama_cpp_reference")}, f, indent=1)
+
+
+def _scripted_rate(target, prompt: list[int], tokens: int) -> float:
+    """decode_rate with the one-row step scripted instead of native (the step before the native one)."""
+    os.environ[native_step.ENV] = "0"
+    try:
+        return decode_rate(target, prompt, tokens)
+    finally:
+        del os.environ[native_step.ENV]
 
 
 def _size(path: str) -> int:
