@@ -47,7 +47,14 @@ at::Tensor add_rows(const at::Tensor& x, const at::Tensor& y) {
   return out;
 }
 
-std::optional<at::Tensor> bias(const c10::List<std::optional<at::Tensor>>& bs, int64_t i) { return bs.get(i); }
+// F.linear of one row, as at::linear computes it for a contiguous [1, 1, K] input: addmm with the bias, else mm
+// over the [1, K] view (at::matmul folds the input so); called directly, without linear's and matmul's glue.
+at::Tensor product(const at::Tensor& x, const at::Tensor& w, const c10::List<std::optional<at::Tensor>>& bs,
+                   int64_t i) {
+  const at::Tensor row = x.view({1, x.numel()});
+  const std::optional<at::Tensor> b = bs.get(i);
+  return b.has_value() && b->defined() ? at::addmm(*b, row, w.t()) : at::mm(row, w.t());
+}
 
 // One layer: heads [1, 1, (nq + 2 nk) d] from the qkv product; q and k rotated (rotate_half with its sign in
 // sin_signed), k and v written at `start` of the layer's buffers [1, nk, L, d], attention over kv_len keys.
@@ -57,7 +64,7 @@ at::Tensor layer(const at::Tensor& x, const float* cos, const float* sin_signed,
                  int64_t nk, int64_t d, double eps, double scaling) {
   const int64_t w = base * 6, b = base * 4;
   at::Tensor h = rms_norm_row(x, ws.get(w), eps);
-  at::Tensor heads = at::linear(h, ws.get(w + 1), bias(bs, b));
+  at::Tensor heads = product(h, ws.get(w + 1), bs, b);
   const float* hp = heads.data_ptr<float>();
   at::Tensor rot = at::empty({1, nq + nk, 1, d}, x.options());
   float* rp = rot.data_ptr<float>();
@@ -91,10 +98,10 @@ at::Tensor layer(const at::Tensor& x, const float* cos, const float* sin_signed,
   at::Tensor att = at::scaled_dot_product_attention(query, keys.narrow(2, 0, kv_len), values.narrow(2, 0, kv_len),
                                                     mask, 0.0, false, scaling);
   if (g != 1) att = att.reshape({1, nq, 1, d});
-  att = att.transpose(1, 2).contiguous().reshape({1, 1, -1}).contiguous();
-  at::Tensor y = add_rows(x, at::linear(att, ws.get(w + 2), bias(bs, b + 1)));
+  att = att.transpose(1, 2).contiguous();
+  at::Tensor y = add_rows(x, product(att, ws.get(w + 2), bs, b + 1));
   h = rms_norm_row(y, ws.get(w + 3), eps);
-  at::Tensor gate_up = at::linear(h, ws.get(w + 4), bias(bs, b + 2));
+  at::Tensor gate_up = product(h, ws.get(w + 4), bs, b + 2);
   const int64_t inner = gate_up.size(-1) / 2;
   at::Tensor act = at::silu(gate_up.narrow(-1, 0, inner));
   at::Tensor prod = at::empty_like(act);
@@ -102,7 +109,7 @@ at::Tensor layer(const at::Tensor& x, const float* cos, const float* sin_signed,
   const float* up = gate_up.data_ptr<float>() + inner;
   float* pp = prod.data_ptr<float>();
   for (int64_t i = 0; i < inner; ++i) pp[i] = ap[i] * up[i];
-  return add_rows(y, at::linear(prod, ws.get(w + 5), bias(bs, b + 3)));
+  return add_rows(y, product(prod, ws.get(w + 5), bs, b + 3));
 }
 
 // Every layer's step: ws holds six weights a layer (input norm, qkv, o, post norm, gate-up, down) and bs four
