@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 ENV = "STARJAR_LEAN_TARGET"
 KIND = "lean-target"  # its entries in the kernel cache
 FUSED_KIND = "fused-rows"  # the entries of the fused-or-apart choice per row bucket
-NATIVE_KIND = "native-step"  # the entries of the native-or-scripted choice for one-row steps
+NATIVE_KIND = "native-pass"  # the entries of the native-or-scripted choice (one-row steps, other passes)
 FAMILIES = ("llama", "qwen2", "mistral")
 CLASSES = ("step", "rows", "long")
 LONG = 64  # rows (B x Q) past which a pass counts as long; skinny_linear's last bucket
@@ -103,7 +103,9 @@ class LeanTarget:
         # The native step takes each layer's fused weights and biases as one flat list (six and four a layer).
         self.flat = None if fused is None else ([w for ws in self.fused[0] for w in ws],
                                                 [b for bs in self.fused[1] for b in bs])
-        self.native: bool | None = None  # whether one-row steps run natively here (None: not measured yet)
+        self._step_codes = ([None] * 4 * len(self.plan), [0] * 4 * len(self.plan))  # one row: F.linear's GEMVs
+        # Whether one-row steps ("step") and other chain passes ("rows") run natively here (None: not measured).
+        self.native: dict[str, bool] | None = None
         self._native_override: bool | None = None  # set while that is measured
         half = self.head_dim // 2
         self.perm = torch.cat((torch.arange(half, self.head_dim), torch.arange(half)))  # rotate_half as a gather
@@ -133,7 +135,7 @@ class LeanTarget:
         if self.fused is not None and self.fused_rows is None:
             self.fused_rows = self._fused_measured()
             self._settle_packs()
-        self.takes_native()  # built, loaded and measured at load, not in a served step
+        self.takes_native(1)  # built, loaded and measured at load, not in a served step
 
     def _settle_packs(self) -> None:
         """Keep packed the weights the packed product will read: the whole qkv and gate-up where a bucket on
@@ -160,9 +162,9 @@ class LeanTarget:
             self.fused_rows = self._fused_measured()
         return self.fused_rows[skinny_linear.bucket_index(rows)]
 
-    def takes_native(self) -> bool:
-        """Whether one-row steps run the native step (starjar.model.native_step): forced by its variable, or
-        measured against the scripted step once per machine and shapes."""
+    def takes_native(self, rows: int) -> bool:
+        """Whether a chain pass over `rows` rows (B x Q) runs natively (starjar.model.native_step): forced by
+        its variable, or measured against the scripted layers once per machine and shapes."""
         if self.fused is None:
             return False
         if self._native_override is not None:
@@ -175,8 +177,9 @@ class LeanTarget:
                                f"{native_step.unavailable_reason()}")
         if self.native is None:
             param = next(self.model.parameters())
-            self.native = native_step.takes(param) and native_step.available() and self._native_measured()
-        return bool(force) or self.native
+            on = native_step.takes(param) and native_step.available()
+            self.native = self._native_measured() if on else {"step": False, "rows": False}
+        return bool(force) or self.native["step" if rows == 1 else "rows"]
 
     def wants(self, b: int, q: int) -> bool:
         """Whether a chain pass of b rows of q tokens runs lean."""
@@ -212,9 +215,9 @@ class LeanTarget:
         d, eps, scaling = self.head_dim, self.eps, self.scaling
         if b == 1 and q == 1 and rows is None and write is None and self.takes_fused(1):
             ws, bs, nqs, nks = self.fused
-            if native_step.takes(x) and self.takes_native():
-                return base.norm(native_step.step(x, cos, _signed_sin(sin), mask, *self.flat, keys, values, start,
-                                                  kv_len, nqs, nks, d, eps, scaling))
+            if native_step.takes(x) and self.takes_native(1):
+                return base.norm(native_step.run(x, cos, _signed_sin(sin), mask, *self.flat, *self._step_codes,
+                                                 keys, values, start, kv_len, nqs, nks, d, eps, scaling))
             return base.norm(self.fused_step(x, cos, _signed_sin(sin), self.perm.to(x.device), mask, ws, bs, keys,
                                              values, start, kv_len, nqs, nks, d, eps, scaling))
         if b == 1 and q == 1 and rows is None and write is None:
@@ -237,24 +240,37 @@ class LeanTarget:
 
     def _fused_rows_pass(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                          codes: list[list[int]], views: tuple, q: int) -> torch.Tensor:
-        """A chain pass other than a one-row step over the fused projections."""
+        """A chain pass other than a one-row step over the fused projections: native where its rows write one
+        span and it was chosen, else layer by layer scripted."""
         keys, values, rows, write, start, kv_len = views
         d = self.head_dim
         sin_signed = _signed_sin(sin)
-        perm = self.perm.to(x.device)
         ws, bs, nqs, nks = self.fused
+        layer_paths, layer_packs = [], []
+        for i, (c, (_, _, linears, _, _)) in enumerate(zip(codes, self.plan, strict=True)):
+            paths = [c[0], c[3], c[4], c[6]]  # qkv takes q's path, gate-up gate's
+            layer_paths.append(paths)
+            layer_packs.append([self._fused_packed(i, 0) if paths[0] == 2 else None,
+                                skinny_linear.packed_weight(linears[3]) if paths[1] == 2 else None,
+                                self._fused_packed(i, 1) if paths[2] == 2 else None,
+                                skinny_linear.packed_weight(linears[6]) if paths[3] == 2 else None])
+        groups = {nq // nk for nq, nk in zip(nqs, nks, strict=True)}
+        if rows is None and write is None and len(groups) == 1 and native_step.takes(x) and \
+                self.takes_native(x.shape[0] * q):
+            g = groups.pop()
+            return native_step.run(x, cos, sin_signed, mask if g == 1 or q == 1 else attention.fold_mask(mask, g),
+                                   *self.flat, [p for packs in layer_packs for p in packs],
+                                   [c for paths in layer_paths for c in paths], keys, values, start, kv_len, nqs,
+                                   nks, d, self.eps, self.scaling)
+        perm = self.perm.to(x.device)
         folded: dict[int, torch.Tensor] = {}  # the mask as folded_attention folds it, once per pass
-        for i, (c, (_, _, linears, nq, nk)) in enumerate(zip(codes, self.plan, strict=True)):
+        for i, (nq, nk) in enumerate(zip(nqs, nks, strict=True)):
             g = nq // nk
             if g not in folded:
                 folded[g] = mask if g == 1 or q == 1 else attention.fold_mask(mask, g)
-            paths = [c[0], c[3], c[4], c[6]]  # qkv takes q's path, gate-up gate's
-            packs = [self._fused_packed(i, 0) if paths[0] == 2 else None,
-                     skinny_linear.packed_weight(linears[3]) if paths[1] == 2 else None,
-                     self._fused_packed(i, 1) if paths[2] == 2 else None,
-                     skinny_linear.packed_weight(linears[6]) if paths[3] == 2 else None]
-            x = self.fused_rows_layer(x, cos, sin_signed, perm, folded[g], ws[i], bs[i], packs, paths, keys[i],
-                                      values[i], rows, write, start, kv_len, nq, nk, d, self.eps, self.scaling)
+            x = self.fused_rows_layer(x, cos, sin_signed, perm, folded[g], ws[i], bs[i], layer_packs[i],
+                                      layer_paths[i], keys[i], values[i], rows, write, start, kv_len, nq, nk, d,
+                                      self.eps, self.scaling)
         return x
 
     def _fused_packed(self, layer: int, which: int) -> torch.Tensor:
@@ -323,8 +339,8 @@ class LeanTarget:
         as each row bucket holds; a bucket takes the fused products where they were not slower."""
         ms, fused = [], []
         for rows in skinny_linear.BUCKETS:
-            apart_s, fused_s = kernels.interleaved_medians([self._probe(1, rows, True, False),
-                                                            self._probe(1, rows, True, True)], reps)
+            apart_s, fused_s = kernels.interleaved_medians([self._probe(1, rows, True, False, native=False),
+                                                            self._probe(1, rows, True, True, native=False)], reps)
             ms.append({"apart": round(apart_s * 1000, 3), "fused": round(fused_s * 1000, 3)})
             fused.append(fused_s <= apart_s)
         self._drop_module_packs()
@@ -332,21 +348,26 @@ class LeanTarget:
                  kernels.machine_label(), fused, ms)
         return {"fused": fused, "buckets": list(skinny_linear.BUCKETS), "ms": ms}
 
-    def _native_measured(self) -> bool:
-        """The cached native-or-scripted choice for one-row steps on this machine and these shapes, measured now
-        when there is none."""
+    def _native_measured(self) -> dict[str, bool]:
+        """The cached native-or-scripted choice for one-row steps and other chain passes on this machine and
+        these shapes, measured now when there is none."""
         entry = kernels.cached_entry(f"{NATIVE_KIND}-float32", skinny_linear.shapes(self.model),
-                                     self._measure_native, usable=lambda e: isinstance(e.get("native"), bool))
-        return entry["native"]
+                                     self._measure_native, usable=lambda e: isinstance(e.get("native"), dict) and
+                                     set(e["native"]) == {"step", "rows"})
+        return {k: bool(v) for k, v in entry["native"].items()}
 
     def _measure_native(self, reps: int = 5) -> dict:
-        """One-row steps timed scripted and native, in turns; the native one is taken where it was faster."""
-        scripted_s, native_s = kernels.interleaved_medians([self._probe(1, 1, True, native=False),
-                                                            self._probe(1, 1, True, native=True)], reps)
-        ms = {"scripted": round(scripted_s * 1000, 3), "native": round(native_s * 1000, 3)}
-        log.info("native target step (%s): %s (measured: %s ms)", kernels.machine_label(),
-                 "taken" if native_s < scripted_s else "not taken", ms)
-        return {"native": native_s < scripted_s, "ms": ms}
+        """A one-row step and a rows pass (PROBES) timed scripted and native, in turns; each runs natively
+        where that was faster."""
+        ms, native = {}, {}
+        for cls in ("step", "rows"):
+            b, q = PROBES[cls]
+            scripted_s, native_s = kernels.interleaved_medians([self._probe(b, q, True, True, native=False),
+                                                                self._probe(b, q, True, True, native=True)], reps)
+            ms[cls] = {"scripted": round(scripted_s * 1000, 3), "native": round(native_s * 1000, 3)}
+            native[cls] = native_s < scripted_s
+        log.info("native target passes (%s): %s (measured: %s ms)", kernels.machine_label(), native, ms)
+        return {"native": native, "ms": ms}
 
     def _probe(self, b: int, q: int, lean: bool, fused: bool | None = None, native: bool | None = None):
         """A function running one pass of b rows x q tokens, lean or HF's, after CONTEXT tokens in its own cache."""

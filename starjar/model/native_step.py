@@ -1,10 +1,12 @@
-"""The one-row target step as one native call (native/target_step.cpp), compiled once per machine.
+"""A target's chain pass over fused projections as one native call (native/target_step.cpp), built once per machine.
 
-The scripted fused step (starjar.model.target_step._fused_step) dispatches about 45 small ops a layer from the
-TorchScript interpreter. The native step calls ATen for every sum (the products, RMSNorm's mean, attention, SiLU)
-with the shapes the scripted step gives them and writes only the elementwise work between them, each value
-rounded as ATen rounds it: its hidden states are the scripted step's bit for bit. Measured on the default target
-(Intel Xeon, AVX512, 2 threads), a batch-1 step inside the engine went from 30.6 to 25.7 ms.
+The scripted fused layers (starjar.model.target_step) dispatch about 45 small ops a layer from the TorchScript
+interpreter. The native pass calls ATen for every sum (the products by the path each takes, RMSNorm's sum,
+attention, SiLU) with the shapes the scripted layers give them and writes only the elementwise work between
+them, each value rounded as ATen rounds it: its hidden states are the scripted layers' bit for bit. It runs the
+one-row step and the chain passes whose rows write one span (verification, multi-row decoding on consecutive
+slots). Measured on the default target (Intel Xeon, AVX512, 2 threads), a batch-1 step inside the engine went
+from 30.6 to 25.7 ms.
 
 The source is compiled by torch.utils.cpp_extension (a C++ compiler and ninja; about 15 s on 2 cores) the first
 time a process asks for it on a machine, into NATIVE_DIR, keyed by the source, the flags and torch's version;
@@ -69,7 +71,7 @@ def unavailable_reason() -> str:
 
 
 def _load() -> tuple[bool, str]:
-    if hasattr(torch.ops.starjar, "fused_step"):
+    if hasattr(torch.ops.starjar, "fused_pass"):
         return True, ""
     from torch.utils import cpp_extension  # imported here: it is slow to import and only a build needs it
 
@@ -85,18 +87,21 @@ def _load() -> tuple[bool, str]:
         if not built:
             log.info("native target step built in %.1f s", time.perf_counter() - t0)
     except Exception as e:  # no compiler, no ninja, a read-only home: the scripted step still runs
-        return False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        said = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "")
+        return False, f"{type(e).__name__}: {said}"
     return True, ""
 
 
-def step(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, mask: torch.Tensor,
-         flat_ws: list[torch.Tensor], flat_bs: list[torch.Tensor | None], keys: list[torch.Tensor],
-         values: list[torch.Tensor], start: int, kv_len: int, nq: list[int], nk: list[int], d: int, eps: float,
-         scaling: float) -> torch.Tensor:
-    """target_step._fused_step's result for the same arguments, with each layer's weights and biases flattened
-    (six weights and four biases a layer)."""
-    return torch.ops.starjar.fused_step(x, cos, sin_signed, mask, flat_ws, flat_bs, keys, values, start, kv_len,
-                                        nq, nk, d, eps, scaling)
+def run(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, mask: torch.Tensor,
+        flat_ws: list[torch.Tensor], flat_bs: list[torch.Tensor | None], packs: list[torch.Tensor | None],
+        paths: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], start: int, kv_len: int,
+        nq: list[int], nk: list[int], d: int, eps: float, scaling: float) -> torch.Tensor:
+    """The fused layers' result over every layer (target_step._fused_step's for one row, _fused_rows_layer's in
+    turn otherwise) with each layer's weights flattened (six a layer) and its biases, packed weights and product
+    paths (four a layer: qkv, o, gate-up, down); the rows' K and V written as one span from `start`."""
+    return torch.ops.starjar.fused_pass(x, cos, sin_signed, mask, flat_ws, flat_bs, packs, paths, keys, values,
+                                        start, kv_len, nq, nk, d, eps, scaling)
 
 
 def takes(x: torch.Tensor) -> bool:

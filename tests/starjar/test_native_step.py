@@ -1,4 +1,4 @@
-"""The native one-row target step (starjar.model.native_step): the scripted step's bits, chosen or forced."""
+"""The native target passes (starjar.model.native_step): the scripted layers' bits, chosen or forced."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from controller.colocated import colocated_engine
-from starjar.cpu import kernels
+from starjar.cpu import kernels, skinny_linear
 from starjar.model import lean_target, native_step
 from starjar.model.loading import load_model
 from starjar.spec.sampling import SamplingParams
@@ -27,10 +27,25 @@ def _steps(model, prompts: list[list[int]], steps: int = 12) -> list[torch.Tenso
     return out
 
 
+def _chain_passes(model, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Logits of the multi-row passes the engines make: a short prefill, verification over 4 positions (batch 3
+    and 1), one-token steps of 3 rows, and, scripted, rows of unequal lengths and rows on scattered slots."""
+    cache = model.new_cache()
+    slots = [cache.allocate() for _ in range(4)]
+    out = model.forward(cache, slots[:3], [p[:20] for p in prompts[:3]], [[19]] * 3)
+    out += model.forward(cache, slots[3:], [prompts[3][:6]], [list(range(6))])
+    out += model.forward(cache, slots[:3], [[7, 8, 9, 10]] * 3, [[0, 1, 2, 3]] * 3)
+    out += model.forward(cache, slots[:3], [[11]] * 3, [[0]] * 3)
+    out += model.forward(cache, slots[:1], [[3, 4, 5, 6]], [[0, 1, 2, 3]])  # rows of unequal lengths from here
+    out += model.forward(cache, slots[:3], [[12, 13], [14], [15, 16]], [[0, 1], [0], [0, 1]])
+    out += model.forward(cache, [slots[0], slots[2]], [[17], [18]], [[0], [0]])
+    return out
+
+
 def _count_native(monkeypatch) -> list:
     calls = []
-    step = native_step.step
-    monkeypatch.setattr(native_step, "step", lambda *a: calls.append(1) or step(*a))
+    run = native_step.run
+    monkeypatch.setattr(native_step, "run", lambda *a: calls.append(a[0].shape[:2]) or run(*a))
     return calls
 
 
@@ -49,9 +64,29 @@ def test_native_steps_equal_hf_and_scripted_bitwise(models, prompt_ids, monkeypa
     assert calls == []
     monkeypatch.setenv(native_step.ENV, "1")
     native = _steps(model, prompt_ids[:3])
-    assert len(calls) == 3 * 12
+    assert calls.count((1, 1)) == 3 * 12
     for a, b, c in zip(hf, scripted, native, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c), (a - c).abs().max()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("path", ["linear", "wxt", "packed"])
+def test_native_chain_passes_equal_hf_bitwise(model_dirs, prompt_ids, monkeypatch, family, path):
+    """Verification, multi-row and ragged passes natively, by each product skinny_linear may install (qwen2:
+    biased q/k/v): HF's bits; scattered slots stay scripted."""
+    monkeypatch.setenv(skinny_linear.ENV, path)
+    monkeypatch.setenv(lean_target.ENV, "1")
+    model = load_model(model_dirs[family])
+    model.lean_target.fused_rows = [True] * len(skinny_linear.BUCKETS)  # every bucket fused: where it runs
+    calls = _count_native(monkeypatch)
+    monkeypatch.setenv(lean_target.ENV, "0")
+    hf = _chain_passes(model, prompt_ids[:4])
+    monkeypatch.setenv(lean_target.ENV, "1")
+    monkeypatch.setenv(native_step.ENV, "1")
+    native = _chain_passes(model, prompt_ids[:4])
+    assert (1, 4) in calls and (3, 4) in calls and (3, 1) in calls and (2, 1) not in calls
+    for a, b in zip(hf, native, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
 
 
 def test_native_kv_writes_equal_scripted(models, prompt_ids, monkeypatch):
@@ -87,11 +122,11 @@ def test_native_choice_measured_once_and_cached(model_dirs, monkeypatch, tmp_pat
     monkeypatch.delenv(lean_target.ENV, raising=False)
     monkeypatch.setattr(kernels, "_entries", {})
     model = load_model(model_dirs["llama"])
-    assert isinstance(model.lean_target.native, bool)  # settled at load
+    assert set(model.lean_target.native) == {"step", "rows"}  # settled at load
     stored = json.loads((tmp_path / "kernels.json").read_text())
     entries = [e for name, e in stored.items() if lean_target.NATIVE_KIND in name]
     assert len(entries) == 1 and entries[0]["native"] == model.lean_target.native
-    assert set(entries[0]["ms"]) == {"scripted", "native"}
+    assert set(entries[0]["ms"]) == {"step", "rows"} and set(entries[0]["ms"]["rows"]) == {"scripted", "native"}
 
 
 _UNBUILDABLE = """
@@ -100,7 +135,7 @@ logging.basicConfig(level=logging.WARNING)
 from starjar.model import native_step
 from starjar.model.loading import load_model
 model = load_model(sys.argv[1])
-print("available", native_step.available(), "native", model.lean_target.native)
+print("available", native_step.available(), "native", model.lean_target.native["step"])
 """
 
 

@@ -1,6 +1,7 @@
-// A float32 Llama-family target's one-row, one-token step over every layer, as one native call.
+// A float32 Llama-family target's chain pass (B rows x Q tokens, every layer) over fused projections, as one
+// native call: the one-row step, verification and multi-row decoding.
 //
-// The scripted step (starjar/model/target_step.py, _fused_step) dispatches about 45 small ops per layer from
+// The scripted layers (starjar/model/target_step.py, _fused_step and _fused_rows_layer) dispatch about 45 small ops per layer from
 // the TorchScript interpreter; on 2 cores that glue cost 6-9 ms of a 35 ms step. Here every sum is ATen's own
 // (the products, RMSNorm's mean, attention, SiLU), called with the shapes the scripted step gives them, and
 // only the elementwise work between them is written out, each value rounded as ATen rounds it (built with
@@ -8,6 +9,7 @@
 // for bit (tests/starjar/test_native_step.py checks that on the running machine; starjar/model/native_step.py
 // builds and loads it).
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -15,126 +17,176 @@
 
 namespace {
 
-// LlamaRMSNorm of one row. Its mean of squares is ATen's mean: the squares (pow 2 is x * x) summed by ATen's
-// own reduction, then divided by the count (mean is sum, then div_); then x * rsqrt(var + eps) and the weight,
-// elementwise, in HF's order. (pow and mean as ATen calls cost 32 us a norm; this, 6.)
-at::Tensor rms_norm_row(const at::Tensor& x, const at::Tensor& w, double eps) {
+using Biases = c10::List<std::optional<at::Tensor>>;
+
+// LlamaRMSNorm of each row of x [B, Q, H]. Its mean of squares is ATen's mean: the squares (pow 2 is x * x)
+// summed by ATen's own reduction over the same shape, then divided by the count (mean is sum, then div_); then
+// x * rsqrt(var + eps) and the weight, elementwise, in HF's order. (pow and mean as ATen calls cost 32 us a
+// norm on one row; this, 6.)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const float* xp = x.data_ptr<float>();
-  const int64_t n = x.numel();
+  const int64_t n = x.size(-1), rows = x.numel() / n;
   at::Tensor sq = at::empty_like(x);
   float* sp = sq.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) sp[i] = xp[i] * xp[i];
-  const float var = at::sum(sq, {-1}, true).data_ptr<float>()[0] / static_cast<float>(n);
-  const float r = 1.0f / std::sqrt(var + static_cast<float>(eps));
+  for (int64_t i = 0; i < rows * n; ++i) sp[i] = xp[i] * xp[i];
+  const at::Tensor sums = at::sum(sq, {-1}, true);
+  const float* total = sums.data_ptr<float>();
   at::Tensor out = at::empty_like(x);
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < n; ++i) {
-    const float h = xp[i] * r;
-    op[i] = wp[i] * h;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float var = total[r] / static_cast<float>(n);
+    const float inv = 1.0f / std::sqrt(var + static_cast<float>(eps));
+    for (int64_t i = 0; i < n; ++i) {
+      const float h = xp[r * n + i] * inv;
+      op[r * n + i] = wp[i] * h;
+    }
   }
   return out;
 }
 
 // x + y into a new tensor (the residual), as the scripted `x + ...`.
-at::Tensor add_rows(const at::Tensor& x, const at::Tensor& y) {
+at::Tensor residual(const at::Tensor& x, const at::Tensor& y) {
   at::Tensor out = at::empty_like(x);
   const float* xp = x.data_ptr<float>();
   const float* yp = y.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t n = x.numel();
-  for (int64_t i = 0; i < n; ++i) op[i] = xp[i] + yp[i];
+  for (int64_t i = 0; i < x.numel(); ++i) op[i] = xp[i] + yp[i];
   return out;
 }
 
-// F.linear of one row, as at::linear computes it for a contiguous [1, 1, K] input: addmm with the bias, else mm
-// over the [1, K] view (at::matmul folds the input so); called directly, without linear's and matmul's glue.
-at::Tensor product(const at::Tensor& x, const at::Tensor& w, const c10::List<std::optional<at::Tensor>>& bs,
-                   int64_t i) {
-  const at::Tensor row = x.view({1, x.numel()});
-  const std::optional<at::Tensor> b = bs.get(i);
-  return b.has_value() && b->defined() ? at::addmm(*b, row, w.t()) : at::mm(row, w.t());
+// MKL's packed sgemm, the op skinny_linear's packed path calls.
+at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w,
+                      const std::optional<at::Tensor>& b, int64_t rows) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkl::_mkl_linear", "").typed<
+      at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>();
+  return op.call(x, packed, w, b, rows);
 }
 
-// One layer: heads [1, 1, (nq + 2 nk) d] from the qkv product; q and k rotated (rotate_half with its sign in
-// sin_signed), k and v written at `start` of the layer's buffers [1, nk, L, d], attention over kv_len keys.
-at::Tensor layer(const at::Tensor& x, const float* cos, const float* sin_signed, const std::optional<at::Tensor>& mask,
-                 const c10::List<at::Tensor>& ws, const c10::List<std::optional<at::Tensor>>& bs, int64_t base,
-                 const at::Tensor& keys, const at::Tensor& values, int64_t start, int64_t kv_len, int64_t nq,
-                 int64_t nk, int64_t d, double eps, double scaling) {
-  const int64_t w = base * 6, b = base * 4;
-  at::Tensor h = rms_norm_row(x, ws.get(w), eps);
-  at::Tensor heads = product(h, ws.get(w + 1), bs, b);
+// target_step._linear over x [B, Q, K] contiguous, as each path computes it, -> [B, Q, N] contiguous. Path 0
+// is F.linear as at::linear computes it for a contiguous 3-d input (addmm over the [B Q, K] view with a bias,
+// else mm, as at::matmul folds it), called without linear's and matmul's glue; 1 is W @ x.T (then the bias);
+// 2 is MKL's packed sgemm.
+at::Tensor product(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t path,
+                   const std::optional<at::Tensor>& packed) {
+  const int64_t k = x.size(-1), rows = x.numel() / k;
+  const at::Tensor flat = x.view({rows, k});
+  const bool biased = b.has_value() && b->defined();
+  at::Tensor out;
+  if (path == 2 && packed.has_value() && packed->defined()) {
+    out = mkl_linear(flat, *packed, w, b, rows);
+  } else if (path == 0) {
+    out = biased ? at::addmm(*b, flat, w.t()) : at::mm(flat, w.t());
+  } else {
+    out = at::mm(w, flat.t()).t();
+    if (biased) out = out + *b;
+  }
+  return out.reshape({x.size(0), x.size(1), w.size(0)}).contiguous();
+}
+
+struct Pass {
+  int64_t start, kv_len, d;
+  double eps, scaling;
+  const float* cos;  // [B, Q, d]: each token's position
+  const float* sin_signed;
+};
+
+// One layer over x [B, Q, H]: heads [B, Q, nq + 2 nk, d] from the qkv product; q and k rotated into [B, nq + nk,
+// Q, d] (rotate_half a swap of halves, its sign in sin_signed); k and v written from `start` of the rows'
+// buffers [B, nk, L, d]; attention over kv_len keys with the mask (folded for grouped heads when Q > 1).
+at::Tensor layer(const at::Tensor& x, const Pass& p, const std::optional<at::Tensor>& mask,
+                 const c10::List<at::Tensor>& ws, const Biases& bs, const Biases& packs, at::IntArrayRef paths,
+                 int64_t i, const at::Tensor& keys, const at::Tensor& values, int64_t nq, int64_t nk) {
+  const int64_t w = i * 6, o = i * 4, B = x.size(0), Q = x.size(1), d = p.d, heads_n = nq + 2 * nk;
+  at::Tensor h = rms_norm(x, ws.get(w), p.eps);
+  const at::Tensor heads = product(h, ws.get(w + 1), bs.get(o), paths[o], packs.get(o));
   const float* hp = heads.data_ptr<float>();
-  at::Tensor rot = at::empty({1, nq + nk, 1, d}, x.options());
+  at::Tensor rot = at::empty({B, nq + nk, Q, d}, x.options());
   float* rp = rot.data_ptr<float>();
   const int64_t half = d / 2;
-  for (int64_t j = 0; j < nq + nk; ++j) {
-    const float* src = hp + j * d;
-    float* dst = rp + j * d;
-    for (int64_t i = 0; i < d; ++i) {
-      const float a = src[i] * cos[i];
-      const float c = src[i < half ? i + half : i - half] * sin_signed[i];
-      dst[i] = a + c;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < Q; ++t) {
+      const float* c = p.cos + (b * Q + t) * d;
+      const float* s = p.sin_signed + (b * Q + t) * d;
+      for (int64_t j = 0; j < nq + nk; ++j) {
+        const float* src = hp + ((b * Q + t) * heads_n + j) * d;
+        float* dst = rp + ((b * (nq + nk) + j) * Q + t) * d;
+        for (int64_t e = 0; e < d; ++e) {
+          const float a = src[e] * c[e];
+          const float r = src[e < half ? e + half : e - half] * s[e];
+          dst[e] = a + r;
+        }
+      }
     }
   }
   const auto ks = keys.strides();
   const auto vs = values.strides();
   float* kp = keys.data_ptr<float>();
   float* vp = values.data_ptr<float>();
-  for (int64_t j = 0; j < nk; ++j) {
-    float* kd = kp + j * ks[1] + start * ks[2];
-    float* vd = vp + j * vs[1] + start * vs[2];
-    const float* kr = rp + (nq + j) * d;
-    const float* vr = hp + (nq + nk + j) * d;
-    for (int64_t i = 0; i < d; ++i) {
-      kd[i * ks[3]] = kr[i];
-      vd[i * vs[3]] = vr[i];
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < nk; ++j) {
+      for (int64_t t = 0; t < Q; ++t) {
+        float* kd = kp + b * ks[0] + j * ks[1] + (p.start + t) * ks[2];
+        float* vd = vp + b * vs[0] + j * vs[1] + (p.start + t) * vs[2];
+        const float* kr = rp + ((b * (nq + nk) + nq + j) * Q + t) * d;
+        const float* vr = hp + ((b * Q + t) * heads_n + nq + nk + j) * d;
+        for (int64_t e = 0; e < d; ++e) {
+          kd[e * ks[3]] = kr[e];
+          vd[e * vs[3]] = vr[e];
+        }
+      }
     }
   }
-  at::Tensor query = rot.narrow(1, 0, nq);
   const int64_t g = nq / nk;
-  if (g != 1) query = query.reshape({1, nk, g, d});
-  at::Tensor att = at::scaled_dot_product_attention(query, keys.narrow(2, 0, kv_len), values.narrow(2, 0, kv_len),
-                                                    mask, 0.0, false, scaling);
-  if (g != 1) att = att.reshape({1, nq, 1, d});
-  att = att.transpose(1, 2).contiguous();
-  at::Tensor y = add_rows(x, product(att, ws.get(w + 2), bs, b + 1));
-  h = rms_norm_row(y, ws.get(w + 3), eps);
-  at::Tensor gate_up = product(h, ws.get(w + 4), bs, b + 2);
+  at::Tensor query = rot.narrow(1, 0, nq);
+  if (g != 1) query = query.reshape({B, nk, g * Q, d});
+  at::Tensor att = at::scaled_dot_product_attention(query, keys.narrow(2, 0, p.kv_len),
+                                                    values.narrow(2, 0, p.kv_len), mask, 0.0, false, p.scaling);
+  if (g != 1) att = att.reshape({B, nq, Q, d});
+  att = att.transpose(1, 2).contiguous().view({B, Q, nq * d});
+  const at::Tensor y = residual(x, product(att, ws.get(w + 2), bs.get(o + 1), paths[o + 1], packs.get(o + 1)));
+  h = rms_norm(y, ws.get(w + 3), p.eps);
+  const at::Tensor gate_up = product(h, ws.get(w + 4), bs.get(o + 2), paths[o + 2], packs.get(o + 2));
   const int64_t inner = gate_up.size(-1) / 2;
-  at::Tensor act = at::silu(gate_up.narrow(-1, 0, inner));
+  const at::Tensor act = at::silu(gate_up.narrow(-1, 0, inner));  // [B, Q, inner], contiguous
   at::Tensor prod = at::empty_like(act);
   const float* ap = act.data_ptr<float>();
-  const float* up = gate_up.data_ptr<float>() + inner;
+  const float* gp = gate_up.data_ptr<float>();
   float* pp = prod.data_ptr<float>();
-  for (int64_t i = 0; i < inner; ++i) pp[i] = ap[i] * up[i];
-  return add_rows(y, product(prod, ws.get(w + 5), bs, b + 3));
+  for (int64_t r = 0; r < B * Q; ++r) {
+    for (int64_t e = 0; e < inner; ++e) pp[r * inner + e] = ap[r * inner + e] * gp[r * 2 * inner + inner + e];
+  }
+  return residual(y, product(prod, ws.get(w + 5), bs.get(o + 3), paths[o + 3], packs.get(o + 3)));
 }
 
-// Every layer's step: ws holds six weights a layer (input norm, qkv, o, post norm, gate-up, down) and bs four
-// biases (qkv, o, gate-up, down); cos and sin_signed are [.., d] for the one position.
-at::Tensor fused_step(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed,
-                      const std::optional<at::Tensor>& mask, const c10::List<at::Tensor>& ws,
-                      const c10::List<std::optional<at::Tensor>>& bs, const c10::List<at::Tensor>& keys,
+// Every layer of a pass: x [B, Q, H]; ws holds six weights a layer (input norm, qkv, o, post norm, gate-up,
+// down), bs, packs and paths four a layer (qkv, o, gate-up, down; target_step.PATHS); cos and sin_signed
+// [B, 1, Q, d]; keys and values the rows' buffers, written as one span from `start`.
+at::Tensor fused_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed,
+                      const std::optional<at::Tensor>& mask, const c10::List<at::Tensor>& ws, const Biases& bs,
+                      const Biases& packs, at::IntArrayRef paths, const c10::List<at::Tensor>& keys,
                       const c10::List<at::Tensor>& values, int64_t start, int64_t kv_len, at::IntArrayRef nq,
                       at::IntArrayRef nk, int64_t d, double eps, double scaling) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() == x.size(-1),
-              "fused_step takes one contiguous float32 row");
-  for (int64_t i = 0; i < static_cast<int64_t>(nq.size()); ++i) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3, "fused_pass takes float32 [B, Q, H]");
+  const int64_t layers = static_cast<int64_t>(nq.size());
+  TORCH_CHECK(ws.size() == 6 * layers && bs.size() == 4 * layers && packs.size() == 4 * layers &&
+              static_cast<int64_t>(paths.size()) == 4 * layers && keys.size() == layers && values.size() == layers,
+              "fused_pass: six weights and four biases, packs and paths a layer");
+  for (int64_t i = 0; i < layers; ++i) {
     for (int64_t j : {i * 6, i * 6 + 3}) {
-      TORCH_CHECK(ws.get(j).scalar_type() == at::kFloat && ws.get(j).is_contiguous() && ws.get(j).numel() == x.numel(),
+      TORCH_CHECK(ws.get(j).scalar_type() == at::kFloat && ws.get(j).is_contiguous() && ws.get(j).numel() == x.size(-1),
                   "each norm weight must be one contiguous float32 row");
     }
-    TORCH_CHECK(keys.get(i).scalar_type() == at::kFloat && values.get(i).scalar_type() == at::kFloat,
-                "the KV buffers must be float32");
+    TORCH_CHECK(keys.get(i).scalar_type() == at::kFloat && values.get(i).scalar_type() == at::kFloat &&
+                keys.get(i).size(0) == x.size(0), "the rows' KV buffers must be float32");
   }
-  at::Tensor c = cos.contiguous(), s = sin_signed.contiguous();
-  TORCH_CHECK(c.numel() == d && s.numel() == d, "cos and sin must hold one position of head_dim values");
+  const at::Tensor c = cos.contiguous(), s = sin_signed.contiguous();
+  TORCH_CHECK(c.numel() == x.size(0) * x.size(1) * d && s.numel() == c.numel(),
+              "cos and sin must hold each token's position");
+  const Pass p{start, kv_len, d, eps, scaling, c.data_ptr<float>(), s.data_ptr<float>()};
   at::Tensor out = x;
-  for (int64_t i = 0; i < static_cast<int64_t>(nq.size()); ++i) {
-    out = layer(out, c.data_ptr<float>(), s.data_ptr<float>(), mask, ws, bs, i, keys.get(i), values.get(i), start,
-                kv_len, nq[i], nk[i], d, eps, scaling);
+  for (int64_t i = 0; i < layers; ++i) {
+    out = layer(out, p, mask, ws, bs, packs, paths, i, keys.get(i), values.get(i), nq[i], nk[i]);
   }
   return out;
 }
@@ -142,9 +194,11 @@ at::Tensor fused_step(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 }  // namespace
 
 TORCH_LIBRARY(starjar, m) {
-  m.def("fused_step(Tensor x, Tensor cos, Tensor sin_signed, Tensor? mask, Tensor[] ws, Tensor?[] bs, "
-        "Tensor[] keys, Tensor[] values, int start, int kv_len, int[] nq, int[] nk, int d, float eps, "
-        "float scaling) -> Tensor");
+  m.def("fused_pass(Tensor x, Tensor cos, Tensor sin_signed, Tensor? mask, Tensor[] ws, Tensor?[] bs, "
+        "Tensor?[] packs, int[] paths, Tensor[] keys, Tensor[] values, int start, int kv_len, int[] nq, int[] nk, "
+        "int d, float eps, float scaling) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(starjar, CPU, m) { m.impl("fused_step", fused_step); }
+TORCH_LIBRARY_IMPL(starjar, CPU, m) { m.impl("fused_pass", fused_pass); }
+// MKL's packed weights are MkldnnCPU tensors: a pass that takes them dispatches there.
+TORCH_LIBRARY_IMPL(starjar, MkldnnCPU, m) { m.impl("fused_pass", fused_pass); }
