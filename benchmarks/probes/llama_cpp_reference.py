@@ -9,7 +9,7 @@ on the same threads; a slow spell of the machine hits both. Prints each round, t
 
     python -m benchmarks.probes.llama_cpp_reference --llama-bench build/bin/llama-bench --gguf target-f32.gguf
 
---also-scripted adds, each round, the decode with the scripted one-row step (what the native step replaced).
+--also-scripted adds, each round, the decode with the scripted one-row step (what the native pass replaced).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from benchmarks.memory_floor import decode_rate
 from benchmarks.meta import result_meta
 from starjar import workloads
 from starjar.cpu import kernels
-from starjar.model import native_step
+from starjar.model import native_pass
 from starjar.model.default_pair import TARGET_NAME, models_home
 from starjar.model.loading import load_model
 
@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--also-scripted", action="store_true",
-                    help="each round also decodes with the scripted one-row step (STARJAR_NATIVE_STEP=0)")
+                    help="each round also decodes with the scripted layers (STARJAR_NATIVE_PASS=0)")
     ap.add_argument("--out", default=None, help="also write the rounds and the machine to this JSON file")
     args = ap.parse_args()
     threads = torch.get_num_threads()
@@ -77,12 +77,12 @@ def main() -> None:
 
 
 def _scripted_rate(target, prompt: list[int], tokens: int) -> float:
-    """decode_rate with the one-row step scripted instead of native (the step before the native one)."""
-    os.environ[native_step.ENV] = "0"
+    """decode_rate with the scripted layers instead of the native pass."""
+    os.environ[native_pass.ENV] = "0"
     try:
         return decode_rate(target, prompt, tokens)
     finally:
-        del os.environ[native_step.ENV]
+        del os.environ[native_pass.ENV]
 
 
 def _size(path: str) -> int:

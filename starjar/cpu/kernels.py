@@ -88,6 +88,12 @@ def forced_choice(env: str, choices: tuple[str, ...]) -> str | None:
     return name
 
 
+def forced_switch(env: str) -> bool | None:
+    """What a 0/1 environment variable forces: True, False, or None for measurement (unset or auto)."""
+    name = forced_choice(env, ("0", "1"))
+    return None if name is None else name == "1"
+
+
 _chosen: dict[tuple, str] = {}
 _entries: dict[str, dict] = {}  # cached_entry's, by name, for this process
 

@@ -7,9 +7,11 @@ gap to llama.cpp on the same float32 weights. Here each decoder layer is one Tor
 K and V in place into the RaggedKVCache: the hidden states, hence the logits, are bit for bit those of HF's.
 Measured for the default target decoding alone (gamma 0, 64 new tokens after 64-token prompts, prefill
 included; Intel Xeon, AVX512, 2 threads; benchmarks/probes/lean_target_speed.py, in turns with HF's forward):
-21.1 -> 29.0 tokens/s at batch 1 (1.38x), 1.31x at batch 4, 1.25x at batch 8, 1.16x at batch 16, the same
-tokens either way. Where the running machine gives the same bits (starjar.model.fused_projections), q/k/v and
-gate/up are one product each; passes over a row bucket take them fused or apart as measured (FUSED_KIND).
+20.4 -> 33.8 tokens/s at batch 1 (1.66x, native passes included), 1.31x at batch 4, 1.26x at batch 8, 1.13x
+at batch 16, the same tokens either way. Where the machine gives the same bits (starjar.model.fused_projections),
+q/k/v and gate/up are one product each; passes over a row bucket take them fused or apart as measured
+(FUSED_KIND), and fused passes whose rows write one span run every layer in one native call where that measured
+faster (NATIVE_KIND, starjar.model.native_pass).
 
 Pass shape classes (CLASSES): `step` (one row, one token: batch-1 decoding), `rows` (up to LONG rows in all:
 verification over gamma + 1 positions, multi-row decoding) and `long` (prefill). Whether the lean forward runs
@@ -23,12 +25,11 @@ whose layers it does not reproduce (LeanTarget.supports), keep HF's forward.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from starjar.cpu import kernels, skinny_linear
-from starjar.model import attention, fused_projections, native_step, target_step
+from starjar.model import attention, fused_projections, native_pass, target_step
 from starjar.model.kv_cache import RaggedKVCache
 
 log = logging.getLogger(__name__)
@@ -46,12 +47,7 @@ CONTEXT = 64  # cached tokens per row before a timed pass
 
 def forced() -> bool | None:
     """What STARJAR_LEAN_TARGET forces: True (lean where it applies), False (HF's forward), None (measured)."""
-    name = os.environ.get(ENV, "").strip().lower()
-    if name in ("", "auto"):
-        return None
-    if name not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0, 1 or unset, got {name!r}")
-    return name == "1"
+    return kernels.forced_switch(ENV)
 
 
 def shape_class(b: int, q: int) -> str:
@@ -100,12 +96,11 @@ class LeanTarget:
             for i in range(len(self.plan)):  # packed now, as choose() packs the modules: not in a served pass
                 for which in (0, 1):
                     self._fused_packed(i, which)
-        # The native step takes each layer's fused weights and biases as one flat list (six and four a layer).
         self.flat = None if fused is None else ([w for ws in self.fused[0] for w in ws],
                                                 [b for bs in self.fused[1] for b in bs])
         self._step_codes = ([None] * 4 * len(self.plan), [0] * 4 * len(self.plan))  # one row: F.linear's GEMVs
-        # Whether one-row steps ("step") and other chain passes ("rows") run natively here (None: not measured).
-        self.native: dict[str, bool] | None = None
+        # (flat: native passes take the fused weights and biases as flat lists, six and four a layer)
+        self.native: dict[str, bool] | None = None  # one-row steps ("step"), other passes ("rows"): run natively?
         self._native_override: bool | None = None  # set while that is measured
         half = self.head_dim // 2
         self.perm = torch.cat((torch.arange(half, self.head_dim), torch.arange(half)))  # rotate_half as a gather
@@ -163,21 +158,21 @@ class LeanTarget:
         return self.fused_rows[skinny_linear.bucket_index(rows)]
 
     def takes_native(self, rows: int) -> bool:
-        """Whether a chain pass over `rows` rows (B x Q) runs natively (starjar.model.native_step): forced by
+        """Whether a chain pass over `rows` rows (B x Q) runs natively (starjar.model.native_pass): forced by
         its variable, or measured against the scripted layers once per machine and shapes."""
         if self.fused is None:
             return False
         if self._native_override is not None:
             return self._native_override
-        force = native_step.forced()
+        force = native_pass.forced()
         if force is False:
             return False
-        if force and not native_step.available():
-            raise RuntimeError(f"{native_step.ENV}=1, but the native step could not be built: "
-                               f"{native_step.unavailable_reason()}")
+        if force and not native_pass.available():
+            raise RuntimeError(f"{native_pass.ENV}=1, but the native pass could not be built: "
+                               f"{native_pass.unavailable_reason()}")
         if self.native is None:
             param = next(self.model.parameters())
-            on = native_step.takes(param) and native_step.available()
+            on = native_pass.takes(param) and native_pass.available()
             self.native = self._native_measured() if on else {"step": False, "rows": False}
         return bool(force) or self.native["step" if rows == 1 else "rows"]
 
@@ -215,8 +210,8 @@ class LeanTarget:
         d, eps, scaling = self.head_dim, self.eps, self.scaling
         if b == 1 and q == 1 and rows is None and write is None and self.takes_fused(1):
             ws, bs, nqs, nks = self.fused
-            if native_step.takes(x) and self.takes_native(1):
-                return base.norm(native_step.run(x, cos, _signed_sin(sin), mask, *self.flat, *self._step_codes,
+            if native_pass.takes(x) and self.takes_native(1):
+                return base.norm(native_pass.run(x, cos, _signed_sin(sin), mask, *self.flat, *self._step_codes,
                                                  keys, values, start, kv_len, nqs, nks, d, eps, scaling))
             return base.norm(self.fused_step(x, cos, _signed_sin(sin), self.perm.to(x.device), mask, ws, bs, keys,
                                              values, start, kv_len, nqs, nks, d, eps, scaling))
@@ -255,10 +250,10 @@ class LeanTarget:
                                 self._fused_packed(i, 1) if paths[2] == 2 else None,
                                 skinny_linear.packed_weight(linears[6]) if paths[3] == 2 else None])
         groups = {nq // nk for nq, nk in zip(nqs, nks, strict=True)}
-        if rows is None and write is None and len(groups) == 1 and native_step.takes(x) and \
+        if rows is None and write is None and len(groups) == 1 and native_pass.takes(x) and \
                 self.takes_native(x.shape[0] * q):
             g = groups.pop()
-            return native_step.run(x, cos, sin_signed, mask if g == 1 or q == 1 else attention.fold_mask(mask, g),
+            return native_pass.run(x, cos, sin_signed, mask if g == 1 or q == 1 else attention.fold_mask(mask, g),
                                    *self.flat, [p for packs in layer_packs for p in packs],
                                    [c for paths in layer_paths for c in paths], keys, values, start, kv_len, nqs,
                                    nks, d, self.eps, self.scaling)

@@ -1,17 +1,17 @@
-"""A target's chain pass over fused projections as one native call (native/target_step.cpp), built once per machine.
+"""A target's chain pass over fused projections as one native call (native/target_pass.cpp), built once per machine.
 
 The scripted fused layers (starjar.model.target_step) dispatch about 45 small ops a layer from the TorchScript
 interpreter. The native pass calls ATen for every sum (the products by the path each takes, RMSNorm's sum,
 attention, SiLU) with the shapes the scripted layers give them and writes only the elementwise work between
 them, each value rounded as ATen rounds it: its hidden states are the scripted layers' bit for bit. It runs the
 one-row step and the chain passes whose rows write one span (verification, multi-row decoding on consecutive
-slots). Measured on the default target (Intel Xeon, AVX512, 2 threads), a batch-1 step inside the engine went
-from 30.6 to 25.7 ms.
+slots). Measured on the default target decoding alone (Intel Xeon, AVX512, 2 threads; python -m
+benchmarks.probes.llama_cpp_reference --also-scripted): 28.7 tokens/s scripted, 32.2 native, in one run.
 
 The source is compiled by torch.utils.cpp_extension (a C++ compiler and ninja; about 15 s on 2 cores) the first
-time a process asks for it on a machine, into NATIVE_DIR, keyed by the source, the flags and torch's version;
-later processes load the built library. Where it cannot be built, the scripted step runs (a warning says why).
-STARJAR_NATIVE_STEP=1 requires it, 0 keeps the scripted step; unset, starjar.model.lean_target takes it where it
+time a process asks for it on a machine, into native_dir(), keyed by the source, the flags and torch's version;
+later processes load the built library. Where it cannot be built, the scripted layers run (a warning says why).
+STARJAR_NATIVE_PASS=1 requires it, 0 keeps the scripted layers; unset, starjar.model.lean_target takes it where it
 measured faster on the running machine.
 """
 
@@ -20,29 +20,28 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
+import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 
+from starjar.cpu import kernels
+
 log = logging.getLogger(__name__)
 
-ENV = "STARJAR_NATIVE_STEP"
-SOURCE = Path(__file__).with_name("native") / "target_step.cpp"
+ENV = "STARJAR_NATIVE_PASS"
+SOURCE = Path(__file__).with_name("native") / "target_pass.cpp"
 FLAGS = ["-O3", "-ffp-contract=off"]  # no product and sum fused into one rounding: ATen's values, bit for bit
 _state: dict[str, object] = {}  # "ok": whether the library is loaded in this process; "why": the reason if not
 _loading = threading.Lock()
 
 
 def forced() -> bool | None:
-    """What STARJAR_NATIVE_STEP forces: True (required), False (the scripted step), None (measured)."""
-    name = os.environ.get(ENV, "").strip().lower()
-    if name in ("", "auto"):
-        return None
-    if name not in ("0", "1"):
-        raise ValueError(f"{ENV} must be 0, 1 or unset, got {name!r}")
-    return name == "1"
+    """What STARJAR_NATIVE_PASS forces: True (required), False (the scripted layers), None (measured)."""
+    return kernels.forced_switch(ENV)
 
 
 def native_dir() -> Path:
@@ -57,12 +56,12 @@ def _build_key() -> str:
 
 
 def available() -> bool:
-    """Whether the native step is loaded in this process, building it first where no build is kept."""
+    """Whether the native pass is loaded in this process, building it first where no build is kept."""
     with _loading:
         if "ok" not in _state:
             _state["ok"], _state["why"] = _load()
             if not _state["ok"]:
-                log.warning("native target step unavailable, the scripted step runs: %s", _state["why"])
+                log.warning("native target pass unavailable, the scripted layers run: %s", _state["why"])
         return bool(_state["ok"])
 
 
@@ -76,16 +75,19 @@ def _load() -> tuple[bool, str]:
     from torch.utils import cpp_extension  # imported here: it is slow to import and only a build needs it
 
     build = native_dir() / _build_key()
+    bin_dir = os.path.dirname(sys.executable)  # the environment's ninja, where PATH (a Ray worker's) lacks it
+    if shutil.which("ninja") is None and os.path.exists(os.path.join(bin_dir, "ninja")):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     try:
         build.mkdir(parents=True, exist_ok=True)
         built = any(build.glob("*.so"))
         if not built:
-            log.info("building the native target step for this machine (once, about 15 s) in %s", build)
+            log.info("building the native target pass for this machine (once, about 15 s) in %s", build)
         t0 = time.perf_counter()
         cpp_extension.load(name="starjar_target_step", sources=[str(SOURCE)], extra_cflags=FLAGS,
                            build_directory=str(build), is_python_module=False, verbose=False)
         if not built:
-            log.info("native target step built in %.1f s", time.perf_counter() - t0)
+            log.info("native target pass built in %.1f s", time.perf_counter() - t0)
     except Exception as e:  # no compiler, no ninja, a read-only home: the scripted step still runs
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         said = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "")
@@ -105,5 +107,5 @@ def run(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, mask: torc
 
 
 def takes(x: torch.Tensor) -> bool:
-    """Whether the native step computes this pass's values: float32 on the CPU."""
+    """Whether the native pass computes this pass's values: float32 on the CPU."""
     return x.dtype == torch.float32 and x.device.type == "cpu"

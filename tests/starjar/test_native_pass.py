@@ -1,4 +1,4 @@
-"""The native target passes (starjar.model.native_step): the scripted layers' bits, chosen or forced."""
+"""The native target passes (starjar.model.native_pass): the scripted layers' bits, chosen or forced."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import torch
 
 from controller.colocated import colocated_engine
 from starjar.cpu import kernels, skinny_linear
-from starjar.model import lean_target, native_step
+from starjar.model import lean_target, native_pass
 from starjar.model.loading import load_model
 from starjar.spec.sampling import SamplingParams
 
@@ -42,28 +42,34 @@ def _chain_passes(model, prompts: list[list[int]]) -> list[torch.Tensor]:
     return out
 
 
+def _hf_then_native(model, prompts, passes, monkeypatch) -> tuple[list, list]:
+    """passes(model, prompts) with HF's forward, then lean with the native pass forced."""
+    monkeypatch.setenv(lean_target.ENV, "0")
+    hf = passes(model, prompts)
+    monkeypatch.setenv(lean_target.ENV, "1")
+    monkeypatch.setenv(native_pass.ENV, "1")
+    return hf, passes(model, prompts)
+
+
 def _count_native(monkeypatch) -> list:
     calls = []
-    run = native_step.run
-    monkeypatch.setattr(native_step, "run", lambda *a: calls.append(a[0].shape[:2]) or run(*a))
+    run = native_pass.run
+    monkeypatch.setattr(native_pass, "run", lambda *a: calls.append(a[0].shape[:2]) or run(*a))
     return calls
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_native_steps_equal_hf_and_scripted_bitwise(models, prompt_ids, monkeypatch, family):
+def test_native_passs_equal_hf_and_scripted_bitwise(models, prompt_ids, monkeypatch, family):
     """Forced native, forced scripted and HF's forward give the same logits to the last bit (qwen2: biased
     q/k/v), and each forced way is the one that ran."""
     model = models[family]
-    assert native_step.available(), native_step.unavailable_reason()
+    assert native_pass.available(), native_pass.unavailable_reason()
     calls = _count_native(monkeypatch)
-    monkeypatch.setenv(lean_target.ENV, "0")
-    hf = _steps(model, prompt_ids[:3])
+    monkeypatch.setenv(native_pass.ENV, "0")
     monkeypatch.setenv(lean_target.ENV, "1")
-    monkeypatch.setenv(native_step.ENV, "0")
     scripted = _steps(model, prompt_ids[:3])
     assert calls == []
-    monkeypatch.setenv(native_step.ENV, "1")
-    native = _steps(model, prompt_ids[:3])
+    hf, native = _hf_then_native(model, prompt_ids[:3], _steps, monkeypatch)
     assert calls.count((1, 1)) == 3 * 12
     for a, b, c in zip(hf, scripted, native, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c), (a - c).abs().max()
@@ -79,11 +85,7 @@ def test_native_chain_passes_equal_hf_bitwise(model_dirs, prompt_ids, monkeypatc
     model = load_model(model_dirs[family])
     model.lean_target.fused_rows = [True] * len(skinny_linear.BUCKETS)  # every bucket fused: where it runs
     calls = _count_native(monkeypatch)
-    monkeypatch.setenv(lean_target.ENV, "0")
-    hf = _chain_passes(model, prompt_ids[:4])
-    monkeypatch.setenv(lean_target.ENV, "1")
-    monkeypatch.setenv(native_step.ENV, "1")
-    native = _chain_passes(model, prompt_ids[:4])
+    hf, native = _hf_then_native(model, prompt_ids[:4], _chain_passes, monkeypatch)
     assert (1, 4) in calls and (3, 4) in calls and (3, 1) in calls and (2, 1) not in calls
     for a, b in zip(hf, native, strict=True):
         assert torch.equal(a, b), (a - b).abs().max()
@@ -95,7 +97,7 @@ def test_native_kv_writes_equal_scripted(models, prompt_ids, monkeypatch):
     monkeypatch.setenv(lean_target.ENV, "1")
     buffers = {}
     for way in ("0", "1"):
-        monkeypatch.setenv(native_step.ENV, way)
+        monkeypatch.setenv(native_pass.ENV, way)
         cache = model.new_cache()
         slot = cache.allocate()
         model.forward(cache, [slot], [prompt_ids[4]], [[len(prompt_ids[4]) - 1]])
@@ -109,7 +111,7 @@ def test_native_kv_writes_equal_scripted(models, prompt_ids, monkeypatch):
 def test_engine_greedy_equals_reference_native_or_not(models, prompt_ids, reference, monkeypatch, native):
     """Target alone (batch 1) and speculative, with the step native or scripted: HF generate()'s tokens."""
     monkeypatch.setenv(lean_target.ENV, "1")
-    monkeypatch.setenv(native_step.ENV, native)
+    monkeypatch.setenv(native_pass.ENV, native)
     for gamma in (0, 3):
         engine = colocated_engine(models["llama"], models["draft"] if gamma else None, gamma, 1)
         reqs = engine.generate(prompt_ids[:6], SamplingParams(max_tokens=64))
@@ -118,7 +120,7 @@ def test_engine_greedy_equals_reference_native_or_not(models, prompt_ids, refere
 
 def test_native_choice_measured_once_and_cached(model_dirs, monkeypatch, tmp_path):
     monkeypatch.setenv("STARJAR_HOME", str(tmp_path))
-    monkeypatch.delenv(native_step.ENV, raising=False)
+    monkeypatch.delenv(native_pass.ENV, raising=False)
     monkeypatch.delenv(lean_target.ENV, raising=False)
     monkeypatch.setattr(kernels, "_entries", {})
     model = load_model(model_dirs["llama"])
@@ -132,10 +134,10 @@ def test_native_choice_measured_once_and_cached(model_dirs, monkeypatch, tmp_pat
 _UNBUILDABLE = """
 import logging, sys
 logging.basicConfig(level=logging.WARNING)
-from starjar.model import native_step
+from starjar.model import native_pass
 from starjar.model.loading import load_model
 model = load_model(sys.argv[1])
-print("available", native_step.available(), "native", model.lean_target.native["step"])
+print("available", native_pass.available(), "native", model.lean_target.native["step"])
 """
 
 
@@ -144,13 +146,13 @@ def test_without_a_compiler_the_scripted_step_runs(model_dirs, tmp_path):
     that says why; forced on, the load fails saying so."""
     env = dict(os.environ, CXX="/nonexistent/c++", STARJAR_NATIVE_DIR=str(tmp_path / "native"),
                STARJAR_HOME=str(tmp_path / "home"))
-    env.pop(native_step.ENV, None)
+    env.pop(native_pass.ENV, None)
     run = subprocess.run([sys.executable, "-c", _UNBUILDABLE, str(model_dirs["llama"])], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "available False native False" in run.stdout
-    assert "native target step unavailable, the scripted step runs" in run.stderr
-    env[native_step.ENV] = "1"
+    assert "native target pass unavailable, the scripted layers run" in run.stderr
+    env[native_pass.ENV] = "1"
     run = subprocess.run([sys.executable, "-c", _UNBUILDABLE, str(model_dirs["llama"])], env=env,
                          capture_output=True, text=True, timeout=300)
-    assert run.returncode != 0 and f"{native_step.ENV}=1, but the native step could not be built" in run.stderr
+    assert run.returncode != 0 and f"{native_pass.ENV}=1, but the native pass could not be built" in run.stderr

@@ -6,7 +6,7 @@
 // (the products, RMSNorm's mean, attention, SiLU), called with the shapes the scripted step gives them, and
 // only the elementwise work between them is written out, each value rounded as ATen rounds it (built with
 // -ffp-contract=off, so no product and sum fuse into one rounding). The result is the scripted step's, bit
-// for bit (tests/starjar/test_native_step.py checks that on the running machine; starjar/model/native_step.py
+// for bit (tests/starjar/test_native_pass.py checks that on the running machine; starjar/model/native_pass.py
 // builds and loads it).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
