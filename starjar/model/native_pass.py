@@ -6,7 +6,7 @@ attention, SiLU) with the shapes the scripted layers give them and writes only t
 them, each value rounded as ATen rounds it: its hidden states are the scripted layers' bit for bit. It runs the
 one-row step and the chain passes whose rows write one span (verification, multi-row decoding on consecutive
 slots). Measured on the default target decoding alone (Intel Xeon, AVX512, 2 threads; python -m
-benchmarks.probes.llama_cpp_reference --also-scripted): 28.7 tokens/s scripted, 32.2 native, in one run.
+benchmarks.probes.llama_cpp_reference --also-scripted): 29.0 tokens/s scripted, 31.7 native, in one run.
 
 The source is compiled by torch.utils.cpp_extension (a C++ compiler and ninja; about 15 s on 2 cores) the first
 time a process asks for it on a machine, into native_dir(), keyed by the source, the flags and torch's version;
