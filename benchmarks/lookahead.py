@@ -41,9 +41,15 @@ def _start_servers(draft_dir: str, threads: int, pin: bool) -> dict[str, ServerP
             raise SystemExit("--pin needs two cores")
         torch.set_num_threads(1)
         os.sched_setaffinity(0, cores[-1:])  # the servers are started with this affinity and keep it
+    servers: dict[str, ServerProcess] = {}
     try:
-        return {m: ServerProcess("draft", "--model", draft_dir, "--port", "0", "--lookahead", m, threads=threads)
-                for m in MODES}
+        for m in MODES:
+            servers[m] = ServerProcess("draft", "--model", draft_dir, "--port", "0", "--lookahead", m, threads=threads)
+        return servers
+    except BaseException:  # one failed to start: stop those already running rather than leave them behind
+        for server in servers.values():
+            server.terminate()
+        raise
     finally:
         for tid in os.listdir("/proc/self/task") if pin else ():  # every thread of this process: the target's
             try:
