@@ -111,7 +111,9 @@ def write_scrape_token(sd_path: str, token: str | None) -> None:
 
 
 def write_file_sd(path: str, endpoints: dict[str, str]) -> None:
-    """endpoints: component name (draft_server, target_worker:NAME, front_end, controller) -> HOST:PORT."""
+    """endpoints: component name (draft_server, target_worker:NAME, front_end, controller) -> HOST:PORT. Readable
+    by this user only, as the token beside it is (where every endpoint that takes the token listens), whatever
+    the writing process's umask."""
     groups = []
     for name, address in sorted(endpoints.items()):
         component, _, instance = name.partition(":")
@@ -119,14 +121,15 @@ def write_file_sd(path: str, endpoints: dict[str, str]) -> None:
         if instance:
             labels["worker"] = instance
         groups.append({"targets": [address], "labels": labels})
-    _replace(Path(path), json.dumps(groups, indent=1))
+    _replace(Path(path), json.dumps(groups, indent=1), mode=0o600)
 
 
-def _replace(target: Path, text: str, mode: int = 0o644) -> None:
+def _replace(target: Path, text: str, mode: int) -> None:
     """Write text to a temporary file (created with `mode`) and rename it over target, so a reader (Prometheus)
     never sees half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + f".{os.getpid()}.tmp")
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), "w") as f:
+        os.fchmod(f.fileno(), mode)  # exactly `mode`, whatever the umask or a leftover file's mode
         f.write(text)
     tmp.replace(target)
