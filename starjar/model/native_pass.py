@@ -84,7 +84,7 @@ def _load() -> tuple[bool, str]:
         if not built:
             log.info("building the native target pass for this machine (once, about 15 s) in %s", build)
         t0 = time.perf_counter()
-        cpp_extension.load(name="starjar_target_step", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        cpp_extension.load(name="starjar_target_pass", sources=[str(SOURCE)], extra_cflags=FLAGS,
                            build_directory=str(build), is_python_module=False, verbose=False)
         if not built:
             log.info("native target pass built in %.1f s", time.perf_counter() - t0)
