@@ -96,10 +96,10 @@ class LeanTarget:
             for i in range(len(self.plan)):  # packed now, as choose() packs the modules: not in a served pass
                 for which in (0, 1):
                     self._fused_packed(i, which)
+        # Native passes take the fused weights and biases as flat lists (six and four a layer).
         self.flat = None if fused is None else ([w for ws in self.fused[0] for w in ws],
                                                 [b for bs in self.fused[1] for b in bs])
         self._step_codes = ([None] * 4 * len(self.plan), [0] * 4 * len(self.plan))  # one row: F.linear's GEMVs
-        # (flat: native passes take the fused weights and biases as flat lists, six and four a layer)
         self.native: dict[str, bool] | None = None  # one-row steps ("step"), other passes ("rows"): run natively?
         self._native_override: bool | None = None  # set while that is measured
         half = self.head_dim // 2

@@ -9,10 +9,10 @@ slots). Measured on the default target decoding alone (Intel Xeon, AVX512, 2 thr
 benchmarks.probes.llama_cpp_reference --also-scripted): 29.0 tokens/s scripted, 31.7 native, in one run.
 
 The source is compiled by torch.utils.cpp_extension (a C++ compiler and ninja; about 15 s on 2 cores) the first
-time a process asks for it on a machine, into native_dir(), keyed by the source, the flags and torch's version;
-later processes load the built library. Where it cannot be built, the scripted layers run (a warning says why).
-STARJAR_NATIVE_PASS=1 requires it, 0 keeps the scripted layers; unset, starjar.model.lean_target takes it where it
-measured faster on the running machine.
+time a process asks for it on a machine, into native_dir(), keyed by the source, the library's name, the flags
+and torch's version; later processes load the built library. Where it cannot be built, the scripted layers run
+(a warning says why). STARJAR_NATIVE_PASS=1 requires it, 0 keeps the scripted layers; unset,
+starjar.model.lean_target takes it where it measured faster on the running machine.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 
 ENV = "STARJAR_NATIVE_PASS"
 SOURCE = Path(__file__).with_name("native") / "target_pass.cpp"
+LIBRARY = "starjar_target_pass"  # the built library's name
 FLAGS = ["-O3", "-ffp-contract=off"]  # no product and sum fused into one rounding: ATen's values, bit for bit
 _state: dict[str, object] = {}  # "ok": whether the library is loaded in this process; "why": the reason if not
 _loading = threading.Lock()
@@ -51,7 +52,7 @@ def native_dir() -> Path:
 
 
 def _build_key() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode())
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([LIBRARY, *FLAGS]).encode() + torch.__version__.encode())
     return digest.hexdigest()[:16]
 
 
@@ -84,7 +85,7 @@ def _load() -> tuple[bool, str]:
         if not built:
             log.info("building the native target pass for this machine (once, about 15 s) in %s", build)
         t0 = time.perf_counter()
-        cpp_extension.load(name="starjar_target_pass", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        cpp_extension.load(name=LIBRARY, sources=[str(SOURCE)], extra_cflags=FLAGS,
                            build_directory=str(build), is_python_module=False, verbose=False)
         if not built:
             log.info("native target pass built in %.1f s", time.perf_counter() - t0)
