@@ -1,4 +1,5 @@
-"""A target's chain pass over fused projections as one native call (native/target_pass.cpp), built once per machine.
+"""Native passes, built once per machine: a target's chain pass over fused projections as one call
+(native/target_pass.cpp), and the int8 draft's one-token step as one call (native/draft_step.cpp).
 
 The scripted fused layers (starjar.model.target_step) dispatch about 45 small ops a layer from the TorchScript
 interpreter. The native pass calls ATen for every sum (the products by the path each takes, RMSNorm's sum,
@@ -7,9 +8,11 @@ them, each value rounded as ATen rounds it: its hidden states are the scripted l
 one-row step and the chain passes whose rows write one span (verification, multi-row decoding on consecutive
 slots). Measured on the default target decoding alone (Intel Xeon, AVX512, 2 threads; python -m
 benchmarks.probes.llama_cpp_reference --also-scripted): 29.0 tokens/s scripted, 31.7 native, in one run.
+The draft's step calls the packed int8 weights' own kernel, ATen's attention and SiLU the same way, equal to the
+scripted step (starjar.model.lean_step) bit for bit.
 
 The source is compiled by torch.utils.cpp_extension (a C++ compiler and ninja; about 15 s on 2 cores) the first
-time a process asks for it on a machine, into native_dir(), keyed by the source, the library's name, the flags
+time a process asks for it on a machine, into native_dir(), keyed by the sources, the library's name, the flags
 and torch's version; later processes load the built library. Where it cannot be built, the scripted layers run
 (a warning says why). STARJAR_NATIVE_PASS=1 requires it, 0 keeps the scripted layers; unset,
 starjar.model.lean_target takes it where it measured faster on the running machine.
@@ -33,8 +36,9 @@ from starjar.cpu import kernels
 log = logging.getLogger(__name__)
 
 ENV = "STARJAR_NATIVE_PASS"
-SOURCE = Path(__file__).with_name("native") / "target_pass.cpp"
-LIBRARY = "starjar_target_pass"  # the built library's name
+SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("target_pass.cpp", "draft_step.cpp"))
+HEADERS = (Path(__file__).with_name("native") / "elementwise.h",)
+LIBRARY = "starjar_native_passes"  # the built library's name
 FLAGS = ["-O3", "-ffp-contract=off"]  # no product and sum fused into one rounding: ATen's values, bit for bit
 _state: dict[str, object] = {}  # "ok": whether the library is loaded in this process; "why": the reason if not
 _loading = threading.Lock()
@@ -52,7 +56,8 @@ def native_dir() -> Path:
 
 
 def _build_key() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([LIBRARY, *FLAGS]).encode() + torch.__version__.encode())
+    text = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(text + " ".join([LIBRARY, *FLAGS]).encode() + torch.__version__.encode())
     return digest.hexdigest()[:16]
 
 
@@ -62,7 +67,7 @@ def available() -> bool:
         if "ok" not in _state:
             _state["ok"], _state["why"] = _load()
             if not _state["ok"]:
-                log.warning("native target pass unavailable, the scripted layers run: %s", _state["why"])
+                log.warning("native passes unavailable, the scripted layers run: %s", _state["why"])
         return bool(_state["ok"])
 
 
@@ -71,7 +76,7 @@ def unavailable_reason() -> str:
 
 
 def _load() -> tuple[bool, str]:
-    if hasattr(torch.ops.starjar, "fused_pass"):
+    if hasattr(torch.ops.starjar, "fused_pass") and hasattr(torch.ops.starjar, "draft_step"):
         return True, ""
     from torch.utils import cpp_extension  # imported here: it is slow to import and only a build needs it
 
@@ -83,12 +88,12 @@ def _load() -> tuple[bool, str]:
         build.mkdir(parents=True, exist_ok=True)
         built = any(build.glob("*.so"))
         if not built:
-            log.info("building the native target pass for this machine (once, about 15 s) in %s", build)
+            log.info("building the native passes for this machine (once, about 15 s) in %s", build)
         t0 = time.perf_counter()
-        cpp_extension.load(name=LIBRARY, sources=[str(SOURCE)], extra_cflags=FLAGS,
+        cpp_extension.load(name=LIBRARY, sources=[str(f) for f in SOURCES], extra_cflags=FLAGS,
                            build_directory=str(build), is_python_module=False, verbose=False)
         if not built:
-            log.info("native target pass built in %.1f s", time.perf_counter() - t0)
+            log.info("native passes built in %.1f s", time.perf_counter() - t0)
     except Exception as e:  # no compiler, no ninja, a read-only home: the scripted step still runs
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         said = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "")
@@ -105,6 +110,14 @@ def run(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, mask: torc
     paths (four a layer: qkv, o, gate-up, down); the rows' K and V written as one span from `start`."""
     return torch.ops.starjar.fused_pass(x, cos, sin_signed, mask, flat_ws, flat_bs, packs, paths, keys, values,
                                         start, kv_len, nq, nk, d, eps, scaling)
+
+
+def run_draft(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norms: list[torch.Tensor], packs: list,
+              reduce_range: bool, keys: list[torch.Tensor], values: list[torch.Tensor], start: int, nq: list[int],
+              nk: list[int], d: int, eps: float) -> torch.Tensor:
+    """lean_step's scripted one-token step over every layer: norms two a layer, packs four a layer (torch's
+    packed int8 weights of qkv, o, gate-up and down); the row's K and V written at `start`."""
+    return torch.ops.starjar.draft_step(x, cos, sin, norms, packs, reduce_range, keys, values, start, nq, nk, d, eps)
 
 
 def takes(x: torch.Tensor) -> bool:

@@ -96,6 +96,7 @@ def test_scripted_one_token_steps_are_the_eager_steps_bit_for_bit(tmp_path, mode
     from starjar.model.kv_cache import RaggedKVCache
 
     monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")  # a catch-up's kernel, whatever this machine chose
+    monkeypatch.setenv("STARJAR_NATIVE_PASS", "0")  # the scripted step, not the native one (test_native_draft)
     draft = load_model(int8_draft_dir(tmp_path, model_dirs[family]))
     assert draft.lean.scriptable
     calls = counted(monkeypatch, "layer_fn")
@@ -213,6 +214,7 @@ def test_int_mm_on_its_generic_kernel_keeps_the_eager_multi_row_passes(tmp_path,
     from starjar.model.kv_cache import RaggedKVCache
 
     monkeypatch.setenv("STARJAR_INT8_KERNEL", "int_mm")
+    monkeypatch.setenv("STARJAR_NATIVE_PASS", "0")  # one-token steps scripted, as counted below
     draft = load_model(int8_draft_dir(tmp_path, model_dirs["llama"]))
     rows_calls, step_calls = counted(monkeypatch, "rows_layer_fn"), counted(monkeypatch, "layer_fn")
 

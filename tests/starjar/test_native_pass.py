@@ -151,7 +151,7 @@ def test_without_a_compiler_the_scripted_step_runs(model_dirs, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "available False native False" in run.stdout
-    assert "native target pass unavailable, the scripted layers run" in run.stderr
+    assert "native passes unavailable, the scripted layers run" in run.stderr
     env[native_pass.ENV] = "1"
     run = subprocess.run([sys.executable, "-c", _UNBUILDABLE, str(model_dirs["llama"])], env=env,
                          capture_output=True, text=True, timeout=300)

@@ -12,48 +12,16 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "elementwise.h"
+
 #include <cmath>
 #include <vector>
 
 namespace {
 
 using Biases = c10::List<std::optional<at::Tensor>>;
-
-// LlamaRMSNorm of each row of x [B, Q, H]. Its mean of squares is ATen's mean: the squares (pow 2 is x * x)
-// summed by ATen's own reduction over the same shape, then divided by the count (mean is sum, then div_); then
-// x * rsqrt(var + eps) and the weight, elementwise, in HF's order. (pow and mean as ATen calls cost 32 us a
-// norm on one row; this, 6.)
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  const float* xp = x.data_ptr<float>();
-  const int64_t n = x.size(-1), rows = x.numel() / n;
-  at::Tensor sq = at::empty_like(x);
-  float* sp = sq.data_ptr<float>();
-  for (int64_t i = 0; i < rows * n; ++i) sp[i] = xp[i] * xp[i];
-  const at::Tensor sums = at::sum(sq, {-1}, true);
-  const float* total = sums.data_ptr<float>();
-  at::Tensor out = at::empty_like(x);
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float var = total[r] / static_cast<float>(n);
-    const float inv = 1.0f / std::sqrt(var + static_cast<float>(eps));
-    for (int64_t i = 0; i < n; ++i) {
-      const float h = xp[r * n + i] * inv;
-      op[r * n + i] = wp[i] * h;
-    }
-  }
-  return out;
-}
-
-// x + y into a new tensor (the residual), as the scripted `x + ...`.
-at::Tensor residual(const at::Tensor& x, const at::Tensor& y) {
-  at::Tensor out = at::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* yp = y.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for (int64_t i = 0; i < x.numel(); ++i) op[i] = xp[i] + yp[i];
-  return out;
-}
+using starjar_native::residual;
+using starjar_native::rms_norm;
 
 // MKL's packed sgemm, the op skinny_linear's packed path calls.
 at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w,
