@@ -20,7 +20,7 @@ from starjar.model import lean_step
 from starjar.model.attention import fold_mask, folded_attention
 from starjar.model.kv_cache import RaggedKVCache
 from starjar.model.lean_step import rms_norm
-from starjar.model.native_draft import CONTEXT, NativeDraftStep
+from starjar.model.native_draft import CONTEXT, NativeDraftPass
 
 FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -64,10 +64,11 @@ class LeanDecoder(torch.nn.Module):
             if self.scriptable else []
         # int_mm's generic kernel (STARJAR_INT_MM_ONEDNN=0) is chosen per call, so its passes stay eager.
         self.rows_fused = self.scriptable and all(lin.path == "fused" for lin in linears)
-        self.native_step = NativeDraftStep(self.plan if self.scriptable else [], self.head_dim, self.eps)
+        self.native = self._native_pass()
         if self.scriptable and lean_step.enabled():
             lean_step.layer_fn()
             lean_step.rows_layer_fn()
+            self.native.settle(self._probe)
 
     def leave_out(self, skip: tuple[int, ...]) -> None:
         """Run without these decoder layers from now on (indices of the whole model; () runs them all). A cache
@@ -80,9 +81,13 @@ class LeanDecoder(torch.nn.Module):
         self.plan = [p for i, p in zip(kept, plan, strict=True) if i not in skip]
         self._biases = [b for i, b in zip(kept, biases, strict=True) if i not in skip] if biases else []
         self._mats = [m for i, m in zip(kept, mats, strict=True) if i not in skip] if mats else []
-        chosen = self.native_step.chosen  # the same kernels over fewer layers: the choice stands
-        self.native_step = NativeDraftStep(self.plan if self.scriptable else [], self.head_dim, self.eps)
-        self.native_step.chosen = chosen
+        chosen = self.native.chosen  # the same kernels over fewer layers: the choice stands
+        self.native = self._native_pass()
+        self.native.chosen = chosen
+
+    def _native_pass(self) -> NativeDraftPass:
+        return NativeDraftPass(self.plan if self.scriptable else [], self._biases, self.head_dim, self.eps,
+                               self.rows_fused)
 
     @staticmethod
     def attach_fused(model: torch.nn.Module, head_vocab: int | None = None) -> None:
@@ -172,9 +177,9 @@ class LeanDecoder(torch.nn.Module):
         and sin hold only those), or None; padded: the pass's (B, Q)."""
         b, q = padded
         d, eps = self.head_dim, self.eps
+        if b == 1 and rows is None and write is None and real is None and self.native.takes(x, keys, self._probe):
+            return self.native.run(x, cos, sin, mask, keys, values, start)
         if b == 1 and q == 1 and rows is None and write is None:
-            if self.native_step.takes(x, keys, self._probe):
-                return self.native_step.run(x, cos, sin, keys, values, start)
             layer = lean_step.layer_fn()
             for (w_in, qkv, _, nq, nk, o_proj, w_post, gate_up, _, down), k, v in zip(self.plan, keys, values,
                                                                                          strict=True):
@@ -193,23 +198,23 @@ class LeanDecoder(torch.nn.Module):
                       mats, real, b, q)
         return x
 
-    def _probe(self, native: bool):
-        """A function running one-token steps after CONTEXT positions in its own float32 cache, natively or
-        scripted (NativeDraftStep's measurement)."""
+    def _probe(self, q: int, native: bool):
+        """A function running passes of q tokens after CONTEXT positions in its own float32 cache, natively or
+        scripted (NativeDraftPass's measurement)."""
         cache = RaggedKVCache(self.final_norm.device, torch.float32)
         slot = cache.allocate()
 
         def run(n: int) -> None:
             cache.truncate(slot, min(cache.lengths[slot], CONTEXT))
             pos, mask = cache.begin([slot], [n])
-            self.native_step.override = native
+            self.native.override = native if n == q else False
             try:
                 self.hidden(torch.full((1, n), 7, dtype=torch.long), pos, mask, cache)
             finally:
-                self.native_step.override = None
+                self.native.override = None
 
         run(CONTEXT)
-        return lambda: run(1)
+        return lambda: run(q)
 
 
 def _real_tokens(counts: list[int], q: int) -> torch.Tensor | None:

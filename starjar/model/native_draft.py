@@ -1,11 +1,13 @@
-"""The int8 draft's one-token step as one native call (native/draft_step.cpp, built by starjar.model.native_pass),
-where it measured faster than the scripted step (starjar.model.lean_step) on the running machine.
+"""The int8 draft's passes over one row as one native call (native/draft_pass.cpp, built by
+starjar.model.native_pass): the one-token step and the catch-up over a few tokens, where each measured faster than
+the scripted layers (starjar.model.lean_step) on the running machine.
 
-The scripted step's four int8 products per layer run near the memory floor; the ~35 small ops around them are
-most of its time. Measured on the default pair's draft (2-core Intel Xeon, AVX512): a 13 ms step under the
-profiler, 5.2 ms of it products. The native step calls the same kernels (the packed weights' own, ATen's
-attention and SiLU) and writes the elementwise work between them in the scripted order: the hidden states are
-the scripted step's bit for bit. STARJAR_NATIVE_PASS forces it as it does the target's (1 required, 0 off).
+The scripted layers' four int8 products per layer run near the memory floor; the ~35 small ops around them are
+most of their time. Measured on the default pair's draft (2-core Intel Xeon, AVX512): a 13 ms one-token step under
+the profiler, 5.2 ms of it products. The native pass calls the same kernels (the packed weights' own with the
+same row scaling, ATen's attention and SiLU) and writes the elementwise work between them in the scripted order:
+its hidden states are the scripted layers' bit for bit. STARJAR_NATIVE_PASS forces it as it does the target's
+(1 required, 0 off).
 """
 
 from __future__ import annotations
@@ -17,32 +19,45 @@ import torch
 
 from starjar.cpu import kernels
 from starjar.model import native_pass
+from starjar.model.attention import fold_mask
 
 log = logging.getLogger(__name__)
 
-KIND = "native-draft-step"  # the kernel cache's entries of the native-or-scripted choice
+KIND = "native-draft-pass"  # the kernel cache's entries of the native-or-scripted choice
 CONTEXT = 128  # the probe's cached positions, a typical short context
+PROBES = {"step": 1, "span": 3}  # tokens of the passes timed: a one-token step, a catch-up
+Probe = Callable[[int, bool], Callable[[], object]]  # (tokens, native) -> a function running one such pass
 
 
-class NativeDraftStep:
-    """A draft's weights laid out for native_pass.run_draft, and whether its one-token steps take it."""
+class NativeDraftPass:
+    """A draft's weights laid out for native_pass.run_draft, and which of its one-row passes take it."""
 
-    def __init__(self, plan: list, head_dim: int, eps: float):
-        """plan: LeanDecoder's, one entry a layer (its four linears scriptable, one reduce_range)."""
+    def __init__(self, plan: list, biases: list, head_dim: int, eps: float, spans: bool):
+        """plan and biases: LeanDecoder's, one entry a layer (its four linears in torch's int8 kernel, one
+        reduce_range); spans: whether passes of several tokens may run natively (their linears' multi-row path
+        is the row-scaled kernel, which the native pass runs)."""
         self.norms = [t for p in plan for t in (p[0], p[6])]
         self.packs = [lin._packed for p in plan for lin in (p[1], p[5], p[7], p[9])]
+        self.biases = [b for layer in biases for b in layer]
         self.reduce_range = bool(plan[0][1]._reduce_range) if plan else False
         self.nq, self.nk = [p[3] for p in plan], [p[4] for p in plan]
         self.shapes = tuple((lin.in_features, lin.out_features) for lin in (plan[0][1], plan[0][5], plan[0][7],
                                                                             plan[0][9])) if plan else ()
         self.d, self.eps = head_dim, eps
-        self.chosen: bool | None = None  # measured on this machine (None: not yet)
-        self.override: bool | None = None  # set while it is measured
+        self.spans = spans and len({q // k for q, k in zip(self.nq, self.nk, strict=True)}) == 1  # one folded mask
+        self.chosen: dict[str, bool] | None = None  # measured on this machine (None: not yet)
+        self.override: bool | None = None  # set while it is measured, and by tests
 
-    def takes(self, x: torch.Tensor, keys: list[torch.Tensor], probe: Callable[[bool], Callable[[], object]]) -> bool:
-        """Whether this one-token step runs natively: float32 states and cache, and forced, or measured faster
-        (probe(native) gives a function running one step either way; the choice is cached per machine)."""
-        if not self.packs or not native_pass.takes(x) or keys[0].dtype != torch.float32:
+    def usable(self, x: torch.Tensor, keys: list[torch.Tensor]) -> bool:
+        """Whether the native pass can compute this one-row pass: float32 states and cache, and for several
+        tokens the row-scaled products and one group size."""
+        return bool(self.packs) and native_pass.takes(x) and keys[0].dtype == torch.float32 and \
+            (x.shape[1] == 1 or self.spans)
+
+    def takes(self, x: torch.Tensor, keys: list[torch.Tensor], probe: Probe) -> bool:
+        """Whether this one-row pass runs natively: usable, and forced, or measured faster (probe; the choice is
+        cached per machine)."""
+        if not self.usable(x, keys):
             return False
         if self.override is not None:
             return self.override and native_pass.available()
@@ -52,23 +67,38 @@ class NativeDraftStep:
         if force and not native_pass.available():
             raise RuntimeError(f"{native_pass.ENV}=1, but the native passes could not be built: "
                                f"{native_pass.unavailable_reason()}")
-        if self.chosen is None:
-            self.chosen = native_pass.available() and self._measured(probe)
-        return bool(force) or self.chosen
+        if force:
+            return True
+        self.settle(probe)
+        return bool(self.chosen and self.chosen["step" if x.shape[1] == 1 else "span"])
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
-            values: list[torch.Tensor], start: int) -> torch.Tensor:
-        return native_pass.run_draft(x, cos, sin, self.norms, self.packs, self.reduce_range, keys, values, start,
-                                     self.nq, self.nk, self.d, self.eps)
+    def settle(self, probe: Probe) -> None:
+        """Build, load and measure now (at load, not in a served step), unless forced or done."""
+        if self.chosen is None and self.packs and native_pass.forced() is None:
+            self.chosen = self._measured(probe) if native_pass.available() else {"step": False, "span": False}
 
-    def _measured(self, probe: Callable[[bool], Callable[[], object]]) -> bool:
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+            keys: list[torch.Tensor], values: list[torch.Tensor], start: int) -> torch.Tensor:
+        """mask: the pass's [1, 1, Q, K], folded here as the scripted layers fold it (one token needs none)."""
+        folded = None if x.shape[1] == 1 else fold_mask(mask, self.nq[0] // self.nk[0])
+        return native_pass.run_draft(x, cos, sin, folded, self.norms, self.packs, self.biases, self.reduce_range,
+                                     keys, values, start, self.nq, self.nk, self.d, self.eps)
+
+    def _measured(self, probe: Probe) -> dict[str, bool]:
         entry = kernels.cached_entry(f"{KIND}-{len(self.nq)}-layers", self.shapes, lambda: self._measure(probe),
-                                     usable=lambda e: isinstance(e.get("native"), bool))
-        return bool(entry["native"])
+                                     usable=lambda e: isinstance(e.get("native"), dict) and
+                                     set(e["native"]) == set(PROBES))
+        return {k: bool(v) for k, v in entry["native"].items()}
 
-    def _measure(self, probe: Callable[[bool], Callable[[], object]], reps: int = 7) -> dict:
-        """One-token steps after CONTEXT positions, scripted and native in turns; native where faster."""
-        scripted_s, native_s = kernels.interleaved_medians([probe(False), probe(True)], reps)
-        ms = {"scripted": round(scripted_s * 1000, 3), "native": round(native_s * 1000, 3)}
-        log.info("native draft step (%s): %s (measured: %s ms)", kernels.machine_label(), native_s < scripted_s, ms)
-        return {"native": native_s < scripted_s, "ms": ms}
+    def _measure(self, probe: Probe, reps: int = 7) -> dict:
+        """Each probe pass after CONTEXT positions, scripted and native in turns; native where faster."""
+        ms, native = {}, {}
+        for cls, q in PROBES.items():
+            if q > 1 and not self.spans:
+                native[cls] = False
+                continue
+            scripted_s, native_s = kernels.interleaved_medians([probe(q, False), probe(q, True)], reps)
+            ms[cls] = {"scripted": round(scripted_s * 1000, 3), "native": round(native_s * 1000, 3)}
+            native[cls] = native_s < scripted_s
+        log.info("native draft passes (%s): %s (measured: %s ms)", kernels.machine_label(), native, ms)
+        return {"native": native, "ms": ms}

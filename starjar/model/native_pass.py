@@ -1,5 +1,5 @@
 """Native passes, built once per machine: a target's chain pass over fused projections as one call
-(native/target_pass.cpp), and the int8 draft's one-token step as one call (native/draft_step.cpp).
+(native/target_pass.cpp), and the int8 draft's passes over one row as one call (native/draft_pass.cpp).
 
 The scripted fused layers (starjar.model.target_step) dispatch about 45 small ops a layer from the TorchScript
 interpreter. The native pass calls ATen for every sum (the products by the path each takes, RMSNorm's sum,
@@ -8,8 +8,8 @@ them, each value rounded as ATen rounds it: its hidden states are the scripted l
 one-row step and the chain passes whose rows write one span (verification, multi-row decoding on consecutive
 slots). Measured on the default target decoding alone (Intel Xeon, AVX512, 2 threads; python -m
 benchmarks.probes.llama_cpp_reference --also-scripted): 29.0 tokens/s scripted, 31.7 native, in one run.
-The draft's step calls the packed int8 weights' own kernel, ATen's attention and SiLU the same way, equal to the
-scripted step (starjar.model.lean_step) bit for bit.
+The draft's pass calls the packed int8 weights' own kernel the same way, its hidden states the scripted layers'
+(starjar.model.lean_step) bit for bit.
 
 The source is compiled by torch.utils.cpp_extension (a C++ compiler and ninja; about 15 s on 2 cores) the first
 time a process asks for it on a machine, into native_dir(), keyed by the sources, the library's name, the flags
@@ -36,7 +36,7 @@ from starjar.cpu import kernels
 log = logging.getLogger(__name__)
 
 ENV = "STARJAR_NATIVE_PASS"
-SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("target_pass.cpp", "draft_step.cpp"))
+SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("target_pass.cpp", "draft_pass.cpp"))
 HEADERS = (Path(__file__).with_name("native") / "elementwise.h",)
 LIBRARY = "starjar_native_passes"  # the built library's name
 FLAGS = ["-O3", "-ffp-contract=off"]  # no product and sum fused into one rounding: ATen's values, bit for bit
@@ -76,7 +76,7 @@ def unavailable_reason() -> str:
 
 
 def _load() -> tuple[bool, str]:
-    if hasattr(torch.ops.starjar, "fused_pass") and hasattr(torch.ops.starjar, "draft_step"):
+    if hasattr(torch.ops.starjar, "fused_pass") and hasattr(torch.ops.starjar, "draft_pass"):
         return True, ""
     from torch.utils import cpp_extension  # imported here: it is slow to import and only a build needs it
 
@@ -112,12 +112,16 @@ def run(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, mask: torc
                                         start, kv_len, nq, nk, d, eps, scaling)
 
 
-def run_draft(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norms: list[torch.Tensor], packs: list,
-              reduce_range: bool, keys: list[torch.Tensor], values: list[torch.Tensor], start: int, nq: list[int],
-              nk: list[int], d: int, eps: float) -> torch.Tensor:
-    """lean_step's scripted one-token step over every layer: norms two a layer, packs four a layer (torch's
-    packed int8 weights of qkv, o, gate-up and down); the row's K and V written at `start`."""
-    return torch.ops.starjar.draft_step(x, cos, sin, norms, packs, reduce_range, keys, values, start, nq, nk, d, eps)
+def run_draft(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+              norms: list[torch.Tensor], packs: list, biases: list[torch.Tensor | None], reduce_range: bool,
+              keys: list[torch.Tensor], values: list[torch.Tensor], start: int, nq: list[int], nk: list[int], d: int,
+              eps: float) -> torch.Tensor:
+    """lean_step's layers over one row x [1, Q, H] at consecutive positions, every layer: mask as they attend
+    with it (folded for grouped heads; None for one token), norms two a layer, packs and biases four a layer
+    (torch's packed int8 weights of qkv, o, gate-up and down, and their float biases); the row's K and V written
+    from `start`."""
+    return torch.ops.starjar.draft_pass(x, cos, sin, mask, norms, packs, biases, reduce_range, keys, values, start,
+                                        nq, nk, d, eps)
 
 
 def takes(x: torch.Tensor) -> bool:

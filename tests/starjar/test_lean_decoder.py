@@ -169,6 +169,7 @@ def test_scripted_multi_row_passes_are_the_eager_passes_bit_for_bit(tmp_path, mo
     from starjar.model.kv_cache import RaggedKVCache
 
     monkeypatch.setenv("STARJAR_INT8_KERNEL", kernel)  # the multi-row layer's kernel, whatever this machine chose
+    monkeypatch.setenv("STARJAR_NATIVE_PASS", "0")  # the scripted catch-up, not the native one (test_native_draft)
     target = with_random_biases(tmp_path, model_dirs[family]) if family == "qwen2" else model_dirs[family]
     draft = load_model(int8_draft_dir(tmp_path, target))
     mats = [m for layer in draft.lean._mats for m in layer]  # the int_mm weights the scripted layer is given

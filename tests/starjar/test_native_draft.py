@@ -1,4 +1,4 @@
-"""The int8 draft's native one-token step (starjar.model.native_draft): the scripted step's bits, chosen by
+"""The int8 draft's native one-row passes (starjar.model.native_draft): the scripted layers' values, chosen by
 measurement or forced, and lossless through the engine."""
 
 import pytest
@@ -13,8 +13,8 @@ from starjar.spec.sampling import SamplingParams
 
 
 def _steps(draft, prompts: list[list[int]], native: bool | None, steps: int = 10) -> torch.Tensor:
-    """Logits of a prefill and then one-token steps per prompt, each in its own fresh cache."""
-    draft.lean.native_step.override = native
+    """Logits of a prefill, one-token steps and catch-ups of 2 and 3 tokens per prompt, each in its own cache."""
+    draft.lean.native.override = native
     try:
         out = []
         for prompt in prompts:
@@ -23,28 +23,36 @@ def _steps(draft, prompts: list[list[int]], native: bool | None, steps: int = 10
             out += draft.forward(cache, [slot], [prompt], [[len(prompt) - 1]])
             for tok in range(3, 3 + steps):
                 out += draft.forward(cache, [slot], [[tok]], [[0]])
+            out += draft.forward(cache, [slot], [[40, 41]], [[0, 1]])
+            out += draft.forward(cache, [slot], [[42, 43, 44]], [[0, 1, 2]])
+            out += draft.forward(cache, [slot], [[45]], [[0]])
         return torch.cat(out)
     finally:
-        draft.lean.native_step.override = None
+        draft.lean.native.override = None
 
 
 def _counted(monkeypatch) -> list:
     calls = []
     run = native_pass.run_draft
-    monkeypatch.setattr(native_pass, "run_draft", lambda *a: calls.append(a[8]) or run(*a))
+    monkeypatch.setattr(native_pass, "run_draft", lambda *a: calls.append(a[10]) or run(*a))
     return calls
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_the_native_step_is_the_scripted_step_bit_for_bit(tmp_path, model_dirs, prompt_ids, monkeypatch, family):
+def test_native_passes_are_the_scripted_layers_bit_for_bit(tmp_path, model_dirs, prompt_ids, monkeypatch, family):
     monkeypatch.setenv("STARJAR_DRAFT_KV", "float32")
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")  # the row-scaled products that catch-ups run natively
     draft = load_model(int8_draft_dir(tmp_path, model_dirs[family]))
     assert native_pass.available(), native_pass.unavailable_reason()
     calls = _counted(monkeypatch)
     scripted = _steps(draft, prompt_ids[:3], False)
     assert calls == []
     native = _steps(draft, prompt_ids[:3], True)
-    assert len(calls) == 30 and calls[0] == len(prompt_ids[0])  # every step, written after the prompt
+    # Every pass after each prompt's prefill (into a fresh cache, which the eager layers make), from where it
+    # belongs.
+    n = len(prompt_ids[0])
+    assert calls[:13] == [*range(n, n + 10), n + 10, n + 12, n + 15]
+    assert len(calls) == 3 * 13
     assert torch.equal(native, scripted)
 
 
@@ -70,19 +78,31 @@ def test_greedy_output_with_the_step_forced_each_way_is_the_targets(tmp_path, mo
     assert (len(calls) > 0) == (way == "1")
 
 
+def test_with_the_int_mm_products_only_one_token_steps_run_natively(tmp_path, model_dirs, prompt_ids, monkeypatch):
+    monkeypatch.setenv("STARJAR_DRAFT_KV", "float32")
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", "int_mm")
+    monkeypatch.setenv(native_pass.ENV, "1")
+    draft = load_model(int8_draft_dir(tmp_path, model_dirs["llama"]))
+    calls = _counted(monkeypatch)
+    _steps(draft, prompt_ids[:1], None, steps=2)
+    n = len(prompt_ids[0])
+    assert calls == [n, n + 1, n + 7]  # the steps; the prefill and the catch-ups keep the scripted int_mm layers
+
+
 def test_the_choice_is_measured_once_per_machine_and_cached(tmp_path, model_dirs, prompt_ids, monkeypatch):
     monkeypatch.setenv("STARJAR_DRAFT_KV", "float32")
     monkeypatch.setenv("STARJAR_HOME", str(tmp_path / "home"))  # a kernel cache of its own
     monkeypatch.delenv(native_pass.ENV, raising=False)
     measured = []
-    real = native_draft.NativeDraftStep._measure
-    monkeypatch.setattr(native_draft.NativeDraftStep, "_measure",
+    real = native_draft.NativeDraftPass._measure
+    monkeypatch.setattr(native_draft.NativeDraftPass, "_measure",
                         lambda self, probe, reps=3: measured.append(1) or real(self, probe, reps))
-    for _ in range(2):
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")
+    for i in range(2):
         kernels._entries.clear()  # a new process reads the kept entry
-        draft = load_model(int8_draft_dir(tmp_path / str(len(measured)), model_dirs["llama"]))
-        _steps(draft, prompt_ids[:1], None, steps=2)
-        assert draft.lean.native_step.chosen is not None
+        draft = load_model(int8_draft_dir(tmp_path / str(i), model_dirs["llama"]))
+        assert draft.lean.native.chosen is not None  # measured at load, not in a served pass
     assert measured == [1]
     entry = next(e for name, e in kernels.cached_entries().items() if native_draft.KIND in name)
-    assert set(entry["ms"]) == {"scripted", "native"} and entry["native"] == draft.lean.native_step.chosen
+    assert set(entry["ms"]) == {"step", "span"} and entry["native"] == draft.lean.native.chosen
+    assert all(set(ms) == {"scripted", "native"} for ms in entry["ms"].values())

@@ -1,0 +1,192 @@
+// An int8 Llama-family draft's pass over one row and consecutive positions (a one-token step, a catch-up of
+// a few tokens), every layer, as one native call.
+//
+// The scripted layers (starjar/model/lean_step.py) run about 35 small ops a layer from the TorchScript
+// interpreter; their four int8 products are near the memory floor, the glue is the rest (on a 2-core Xeon,
+// 5 ms of products in a 13 ms one-token step). Here the products are torch's dynamic int8 kernel (the packed
+// weights' own apply_dynamic, which quantized::linear_dynamic calls) with lean_step's row scaling, RMSNorm's
+// sum, attention and SiLU are ATen's, and the elementwise work is written out in lean_step's order and rounding:
+// the hidden states are the scripted layers' bit for bit (tests/starjar/test_native_draft.py).
+#include <ATen/ATen.h>
+#include <ATen/native/quantized/PackedParams.h>
+#include <torch/library.h>
+
+#include "elementwise.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
+using starjar_native::residual;
+using starjar_native::rms_norm;
+
+// The packed weights inside a TorchScript object (a custom class holds its C++ object in slot 0).
+Packed unpack(const c10::IValue& v) {
+  TORCH_CHECK(v.isObject(), "draft_pass takes LinearPackedParamsBase objects");
+  return c10::static_intrusive_pointer_cast<LinearPackedParamsBase>(v.toObject()->getSlot(0).toCapsule());
+}
+
+// Whether scaled_dot_product_attention would run its CPU flash kernel on these (dense float32, equal heads and
+// head dims, as the layers give it): then that kernel is called directly, the same values without the backend
+// selection's checks (as target_pass.cpp does).
+bool flash_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return at::globalContext().userEnabledFlashSDP() && q.stride(-1) == 1 && k.stride(-1) == 1 &&
+         v.stride(-1) == 1 && q.size(1) == k.size(1) && q.size(-1) == k.size(-1) && k.size(-1) == v.size(-1) &&
+         q.size(2) > 0 && k.size(2) > 0;
+}
+
+struct Pass {
+  int64_t start, d;
+  double eps;
+  bool reduce_range;
+  const float* cos;  // [Q, d]: each token's position
+  const float* sin;
+  std::optional<at::Tensor> mask;  // [1, 1, g Q, L] additive, folded for grouped heads (several tokens)
+};
+
+// A product by packed int8 weights, as lean_step runs it: one token as torch's dynamic kernel is (its one
+// activation range is the row's own); several with each row scaled to an absolute maximum of 1 first and put
+// right after, the bias (inside the packed weights) scaled with the row and restored (lean_step._rows_linear).
+at::Tensor product(const at::Tensor& x, const Packed& pack, const std::optional<at::Tensor>& bias, bool reduce_range) {
+  const int64_t k = x.size(-1), rows = x.numel() / k;
+  if (rows == 1) return pack->apply_dynamic(x, reduce_range);
+  at::Tensor scaled = at::empty_like(x);
+  std::vector<float> peaks(rows);
+  const float* xp = x.data_ptr<float>();
+  float* sp = scaled.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    float peak = 0.0f;
+    for (int64_t i = 0; i < k; ++i) peak = std::max(peak, std::fabs(xp[r * k + i]));
+    peaks[r] = std::max(peak, 1e-12f);
+    for (int64_t i = 0; i < k; ++i) sp[r * k + i] = xp[r * k + i] / peaks[r];
+  }
+  at::Tensor y = pack->apply_dynamic(scaled, reduce_range);
+  float* yp = y.data_ptr<float>();
+  const int64_t n = y.size(-1);
+  const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      float& v = yp[r * n + i];
+      v = bp == nullptr ? v * peaks[r] : (v - bp[i]) * peaks[r] + bp[i];
+    }
+  }
+  return y;
+}
+
+// One layer of lean_step's over x [1, Q, H] (one row, consecutive positions from `start`); keys and values
+// [1, nk, L, d], written from `start`; biases the four products' (undefined where none).
+at::Tensor layer(const at::Tensor& x, const Pass& s, const at::Tensor& w_in, const at::Tensor& w_post,
+                 const Packed* packs, const std::optional<at::Tensor>* biases, const at::Tensor& keys,
+                 const at::Tensor& values, int64_t nq, int64_t nk) {
+  const int64_t d = s.d, half = d / 2, Q = x.size(1), heads_n = nq + 2 * nk;
+  const at::Tensor heads = product(rms_norm(x, w_in, s.eps), packs[0], biases[0], s.reduce_range);
+  const float* hp = heads.data_ptr<float>();
+  // q and k rotated (rotate_half: the second half negated first); q laid [1, nq, Q, d], which is the
+  // scripted layers' [1, nk, g Q, d]: a group's query heads along its KV head's query axis.
+  at::Tensor query = at::empty({1, nq, Q, d}, x.options());
+  float* qp = query.data_ptr<float>();
+  const auto ks = keys.strides();
+  const auto vs = values.strides();
+  for (int64_t t = 0; t < Q; ++t) {
+    const float* c = s.cos + t * d;
+    const float* sn = s.sin + t * d;
+    float* kp = keys.data_ptr<float>() + (s.start + t) * ks[2];
+    float* vp = values.data_ptr<float>() + (s.start + t) * vs[2];
+    for (int64_t j = 0; j < nq + nk; ++j) {
+      const float* src = hp + (t * heads_n + j) * d;
+      for (int64_t e = 0; e < d; ++e) {
+        const float a = src[e] * c[e];
+        const float r = (e < half ? -src[e + half] : src[e - half]) * sn[e];
+        if (j < nq) {
+          qp[(j * Q + t) * d + e] = a + r;
+        } else {
+          kp[(j - nq) * ks[1] + e * ks[3]] = a + r;
+        }
+      }
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      const float* src = hp + (t * heads_n + nq + nk + j) * d;
+      for (int64_t e = 0; e < d; ++e) vp[j * vs[1] + e * vs[3]] = src[e];
+    }
+  }
+  const at::Tensor folded = query.view({1, nk, nq / nk * Q, d});
+  const at::Tensor k_att = keys.narrow(2, 0, s.start + Q), v_att = values.narrow(2, 0, s.start + Q);
+  const std::optional<at::Tensor> mask = Q == 1 ? std::nullopt : s.mask;  // one token sees every key
+  const at::Tensor scores = flash_applies(folded, k_att, v_att)
+      ? std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(folded, k_att, v_att, 0.0, false, mask, {}))
+      : at::scaled_dot_product_attention(folded, k_att, v_att, mask, 0.0, false, {});
+  const at::Tensor att = scores.view({1, nq, Q, d}).transpose(1, 2).contiguous().view({1, Q, nq * d});
+  const at::Tensor y = residual(x, product(att, packs[1], biases[1], s.reduce_range));
+  const at::Tensor gate_up = product(rms_norm(y, w_post, s.eps), packs[2], biases[2], s.reduce_range);
+  const int64_t inner = gate_up.size(-1) / 2;
+  at::Tensor prod = at::empty({1, Q, inner}, x.options());
+  const at::Tensor act = at::silu(gate_up.narrow(-1, 0, inner)).contiguous();
+  const float* ap = act.data_ptr<float>();
+  const float* gp = gate_up.data_ptr<float>();
+  float* pp = prod.data_ptr<float>();
+  for (int64_t t = 0; t < Q; ++t) {
+    for (int64_t e = 0; e < inner; ++e) pp[t * inner + e] = ap[t * inner + e] * gp[t * 2 * inner + inner + e];
+  }
+  return residual(y, product(prod, packs[3], biases[3], s.reduce_range));
+}
+
+// Every layer of a pass of one row over Q consecutive positions from `start` (a one-token step, a catch-up):
+// x [1, Q, H]; mask (several tokens) as the scripted layers attend with it, folded for grouped heads; norms
+// two a layer (input, post-attention); packs and biases four a layer (qkv, o, gate-up, down),
+// all with one reduce_range; cos and sin [1, Q, 1, d]; keys and values the row's buffers [1, nk, L, d].
+void draft_pass(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  auto args = torch::jit::last(*stack, 15);
+  const at::Tensor x = args[0].toTensor(), cos = args[1].toTensor().contiguous(),
+                   sin = args[2].toTensor().contiguous();
+  const std::optional<at::Tensor> mask = args[3].toOptional<at::Tensor>();
+  const auto norms = args[4].toTensorList();
+  const auto pack_list = args[5].toList();
+  const auto bias_list = args[6].toOptionalTensorList();
+  const bool reduce_range = args[7].toBool();
+  const auto keys = args[8].toTensorList(), values = args[9].toTensorList();
+  const int64_t start = args[10].toInt();
+  const auto nq = args[11].toIntVector(), nk = args[12].toIntVector();
+  const int64_t d = args[13].toInt(), layers = static_cast<int64_t>(nq.size());
+  const double eps = args[14].toDouble();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3 && x.size(0) == 1,
+              "draft_pass takes one float32 row [1, Q, H]");
+  TORCH_CHECK(norms.size() == 2 * layers && pack_list.size() == 4 * layers && bias_list.size() == 4 * layers &&
+              keys.size() == layers && values.size() == layers && nk.size() == nq.size(),
+              "draft_pass: two norms, four packs and four biases a layer");
+  TORCH_CHECK(cos.numel() == x.size(1) * d && sin.numel() == cos.numel(), "cos and sin must hold each position");
+  TORCH_CHECK(x.size(1) == 1 || mask.has_value(), "draft_pass: several tokens need their mask");
+  std::vector<Packed> packs;
+  std::vector<std::optional<at::Tensor>> biases;
+  for (const c10::IValue& v : pack_list) packs.push_back(unpack(v));
+  for (int64_t i = 0; i < 4 * layers; ++i) biases.push_back(bias_list.get(i));
+  for (int64_t i = 0; i < layers; ++i) {
+    const at::Tensor& k = keys.get(i);
+    const at::Tensor& v = values.get(i);
+    TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.stride(3) == 1 &&
+                v.stride(3) == 1 && start + x.size(1) <= k.size(2),
+                "the row's KV buffers must be float32 with room from start");
+  }
+  const Pass s{start, d, eps, reduce_range, cos.data_ptr<float>(), sin.data_ptr<float>(), mask};
+  at::Tensor out = x;
+  for (int64_t i = 0; i < layers; ++i) {
+    out = layer(out, s, norms.get(2 * i), norms.get(2 * i + 1), packs.data() + 4 * i, biases.data() + 4 * i,
+                keys.get(i), values.get(i), nq[i], nk[i]);
+  }
+  torch::jit::drop(*stack, 15);
+  torch::jit::push(*stack, std::move(out));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(starjar, m) {
+  m.def("draft_pass(Tensor x, Tensor cos, Tensor sin, Tensor? mask, Tensor[] norms, "
+        "__torch__.torch.classes.quantized.LinearPackedParamsBase[] packs, Tensor?[] biases, bool reduce_range, "
+        "Tensor[] keys, Tensor[] values, int start, int[] nq, int[] nk, int d, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(starjar, CPU, m) {
+  m.impl("draft_pass", torch::CppFunction::makeFromBoxedFunction<&draft_pass>());
+}
