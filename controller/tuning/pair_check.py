@@ -58,12 +58,13 @@ KEEP_EARLIER = 8
 NUMERICS = ({"act_bits": 8}, {"smooth_alpha": 0.5}, {"act_bits": 8, "smooth_alpha": 0.5})
 HEAD_VOCAB = 16384  # covers 94% of the default target's output tokens on Spec-Bench
 # Bumped when the draft's forward gets cheaper or dearer, so that measurements taken before are taken again
-# (2: the scripted multi-row draft layer, starjar.model.lean_step; 3: candidates with finer activations, NUMERICS).
-DRAFT_FORWARD_REVISION = 3
+# (2: the scripted multi-row draft layer, starjar.model.lean_step; 3: candidates with finer activations, NUMERICS;
+# 4: one-row passes in one native call, starjar.model.native_draft).
+DRAFT_FORWARD_REVISION = 4
 # The same for the target's passes (2: few-row products chosen by measurement, starjar.cpu.skinny_linear; 3: MKL-packed
 # weights where they measure faster; 4: the lean target forward, starjar.model.lean_target; 5: its fused projections,
-# starjar.model.fused_projections).
-TARGET_FORWARD_REVISION = 5
+# starjar.model.fused_projections; 6: its passes in one native call, starjar.model.native_pass).
+TARGET_FORWARD_REVISION = 6
 # How agreement is measured (_agreement): a measurement taken another way is stale. "stepwise" replaced one
 # teacher-forced pass, which overrated 8-bit activations on AVX2 kernels (0.823 against 0.323 in real steps).
 AGREEMENT = "stepwise"

@@ -165,8 +165,8 @@ void draft_pass(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor& k = keys.get(i);
     const at::Tensor& v = values.get(i);
-    TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.stride(3) == 1 &&
-                v.stride(3) == 1 && start + x.size(1) <= k.size(2),
+    TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 4 &&
+                v.dim() == 4 && start + x.size(1) <= k.size(2) && start + x.size(1) <= v.size(2),
                 "the row's KV buffers must be float32 with room from start");
   }
   const Pass s{start, d, eps, reduce_range, cos.data_ptr<float>(), sin.data_ptr<float>(), mask};
