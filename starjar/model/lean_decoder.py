@@ -177,8 +177,8 @@ class LeanDecoder(torch.nn.Module):
         and sin hold only those), or None; padded: the pass's (B, Q)."""
         b, q = padded
         d, eps = self.head_dim, self.eps
-        if b == 1 and rows is None and write is None and real is None and self.native.takes(x, keys, self._probe):
-            return self.native.run(x, cos, sin, mask, keys, values, start)
+        if rows is None and real is None and self.native.takes(x, keys, self._probe):
+            return self.native.run(x, cos, sin, mask, keys, values, write, start, kv_len)
         if b == 1 and q == 1 and rows is None and write is None:
             layer = lean_step.layer_fn()
             for (w_in, qkv, _, nq, nk, o_proj, w_post, gate_up, _, down), k, v in zip(self.plan, keys, values,
@@ -198,18 +198,19 @@ class LeanDecoder(torch.nn.Module):
                       mats, real, b, q)
         return x
 
-    def _probe(self, q: int, native: bool):
-        """A function running passes of q tokens after CONTEXT positions in its own float32 cache, natively or
-        scripted (NativeDraftPass's measurement)."""
+    def _probe(self, b: int, q: int, native: bool):
+        """A function running passes of b rows x q tokens after CONTEXT positions, in its own float32 cache,
+        natively or scripted (NativeDraftPass's measurement)."""
         cache = RaggedKVCache(self.final_norm.device, torch.float32)
-        slot = cache.allocate()
+        slots = [cache.allocate() for _ in range(b)]
 
         def run(n: int) -> None:
-            cache.truncate(slot, min(cache.lengths[slot], CONTEXT))
-            pos, mask = cache.begin([slot], [n])
+            for s in slots:
+                cache.truncate(s, min(cache.lengths[s], CONTEXT))
+            pos, mask = cache.begin(slots, [n] * b)
             self.native.override = native if n == q else False
             try:
-                self.hidden(torch.full((1, n), 7, dtype=torch.long), pos, mask, cache)
+                self.hidden(torch.full((b, n), 7, dtype=torch.long), pos, mask, cache)
             finally:
                 self.native.override = None
 

@@ -10,7 +10,7 @@ included; Intel Xeon, AVX512, 2 threads; benchmarks/probes/lean_target_speed.py,
 20.4 -> 33.8 tokens/s at batch 1 (1.66x, native passes included), 1.31x at batch 4, 1.26x at batch 8, 1.13x
 at batch 16, the same tokens either way. Where the machine gives the same bits (starjar.model.fused_projections),
 q/k/v and gate/up are one product each; passes over a row bucket take them fused or apart as measured
-(FUSED_KIND), and fused passes whose rows write one span run every layer in one native call where that measured
+(FUSED_KIND), and fused passes over consecutive slots run every layer in one native call where that measured
 faster (NATIVE_KIND, starjar.model.native_pass).
 
 Pass shape classes (CLASSES): `step` (one row, one token: batch-1 decoding), `rows` (up to LONG rows in all:
@@ -235,8 +235,8 @@ class LeanTarget:
 
     def _fused_rows_pass(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                          codes: list[list[int]], views: tuple, q: int) -> torch.Tensor:
-        """A chain pass other than a one-row step over the fused projections: native where its rows write one
-        span and it was chosen, else layer by layer scripted."""
+        """A chain pass other than a one-row step over the fused projections: native where its rows are on
+        consecutive slots and it was chosen, else layer by layer scripted."""
         keys, values, rows, write, start, kv_len = views
         d = self.head_dim
         sin_signed = _signed_sin(sin)
@@ -250,13 +250,12 @@ class LeanTarget:
                                 self._fused_packed(i, 1) if paths[2] == 2 else None,
                                 skinny_linear.packed_weight(linears[6]) if paths[3] == 2 else None])
         groups = {nq // nk for nq, nk in zip(nqs, nks, strict=True)}
-        if rows is None and write is None and len(groups) == 1 and native_pass.takes(x) and \
-                self.takes_native(x.shape[0] * q):
+        if rows is None and len(groups) == 1 and native_pass.takes(x) and self.takes_native(x.shape[0] * q):
             g = groups.pop()
             return native_pass.run(x, cos, sin_signed, mask if g == 1 or q == 1 else attention.fold_mask(mask, g),
                                    *self.flat, [p for packs in layer_packs for p in packs],
                                    [c for paths in layer_paths for c in paths], keys, values, start, kv_len, nqs,
-                                   nks, d, self.eps, self.scaling)
+                                   nks, d, self.eps, self.scaling, write)
         perm = self.perm.to(x.device)
         folded: dict[int, torch.Tensor] = {}  # the mask as folded_attention folds it, once per pass
         for i, (nq, nk) in enumerate(zip(nqs, nks, strict=True)):

@@ -1,6 +1,6 @@
-"""The int8 draft's passes over one row as one native call (native/draft_pass.cpp, built by
-starjar.model.native_pass): the one-token step and the catch-up over a few tokens, where each measured faster than
-the scripted layers (starjar.model.lean_step) on the running machine.
+"""The int8 draft's passes over consecutive cache slots as one native call (native/draft_pass.cpp, built by
+starjar.model.native_pass): the one-token step, the catch-up over a few tokens and batched drafting, where each
+measured faster than the scripted layers (starjar.model.lean_step) on the running machine.
 
 The scripted layers' four int8 products per layer run near the memory floor; the ~35 small ops around them are
 most of their time. Measured on the default pair's draft (2-core Intel Xeon, AVX512): a 13 ms one-token step under
@@ -25,17 +25,18 @@ log = logging.getLogger(__name__)
 
 KIND = "native-draft-pass"  # the kernel cache's entries of the native-or-scripted choice
 CONTEXT = 128  # the probe's cached positions, a typical short context
-PROBES = {"step": 1, "span": 3}  # tokens of the passes timed: a one-token step, a catch-up
-Probe = Callable[[int, bool], Callable[[], object]]  # (tokens, native) -> a function running one such pass
+# The passes timed, (rows, tokens): a one-token step, a catch-up, batched drafting.
+PROBES = {"step": (1, 1), "span": (1, 3), "rows": (4, 1)}
+Probe = Callable[[int, int, bool], Callable[[], object]]  # (rows, tokens, native) -> a function running one pass
 
 
 class NativeDraftPass:
-    """A draft's weights laid out for native_pass.run_draft, and which of its one-row passes take it."""
+    """A draft's weights laid out for native_pass.run_draft, and which of its passes take it."""
 
     def __init__(self, plan: list, biases: list, head_dim: int, eps: float, spans: bool):
         """plan and biases: LeanDecoder's, one entry a layer (its four linears in torch's int8 kernel, one
-        reduce_range); spans: whether passes of several tokens may run natively (their linears' multi-row path
-        is the row-scaled kernel, which the native pass runs)."""
+        reduce_range); spans: whether passes of several rows or tokens may run natively (their linears'
+        multi-row path is the row-scaled kernel, which the native pass runs)."""
         self.norms = [t for p in plan for t in (p[0], p[6])]
         self.packs = [lin._packed for p in plan for lin in (p[1], p[5], p[7], p[9])]
         self.biases = [b for layer in biases for b in layer]
@@ -49,14 +50,14 @@ class NativeDraftPass:
         self.override: bool | None = None  # set while it is measured, and by tests
 
     def usable(self, x: torch.Tensor, keys: list[torch.Tensor]) -> bool:
-        """Whether the native pass can compute this one-row pass: float32 states and cache, and for several
+        """Whether the native pass can compute this pass: float32 states and cache, and for several rows or
         tokens the row-scaled products and one group size."""
         return bool(self.packs) and native_pass.takes(x) and keys[0].dtype == torch.float32 and \
-            (x.shape[1] == 1 or self.spans)
+            (x.shape[0] * x.shape[1] == 1 or self.spans)
 
     def takes(self, x: torch.Tensor, keys: list[torch.Tensor], probe: Probe) -> bool:
-        """Whether this one-row pass runs natively: usable, and forced, or measured faster (probe; the choice is
-        cached per machine)."""
+        """Whether this pass over consecutive slots runs natively: usable, and forced, or measured faster (probe;
+        the choice is cached per machine)."""
         if not self.usable(x, keys):
             return False
         if self.override is not None:
@@ -70,19 +71,22 @@ class NativeDraftPass:
         if force:
             return True
         self.settle(probe)
-        return bool(self.chosen and self.chosen["step" if x.shape[1] == 1 else "span"])
+        return bool(self.chosen and self.chosen[pass_class(x.shape[0], x.shape[1])])
 
     def settle(self, probe: Probe) -> None:
         """Build, load and measure now (at load, not in a served step), unless forced or done."""
         if self.chosen is None and self.packs and native_pass.forced() is None:
-            self.chosen = self._measured(probe) if native_pass.available() else {"step": False, "span": False}
+            self.chosen = self._measured(probe) if native_pass.available() else dict.fromkeys(PROBES, False)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-            keys: list[torch.Tensor], values: list[torch.Tensor], start: int) -> torch.Tensor:
-        """mask: the pass's [1, 1, Q, K], folded here as the scripted layers fold it (one token needs none)."""
-        folded = None if x.shape[1] == 1 else fold_mask(mask, self.nq[0] // self.nk[0])
+            keys: list[torch.Tensor], values: list[torch.Tensor], write: torch.Tensor | None, start: int,
+            kv_len: int) -> torch.Tensor:
+        """mask: the pass's [B, 1, Q, K], folded here as the scripted layers fold it (a one-token step needs
+        none); keys, values, write, start and kv_len: the cache's pass views for rows on consecutive slots."""
+        b, q = x.shape[:2]
+        folded = None if b * q == 1 else mask if q == 1 else fold_mask(mask, self.nq[0] // self.nk[0])
         return native_pass.run_draft(x, cos, sin, folded, self.norms, self.packs, self.biases, self.reduce_range,
-                                     keys, values, start, self.nq, self.nk, self.d, self.eps)
+                                     keys, values, start, self.nq, self.nk, self.d, self.eps, kv_len, write)
 
     def _measured(self, probe: Probe) -> dict[str, bool]:
         entry = kernels.cached_entry(f"{KIND}-{len(self.nq)}-layers", self.shapes, lambda: self._measure(probe),
@@ -93,12 +97,17 @@ class NativeDraftPass:
     def _measure(self, probe: Probe, reps: int = 7) -> dict:
         """Each probe pass after CONTEXT positions, scripted and native in turns; native where faster."""
         ms, native = {}, {}
-        for cls, q in PROBES.items():
-            if q > 1 and not self.spans:
+        for cls, (b, q) in PROBES.items():
+            if b * q > 1 and not self.spans:
                 native[cls] = False
                 continue
-            scripted_s, native_s = kernels.interleaved_medians([probe(q, False), probe(q, True)], reps)
+            scripted_s, native_s = kernels.interleaved_medians([probe(b, q, False), probe(b, q, True)], reps)
             ms[cls] = {"scripted": round(scripted_s * 1000, 3), "native": round(native_s * 1000, 3)}
             native[cls] = native_s < scripted_s
         log.info("native draft passes (%s): %s (measured: %s ms)", kernels.machine_label(), native, ms)
         return {"native": native, "ms": ms}
+
+
+def pass_class(b: int, q: int) -> str:
+    """The PROBES class whose measurement decides a pass of b rows x q tokens."""
+    return "step" if b * q == 1 else "span" if b == 1 else "rows"

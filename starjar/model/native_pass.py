@@ -1,12 +1,12 @@
 """Native passes, built once per machine: a target's chain pass over fused projections as one call
-(native/target_pass.cpp), and the int8 draft's passes over one row as one call (native/draft_pass.cpp).
+(native/target_pass.cpp), and the int8 draft's passes over consecutive slots as one call (native/draft_pass.cpp).
 
 The scripted fused layers (starjar.model.target_step) dispatch about 45 small ops a layer from the TorchScript
 interpreter. The native pass calls ATen for every sum (the products by the path each takes, RMSNorm's sum,
 attention, SiLU) with the shapes the scripted layers give them and writes only the elementwise work between
 them, each value rounded as ATen rounds it: its hidden states are the scripted layers' bit for bit. It runs the
-one-row step and the chain passes whose rows write one span (verification, multi-row decoding on consecutive
-slots). Measured on the default target decoding alone (Intel Xeon, AVX512, 2 threads; python -m
+one-row step and the chain passes over consecutive cache slots (verification, multi-row decoding). Measured on
+the default target decoding alone (Intel Xeon, AVX512, 2 threads; python -m
 benchmarks.probes.llama_cpp_reference --also-scripted): 29.0 tokens/s scripted, 31.7 native, in one run.
 The draft's pass calls the packed int8 weights' own kernel the same way, its hidden states the scripted layers'
 (starjar.model.lean_step) bit for bit.
@@ -104,24 +104,26 @@ def _load() -> tuple[bool, str]:
 def run(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, mask: torch.Tensor,
         flat_ws: list[torch.Tensor], flat_bs: list[torch.Tensor | None], packs: list[torch.Tensor | None],
         paths: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], start: int, kv_len: int,
-        nq: list[int], nk: list[int], d: int, eps: float, scaling: float) -> torch.Tensor:
+        nq: list[int], nk: list[int], d: int, eps: float, scaling: float,
+        write: torch.Tensor | None = None) -> torch.Tensor:
     """The fused layers' result over every layer (target_step._fused_step's for one row, _fused_rows_layer's in
     turn otherwise) with each layer's weights flattened (six a layer) and its biases, packed weights and product
-    paths (four a layer: qkv, o, gate-up, down); the rows' K and V written as one span from `start`."""
+    paths (four a layer: qkv, o, gate-up, down); the rows' K and V written as one span from `start`, or each
+    token at its position in write [B, Q] (consecutive slots of unequal lengths)."""
     return torch.ops.starjar.fused_pass(x, cos, sin_signed, mask, flat_ws, flat_bs, packs, paths, keys, values,
-                                        start, kv_len, nq, nk, d, eps, scaling)
+                                        start, kv_len, nq, nk, d, eps, scaling, write)
 
 
 def run_draft(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
               norms: list[torch.Tensor], packs: list, biases: list[torch.Tensor | None], reduce_range: bool,
               keys: list[torch.Tensor], values: list[torch.Tensor], start: int, nq: list[int], nk: list[int], d: int,
-              eps: float) -> torch.Tensor:
-    """lean_step's layers over one row x [1, Q, H] at consecutive positions, every layer: mask as they attend
-    with it (folded for grouped heads; None for one token), norms two a layer, packs and biases four a layer
-    (torch's packed int8 weights of qkv, o, gate-up and down, and their float biases); the row's K and V written
-    from `start`."""
+              eps: float, kv_len: int, write: torch.Tensor | None) -> torch.Tensor:
+    """lean_step's layers over rows on consecutive slots x [B, Q, H], every layer: mask as they attend with it
+    (folded for grouped heads when Q > 1; None for a one-token step), norms two a layer, packs and biases four a
+    layer (torch's packed int8 weights of qkv, o, gate-up and down, and their float biases); the rows' K and V
+    written from `start`, or each token at its position in write [B, Q]; attention over kv_len positions."""
     return torch.ops.starjar.draft_pass(x, cos, sin, mask, norms, packs, biases, reduce_range, keys, values, start,
-                                        nq, nk, d, eps)
+                                        nq, nk, d, eps, kv_len, write)
 
 
 def takes(x: torch.Tensor) -> bool:

@@ -2,11 +2,10 @@
 keep greedy output equal to the target's."""
 
 import dataclasses
-import shutil
 
 import pytest
 import torch
-from int8_drafts import int8_draft_dir
+from int8_drafts import int8_draft_dir, with_random_biases
 
 from controller.colocated import colocated_engine
 from starjar.model.loading import load_model
@@ -135,24 +134,6 @@ def test_a_tree_pass_never_takes_the_scripted_layers():
     assert cache.pass_views(1) is not None
     cache.begin([slot], [1], [(cache.lengths[slot], [-1])])
     assert cache.pass_views(1) is None
-
-
-def with_random_biases(tmp_path, target_dir):
-    """A copy of a target whose biases (Qwen2's q/k/v) are not zero: a freshly made tiny model's are, which would
-    hide a bias handled wrongly."""
-    from transformers import AutoModelForCausalLM
-
-    d = tmp_path / "biased"
-    shutil.copytree(target_dir, d)
-    model = AutoModelForCausalLM.from_pretrained(d)
-    gen = torch.Generator().manual_seed(0)
-    biases = [p for name, p in model.named_parameters() if name.endswith(".bias")]
-    assert biases
-    with torch.no_grad():
-        for p in biases:
-            p.copy_(torch.randn(p.shape, generator=gen))
-    model.save_pretrained(d)
-    return d
 
 
 @pytest.mark.parametrize("family,cache_kw,kernel", [

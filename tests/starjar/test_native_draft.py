@@ -3,7 +3,7 @@ measurement or forced, and lossless through the engine."""
 
 import pytest
 import torch
-from int8_drafts import int8_draft_dir
+from int8_drafts import int8_draft_dir, with_random_biases
 
 from controller.colocated import colocated_engine
 from starjar.cpu import kernels
@@ -39,10 +39,48 @@ def _counted(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_batched_drafting_natively_is_the_scripted_layers_bit_for_bit(tmp_path, model_dirs, monkeypatch, family):
+    """Rows on consecutive slots, of unequal lengths (each token written where the cache says) or one span,
+    and a one-row catch-up: logits and K/V the scripted layers'; padded and scattered passes stay scripted."""
+    monkeypatch.setenv("STARJAR_DRAFT_KV", "float32")
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")
+    target = with_random_biases(tmp_path, model_dirs[family]) if family == "qwen2" else model_dirs[family]
+    draft = load_model(int8_draft_dir(tmp_path, target))
+    shapes = []
+    run_draft = native_pass.run_draft
+    monkeypatch.setattr(native_pass, "run_draft", lambda *a: shapes.append(tuple(a[0].shape[:2])) or run_draft(*a))
+
+    def run(native: bool):
+        draft.lean.native.override = native
+        cache = draft.new_cache()
+        a, b, c = (cache.allocate() for _ in range(3))
+        outs = list(draft.forward(cache, [a, b, c], [[5, 6, 7, 8], [9, 10], [11, 12, 13]], [[3], [1], [2]]))
+        for t in range(3):  # unequal lengths
+            outs += draft.forward(cache, [a, b, c], [[20 + t], [30 + t], [40 + t]], [[0]] * 3)
+        outs += draft.forward(cache, [a, b, c], [[50, 51], [52], [53, 54]], [[0, 1], [0], [0, 1]])  # padded
+        cache.truncate(a, cache.lengths[b])
+        cache.truncate(c, cache.lengths[b])
+        outs += draft.forward(cache, [a, b, c], [[70], [71], [72]], [[0]] * 3)  # one span
+        outs += draft.forward(cache, [a, c], [[80], [81]], [[0]] * 2)  # slots 0 and 2: not consecutive
+        outs += draft.forward(cache, [b], [[90, 91]], [[0, 1]])  # a catch-up
+        draft.lean.native.override = None
+        kv = [t[s, :, :cache.lengths[s]] for s in (a, b, c) for t in cache._keys + cache._values]
+        return torch.cat(outs), kv
+
+    scripted, scripted_kv = run(False)
+    assert shapes == []
+    native, native_kv = run(True)
+    assert shapes == [(3, 1)] * 4 + [(1, 2)]
+    assert torch.equal(native, scripted)
+    assert all(torch.equal(x, y) for x, y in zip(native_kv, scripted_kv, strict=True))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_native_passes_are_the_scripted_layers_bit_for_bit(tmp_path, model_dirs, prompt_ids, monkeypatch, family):
     monkeypatch.setenv("STARJAR_DRAFT_KV", "float32")
     monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")  # the row-scaled products that catch-ups run natively
-    draft = load_model(int8_draft_dir(tmp_path, model_dirs[family]))
+    target = with_random_biases(tmp_path, model_dirs[family]) if family == "qwen2" else model_dirs[family]
+    draft = load_model(int8_draft_dir(tmp_path, target))
     assert native_pass.available(), native_pass.unavailable_reason()
     calls = _counted(monkeypatch)
     scripted = _steps(draft, prompt_ids[:3], False)
@@ -104,5 +142,5 @@ def test_the_choice_is_measured_once_per_machine_and_cached(tmp_path, model_dirs
         assert draft.lean.native.chosen is not None  # measured at load, not in a served pass
     assert measured == [1]
     entry = next(e for name, e in kernels.cached_entries().items() if native_draft.KIND in name)
-    assert set(entry["ms"]) == {"step", "span"} and entry["native"] == draft.lean.native.chosen
+    assert set(entry["ms"]) == set(native_draft.PROBES) and entry["native"] == draft.lean.native.chosen
     assert all(set(ms) == {"scripted", "native"} for ms in entry["ms"].values())

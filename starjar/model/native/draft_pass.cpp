@@ -1,5 +1,5 @@
-// An int8 Llama-family draft's pass over one row and consecutive positions (a one-token step, a catch-up of
-// a few tokens), every layer, as one native call.
+// An int8 Llama-family draft's pass over rows on consecutive cache slots (a one-token step, a catch-up of a
+// few tokens, batched drafting), every layer, as one native call.
 //
 // The scripted layers (starjar/model/lean_step.py) run about 35 small ops a layer from the TorchScript
 // interpreter; their four int8 products are near the memory floor, the glue is the rest (on a 2-core Xeon,
@@ -39,12 +39,13 @@ bool flash_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 }
 
 struct Pass {
-  int64_t start, d;
+  int64_t start, kv_len, d;
   double eps;
   bool reduce_range;
-  const float* cos;  // [Q, d]: each token's position
+  const float* cos;  // [B, Q, d]: each token's position
   const float* sin;
-  std::optional<at::Tensor> mask;  // [1, 1, g Q, L] additive, folded for grouped heads (several tokens)
+  std::optional<at::Tensor> mask;  // [B, 1, g Q, L] additive, folded for grouped heads (a one-token step: none)
+  const int64_t* write;  // [B, Q]: each token's cache position, or null: one span from `start`
 };
 
 // A product by packed int8 weights, as lean_step runs it: one token as torch's dynamic kernel is (its one
@@ -76,69 +77,73 @@ at::Tensor product(const at::Tensor& x, const Packed& pack, const std::optional<
   return y;
 }
 
-// One layer of lean_step's over x [1, Q, H] (one row, consecutive positions from `start`); keys and values
-// [1, nk, L, d], written from `start`; biases the four products' (undefined where none).
+// One layer of lean_step's over x [B, Q, H] (rows on consecutive slots); keys and values [B, nk, L, d], written
+// from `start` or where `write` says; biases the four products' (undefined where none).
 at::Tensor layer(const at::Tensor& x, const Pass& s, const at::Tensor& w_in, const at::Tensor& w_post,
                  const Packed* packs, const std::optional<at::Tensor>* biases, const at::Tensor& keys,
                  const at::Tensor& values, int64_t nq, int64_t nk) {
-  const int64_t d = s.d, half = d / 2, Q = x.size(1), heads_n = nq + 2 * nk;
+  const int64_t d = s.d, half = d / 2, B = x.size(0), Q = x.size(1), heads_n = nq + 2 * nk;
   const at::Tensor heads = product(rms_norm(x, w_in, s.eps), packs[0], biases[0], s.reduce_range);
   const float* hp = heads.data_ptr<float>();
-  // q and k rotated (rotate_half: the second half negated first); q laid [1, nq, Q, d], which is the
-  // scripted layers' [1, nk, g Q, d]: a group's query heads along its KV head's query axis.
-  at::Tensor query = at::empty({1, nq, Q, d}, x.options());
+  // q and k rotated (rotate_half: the second half negated first); q laid [B, nq, Q, d], which is the
+  // scripted layers' [B, nk, g Q, d]: a group's query heads along its KV head's query axis.
+  at::Tensor query = at::empty({B, nq, Q, d}, x.options());
   float* qp = query.data_ptr<float>();
   const auto ks = keys.strides();
   const auto vs = values.strides();
-  for (int64_t t = 0; t < Q; ++t) {
-    const float* c = s.cos + t * d;
-    const float* sn = s.sin + t * d;
-    float* kp = keys.data_ptr<float>() + (s.start + t) * ks[2];
-    float* vp = values.data_ptr<float>() + (s.start + t) * vs[2];
-    for (int64_t j = 0; j < nq + nk; ++j) {
-      const float* src = hp + (t * heads_n + j) * d;
-      for (int64_t e = 0; e < d; ++e) {
-        const float a = src[e] * c[e];
-        const float r = (e < half ? -src[e + half] : src[e - half]) * sn[e];
-        if (j < nq) {
-          qp[(j * Q + t) * d + e] = a + r;
-        } else {
-          kp[(j - nq) * ks[1] + e * ks[3]] = a + r;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < Q; ++t) {
+      const int64_t row = b * Q + t, pos = s.write != nullptr ? s.write[row] : s.start + t;
+      const float* c = s.cos + row * d;
+      const float* sn = s.sin + row * d;
+      float* kp = keys.data_ptr<float>() + b * ks[0] + pos * ks[2];
+      float* vp = values.data_ptr<float>() + b * vs[0] + pos * vs[2];
+      for (int64_t j = 0; j < nq + nk; ++j) {
+        const float* src = hp + (row * heads_n + j) * d;
+        for (int64_t e = 0; e < d; ++e) {
+          const float a = src[e] * c[e];
+          const float r = (e < half ? -src[e + half] : src[e - half]) * sn[e];
+          if (j < nq) {
+            qp[((b * nq + j) * Q + t) * d + e] = a + r;
+          } else {
+            kp[(j - nq) * ks[1] + e * ks[3]] = a + r;
+          }
         }
       }
-    }
-    for (int64_t j = 0; j < nk; ++j) {
-      const float* src = hp + (t * heads_n + nq + nk + j) * d;
-      for (int64_t e = 0; e < d; ++e) vp[j * vs[1] + e * vs[3]] = src[e];
+      for (int64_t j = 0; j < nk; ++j) {
+        const float* src = hp + (row * heads_n + nq + nk + j) * d;
+        for (int64_t e = 0; e < d; ++e) vp[j * vs[1] + e * vs[3]] = src[e];
+      }
     }
   }
-  const at::Tensor folded = query.view({1, nk, nq / nk * Q, d});
-  const at::Tensor k_att = keys.narrow(2, 0, s.start + Q), v_att = values.narrow(2, 0, s.start + Q);
-  const std::optional<at::Tensor> mask = Q == 1 ? std::nullopt : s.mask;  // one token sees every key
+  const at::Tensor folded = query.view({B, nk, nq / nk * Q, d});
+  const at::Tensor k_att = keys.narrow(2, 0, s.kv_len), v_att = values.narrow(2, 0, s.kv_len);
   const at::Tensor scores = flash_applies(folded, k_att, v_att)
-      ? std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(folded, k_att, v_att, 0.0, false, mask, {}))
-      : at::scaled_dot_product_attention(folded, k_att, v_att, mask, 0.0, false, {});
-  const at::Tensor att = scores.view({1, nq, Q, d}).transpose(1, 2).contiguous().view({1, Q, nq * d});
+      ? std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(folded, k_att, v_att, 0.0, false, s.mask, {}))
+      : at::scaled_dot_product_attention(folded, k_att, v_att, s.mask, 0.0, false, {});
+  const at::Tensor att = scores.view({B, nq, Q, d}).transpose(1, 2).contiguous().view({B, Q, nq * d});
   const at::Tensor y = residual(x, product(att, packs[1], biases[1], s.reduce_range));
   const at::Tensor gate_up = product(rms_norm(y, w_post, s.eps), packs[2], biases[2], s.reduce_range);
   const int64_t inner = gate_up.size(-1) / 2;
-  at::Tensor prod = at::empty({1, Q, inner}, x.options());
+  at::Tensor prod = at::empty({B, Q, inner}, x.options());
   const at::Tensor act = at::silu(gate_up.narrow(-1, 0, inner)).contiguous();
   const float* ap = act.data_ptr<float>();
   const float* gp = gate_up.data_ptr<float>();
   float* pp = prod.data_ptr<float>();
-  for (int64_t t = 0; t < Q; ++t) {
-    for (int64_t e = 0; e < inner; ++e) pp[t * inner + e] = ap[t * inner + e] * gp[t * 2 * inner + inner + e];
+  for (int64_t r = 0; r < B * Q; ++r) {
+    for (int64_t e = 0; e < inner; ++e) pp[r * inner + e] = ap[r * inner + e] * gp[r * 2 * inner + inner + e];
   }
   return residual(y, product(prod, packs[3], biases[3], s.reduce_range));
 }
 
-// Every layer of a pass of one row over Q consecutive positions from `start` (a one-token step, a catch-up):
-// x [1, Q, H]; mask (several tokens) as the scripted layers attend with it, folded for grouped heads; norms
-// two a layer (input, post-attention); packs and biases four a layer (qkv, o, gate-up, down),
-// all with one reduce_range; cos and sin [1, Q, 1, d]; keys and values the row's buffers [1, nk, L, d].
+// Every layer of a pass over B rows on consecutive cache slots, Q tokens each (a one-token step, a catch-up,
+// batched drafting): x [B, Q, H]; mask as the scripted layers attend with it (folded for grouped heads when
+// Q > 1; none for a one-token step); norms two a layer (input, post-attention); packs and biases four a layer
+// (qkv, o, gate-up, down), all with one reduce_range; cos and sin [B, Q, 1, d]; keys and values the rows'
+// buffers [B, nk, L, d], written from `start` or each token at its position in write [B, Q]; attention over
+// the first kv_len positions.
 void draft_pass(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  auto args = torch::jit::last(*stack, 15);
+  auto args = torch::jit::last(*stack, 17);
   const at::Tensor x = args[0].toTensor(), cos = args[1].toTensor().contiguous(),
                    sin = args[2].toTensor().contiguous();
   const std::optional<at::Tensor> mask = args[3].toOptional<at::Tensor>();
@@ -151,13 +156,21 @@ void draft_pass(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const auto nq = args[11].toIntVector(), nk = args[12].toIntVector();
   const int64_t d = args[13].toInt(), layers = static_cast<int64_t>(nq.size());
   const double eps = args[14].toDouble();
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3 && x.size(0) == 1,
-              "draft_pass takes one float32 row [1, Q, H]");
+  const int64_t kv_len = args[15].toInt();
+  const std::optional<at::Tensor> write = args[16].toOptional<at::Tensor>();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3, "draft_pass takes float32 [B, Q, H]");
   TORCH_CHECK(norms.size() == 2 * layers && pack_list.size() == 4 * layers && bias_list.size() == 4 * layers &&
               keys.size() == layers && values.size() == layers && nk.size() == nq.size(),
               "draft_pass: two norms, four packs and four biases a layer");
-  TORCH_CHECK(cos.numel() == x.size(1) * d && sin.numel() == cos.numel(), "cos and sin must hold each position");
-  TORCH_CHECK(x.size(1) == 1 || mask.has_value(), "draft_pass: several tokens need their mask");
+  const int64_t tokens = x.size(0) * x.size(1);
+  TORCH_CHECK(cos.numel() == tokens * d && sin.numel() == cos.numel(), "cos and sin must hold each position");
+  TORCH_CHECK(tokens == 1 || mask.has_value(), "draft_pass: several rows or tokens need their mask");
+  at::Tensor at_pos;
+  if (write.has_value() && write->defined()) {
+    at_pos = write->to(at::kLong).contiguous();
+    TORCH_CHECK(at_pos.numel() == tokens, "write must hold each token's cache position");
+  }
+  const int64_t* wp = at_pos.defined() ? at_pos.data_ptr<int64_t>() : nullptr;
   std::vector<Packed> packs;
   std::vector<std::optional<at::Tensor>> biases;
   for (const c10::IValue& v : pack_list) packs.push_back(unpack(v));
@@ -166,16 +179,21 @@ void draft_pass(const c10::OperatorHandle&, torch::jit::Stack* stack) {
     const at::Tensor& k = keys.get(i);
     const at::Tensor& v = values.get(i);
     TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 4 &&
-                v.dim() == 4 && start + x.size(1) <= k.size(2) && start + x.size(1) <= v.size(2),
-                "the row's KV buffers must be float32 with room from start");
+                v.dim() == 4 && k.size(0) == x.size(0) && v.size(0) == x.size(0) && kv_len <= k.size(2) &&
+                kv_len <= v.size(2) && (wp != nullptr || start + x.size(1) <= k.size(2)),
+                "the rows' KV buffers must be float32, one a row, with room for the pass");
   }
-  const Pass s{start, d, eps, reduce_range, cos.data_ptr<float>(), sin.data_ptr<float>(), mask};
+  for (int64_t i = 0; wp != nullptr && i < tokens; ++i) {
+    TORCH_CHECK(wp[i] >= 0 && wp[i] < keys.get(0).size(2), "a write position lies outside the KV buffers");
+  }
+  const Pass s{start, kv_len, d, eps, reduce_range, cos.data_ptr<float>(), sin.data_ptr<float>(),
+               tokens == 1 ? std::nullopt : mask, wp};
   at::Tensor out = x;
   for (int64_t i = 0; i < layers; ++i) {
     out = layer(out, s, norms.get(2 * i), norms.get(2 * i + 1), packs.data() + 4 * i, biases.data() + 4 * i,
                 keys.get(i), values.get(i), nq[i], nk[i]);
   }
-  torch::jit::drop(*stack, 15);
+  torch::jit::drop(*stack, 17);
   torch::jit::push(*stack, std::move(out));
 }
 
@@ -184,7 +202,8 @@ void draft_pass(const c10::OperatorHandle&, torch::jit::Stack* stack) {
 TORCH_LIBRARY_FRAGMENT(starjar, m) {
   m.def("draft_pass(Tensor x, Tensor cos, Tensor sin, Tensor? mask, Tensor[] norms, "
         "__torch__.torch.classes.quantized.LinearPackedParamsBase[] packs, Tensor?[] biases, bool reduce_range, "
-        "Tensor[] keys, Tensor[] values, int start, int[] nq, int[] nk, int d, float eps) -> Tensor");
+        "Tensor[] keys, Tensor[] values, int start, int[] nq, int[] nk, int d, float eps, int kv_len, "
+        "Tensor? write) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(starjar, CPU, m) {

@@ -1,5 +1,5 @@
 // A float32 Llama-family target's chain pass (B rows x Q tokens, every layer) over fused projections, as one
-// native call: the one-row step, verification and multi-row decoding.
+// native call: the one-row step, verification and multi-row decoding on consecutive slots.
 //
 // The scripted layers (starjar/model/target_step.py, _fused_step and _fused_rows_layer) dispatch about 45 small ops per layer from
 // the TorchScript interpreter; on 2 cores that glue cost 6-9 ms of a 35 ms step. Here every sum is ATen's own
@@ -66,11 +66,12 @@ struct Pass {
   double eps, scaling;
   const float* cos;  // [B, Q, d]: each token's position
   const float* sin_signed;
+  const int64_t* write;  // [B, Q]: each token's cache position, or null: one span from `start`
 };
 
 // One layer over x [B, Q, H]: heads [B, Q, nq + 2 nk, d] from the qkv product; q and k rotated into [B, nq + nk,
-// Q, d] (rotate_half a swap of halves, its sign in sin_signed); k and v written from `start` of the rows'
-// buffers [B, nk, L, d]; attention over kv_len keys with the mask (folded for grouped heads when Q > 1).
+// Q, d] (rotate_half a swap of halves, its sign in sin_signed); k and v written into the rows' buffers
+// [B, nk, L, d] (from `start`, or where `write` says); attention over kv_len keys with the mask (folded for grouped heads when Q > 1).
 at::Tensor layer(const at::Tensor& x, const Pass& p, const std::optional<at::Tensor>& mask,
                  const c10::List<at::Tensor>& ws, const Biases& bs, const Biases& packs, at::IntArrayRef paths,
                  int64_t i, const at::Tensor& keys, const at::Tensor& values, int64_t nq, int64_t nk) {
@@ -103,8 +104,9 @@ at::Tensor layer(const at::Tensor& x, const Pass& p, const std::optional<at::Ten
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t j = 0; j < nk; ++j) {
       for (int64_t t = 0; t < Q; ++t) {
-        float* kd = kp + b * ks[0] + j * ks[1] + (p.start + t) * ks[2];
-        float* vd = vp + b * vs[0] + j * vs[1] + (p.start + t) * vs[2];
+        const int64_t pos = p.write != nullptr ? p.write[b * Q + t] : p.start + t;
+        float* kd = kp + b * ks[0] + j * ks[1] + pos * ks[2];
+        float* vd = vp + b * vs[0] + j * vs[1] + pos * vs[2];
         const float* kr = rp + ((b * (nq + nk) + nq + j) * Q + t) * d;
         const float* vr = hp + ((b * Q + t) * heads_n + nq + nk + j) * d;
         for (int64_t e = 0; e < d; ++e) {
@@ -140,12 +142,14 @@ at::Tensor layer(const at::Tensor& x, const Pass& p, const std::optional<at::Ten
 
 // Every layer of a pass: x [B, Q, H]; ws holds six weights a layer (input norm, qkv, o, post norm, gate-up,
 // down), bs, packs and paths four a layer (qkv, o, gate-up, down; target_step.PATHS); cos and sin_signed
-// [B, 1, Q, d]; keys and values the rows' buffers, written as one span from `start`.
+// [B, 1, Q, d]; keys and values the rows' buffers, written as one span from `start`, or each token at its
+// position in write [B, Q] (rows of unequal lengths).
 at::Tensor fused_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed,
                       const std::optional<at::Tensor>& mask, const c10::List<at::Tensor>& ws, const Biases& bs,
                       const Biases& packs, at::IntArrayRef paths, const c10::List<at::Tensor>& keys,
                       const c10::List<at::Tensor>& values, int64_t start, int64_t kv_len, at::IntArrayRef nq,
-                      at::IntArrayRef nk, int64_t d, double eps, double scaling) {
+                      at::IntArrayRef nk, int64_t d, double eps, double scaling,
+                      const std::optional<at::Tensor>& write) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3, "fused_pass takes float32 [B, Q, H]");
   const int64_t layers = static_cast<int64_t>(nq.size());
   TORCH_CHECK(ws.size() == 6 * layers && bs.size() == 4 * layers && packs.size() == 4 * layers &&
@@ -162,7 +166,20 @@ at::Tensor fused_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   const at::Tensor c = cos.contiguous(), s = sin_signed.contiguous();
   TORCH_CHECK(c.numel() == x.size(0) * x.size(1) * d && s.numel() == c.numel(),
               "cos and sin must hold each token's position");
-  const Pass p{start, kv_len, d, eps, scaling, c.data_ptr<float>(), s.data_ptr<float>()};
+  at::Tensor at_pos;
+  if (write.has_value() && write->defined()) {
+    at_pos = write->to(at::kLong).contiguous();
+    TORCH_CHECK(at_pos.numel() == x.size(0) * x.size(1), "write must hold each token's cache position");
+    const int64_t* wp = at_pos.data_ptr<int64_t>();
+    for (int64_t i = 0; i < at_pos.numel(); ++i) {
+      for (int64_t l = 0; l < layers; ++l) {
+        TORCH_CHECK(wp[i] >= 0 && wp[i] < keys.get(l).size(2) && wp[i] < values.get(l).size(2),
+                    "a write position lies outside the KV buffers");
+      }
+    }
+  }
+  const Pass p{start, kv_len, d, eps, scaling, c.data_ptr<float>(), s.data_ptr<float>(),
+               at_pos.defined() ? at_pos.data_ptr<int64_t>() : nullptr};
   at::Tensor out = x;
   for (int64_t i = 0; i < layers; ++i) {
     out = layer(out, p, mask, ws, bs, packs, paths, i, keys.get(i), values.get(i), nq[i], nk[i]);
@@ -175,7 +192,7 @@ at::Tensor fused_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 TORCH_LIBRARY(starjar, m) {
   m.def("fused_pass(Tensor x, Tensor cos, Tensor sin_signed, Tensor? mask, Tensor[] ws, Tensor?[] bs, "
         "Tensor?[] packs, int[] paths, Tensor[] keys, Tensor[] values, int start, int kv_len, int[] nq, int[] nk, "
-        "int d, float eps, float scaling) -> Tensor");
+        "int d, float eps, float scaling, Tensor? write=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(starjar, CPU, m) { m.impl("fused_pass", fused_pass); }
