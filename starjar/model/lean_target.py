@@ -7,7 +7,7 @@ gap to llama.cpp on the same float32 weights. Here each decoder layer is one Tor
 K and V in place into the RaggedKVCache: the hidden states, hence the logits, are bit for bit those of HF's.
 Measured for the default target decoding alone (gamma 0, 64 new tokens after 64-token prompts, prefill
 included; Intel Xeon, AVX512, 2 threads; benchmarks/probes/lean_target_speed.py, in turns with HF's forward):
-20.4 -> 33.8 tokens/s at batch 1 (1.66x, native passes included), 1.31x at batch 4, 1.26x at batch 8, 1.13x
+22.2 -> 36.6 tokens/s at batch 1 (1.65x, native passes included), 1.42x at batch 4, 1.45x at batch 8, 1.17x
 at batch 16, the same tokens either way. Where the machine gives the same bits (starjar.model.fused_projections),
 q/k/v and gate/up are one product each; passes over a row bucket take them fused or apart as measured
 (FUSED_KIND), and fused passes over consecutive slots run every layer in one native call where that measured
