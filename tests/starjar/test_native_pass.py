@@ -59,7 +59,7 @@ def _count_native(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_native_passs_equal_hf_and_scripted_bitwise(models, prompt_ids, monkeypatch, family):
+def test_native_passes_equal_hf_and_scripted_bitwise(models, prompt_ids, monkeypatch, family):
     """Forced native, forced scripted and HF's forward give the same logits to the last bit (qwen2: biased
     q/k/v), and each forced way is the one that ran."""
     model = models[family]
