@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 ENV = "STARJAR_NATIVE_PASS"
 SOURCES = tuple(Path(__file__).with_name("native") / name for name in ("target_pass.cpp", "draft_pass.cpp"))
-HEADERS = (Path(__file__).with_name("native") / "elementwise.h",)
+HEADERS = (Path(__file__).with_name("native") / "pass_parts.h",)
 LIBRARY = "starjar_native_passes"  # the built library's name
 FLAGS = ["-O3", "-ffp-contract=off"]  # no product and sum fused into one rounding: ATen's values, bit for bit
 _state: dict[str, object] = {}  # "ok": whether the library is loaded in this process; "why": the reason if not

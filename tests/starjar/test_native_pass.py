@@ -157,3 +157,16 @@ def test_without_a_compiler_the_scripted_step_runs(model_dirs, tmp_path):
     run = subprocess.run([sys.executable, "-c", _UNBUILDABLE, str(model_dirs["llama"])], env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and f"{native_pass.ENV}=1, but the native pass could not be built" in run.stderr
+
+
+def test_every_native_source_ships_in_the_package():
+    """A wheel builds the native passes on first use: every source and header must be in its package data."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["starjar"]
+    shipped = {f.relative_to(root / "starjar").as_posix() for f in (root / "starjar" / "model" / "native").iterdir()}
+    assert shipped >= {"model/native/target_pass.cpp", "model/native/draft_pass.cpp", "model/native/pass_parts.h"}
+    assert [f for f in shipped if not any(fnmatch.fnmatch(f, p) for p in patterns)] == []

@@ -11,7 +11,7 @@
 #include <ATen/native/quantized/PackedParams.h>
 #include <torch/library.h>
 
-#include "elementwise.h"
+#include "pass_parts.h"
 
 #include <algorithm>
 #include <cmath>
@@ -20,6 +20,7 @@
 namespace {
 
 using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
+using starjar_native::flash_applies;
 using starjar_native::residual;
 using starjar_native::rms_norm;
 
@@ -27,15 +28,6 @@ using starjar_native::rms_norm;
 Packed unpack(const c10::IValue& v) {
   TORCH_CHECK(v.isObject(), "draft_pass takes LinearPackedParamsBase objects");
   return c10::static_intrusive_pointer_cast<LinearPackedParamsBase>(v.toObject()->getSlot(0).toCapsule());
-}
-
-// Whether scaled_dot_product_attention would run its CPU flash kernel on these (dense float32, equal heads and
-// head dims, as the layers give it): then that kernel is called directly, the same values without the backend
-// selection's checks (as target_pass.cpp does).
-bool flash_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  return at::globalContext().userEnabledFlashSDP() && q.stride(-1) == 1 && k.stride(-1) == 1 &&
-         v.stride(-1) == 1 && q.size(1) == k.size(1) && q.size(-1) == k.size(-1) && k.size(-1) == v.size(-1) &&
-         q.size(2) > 0 && k.size(2) > 0;
 }
 
 struct Pass {

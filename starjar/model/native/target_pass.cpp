@@ -12,7 +12,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include "elementwise.h"
+#include "pass_parts.h"
 
 #include <cmath>
 #include <vector>
@@ -20,6 +20,7 @@
 namespace {
 
 using Biases = c10::List<std::optional<at::Tensor>>;
+using starjar_native::flash_applies;
 using starjar_native::residual;
 using starjar_native::rms_norm;
 
@@ -50,15 +51,6 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, const std::optional
     if (biased) out = out + *b;
   }
   return out.reshape({x.size(0), x.size(1), w.size(0)}).contiguous();
-}
-
-// Whether scaled_dot_product_attention would run its CPU flash kernel on these (dense 4-d float32 tensors with
-// equal heads and head dims, as the layers give it): then that kernel is called directly, the same values
-// without the backend selection's checks (about 25 us a call between the products; 0.8 ms a default step).
-bool flash_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  return at::globalContext().userEnabledFlashSDP() && q.stride(-1) == 1 && k.stride(-1) == 1 &&
-         v.stride(-1) == 1 && q.size(1) == k.size(1) && q.size(-1) == k.size(-1) && k.size(-1) == v.size(-1) &&
-         q.size(2) > 0 && k.size(2) > 0 && !q.requires_grad();
 }
 
 struct Pass {
