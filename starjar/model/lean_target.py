@@ -164,12 +164,9 @@ class LeanTarget:
             return False
         if self._native_override is not None:
             return self._native_override
-        force = native_pass.forced()
+        force = native_pass.required()
         if force is False:
             return False
-        if force and not native_pass.available():
-            raise RuntimeError(f"{native_pass.ENV}=1, but the native pass could not be built: "
-                               f"{native_pass.unavailable_reason()}")
         if self.native is None:
             param = next(self.model.parameters())
             on = native_pass.takes(param) and native_pass.available()

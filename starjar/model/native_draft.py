@@ -63,14 +63,9 @@ class NativeDraftPass:
             return False
         if self.override is not None:
             return self.override and native_pass.available()
-        force = native_pass.forced()
-        if force is False:
-            return False
-        if force and not native_pass.available():
-            raise RuntimeError(f"{native_pass.ENV}=1, but the native passes could not be built: "
-                               f"{native_pass.unavailable_reason()}")
-        if force:
-            return True
+        force = native_pass.required()
+        if force is not None:
+            return force
         self.settle(probe)
         return bool(self.chosen and self.chosen[pass_class(x.shape[0], x.shape[1])])
 

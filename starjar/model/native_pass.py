@@ -49,6 +49,14 @@ def forced() -> bool | None:
     return kernels.forced_switch(ENV)
 
 
+def required() -> bool | None:
+    """forced(), with a forced pass that cannot be built an error that says why."""
+    force = forced()
+    if force and not available():
+        raise RuntimeError(f"{ENV}=1, but the native pass could not be built: {unavailable_reason()}")
+    return force
+
+
 def native_dir() -> Path:
     """Where built libraries are kept: $STARJAR_NATIVE_DIR, default ~/.cache/starjar/native (not under
     STARJAR_HOME, which tests and clusters point at fresh folders: one build serves every process)."""
