@@ -32,7 +32,7 @@ def _timed(engine, prompts, params) -> tuple[list, float]:
     return reqs, sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - t0)
 
 
-def _start_servers(draft_dir: str, threads: int, pin: bool) -> dict[str, ServerProcess]:
+def _start_servers(draft_dir: str, threads: int, pin: bool, device: str = "cpu") -> dict[str, ServerProcess]:
     """One draft server per mode. pin: the servers on the last core and this process (the target, one torch
     thread) on the others: the draft on cores of its own, as on a machine with a draft device."""
     cores = sorted(os.sched_getaffinity(0))
@@ -44,7 +44,8 @@ def _start_servers(draft_dir: str, threads: int, pin: bool) -> dict[str, ServerP
     servers: dict[str, ServerProcess] = {}
     try:
         for m in MODES:
-            servers[m] = ServerProcess("draft", "--model", draft_dir, "--port", "0", "--lookahead", m, threads=threads)
+            servers[m] = ServerProcess("draft", "--model", draft_dir, "--port", "0", "--lookahead", m,
+                                       "--device", device, threads=threads)
         return servers
     except BaseException:  # one failed to start: stop those already running rather than leave them behind
         for server in servers.values():
@@ -68,10 +69,11 @@ def run(args) -> dict:
     n_prompts, max_new = (4, 32) if args.quick else (12, 64)
     gamma = args.gamma or 3
     target_dir, draft_dir, note = pair_dirs(args)
-    target, _ = load_pair(target_dir, draft_dir)
+    device = getattr(args, "device", "cpu")
+    target, _ = load_pair(target_dir, draft_dir, device)
     prompts = prompt_ids(target.tokenizer, n_prompts, args)
     params = SamplingParams(max_tokens=max_new)
-    servers = _start_servers(draft_dir, args.draft_threads, getattr(args, "pin", False))
+    servers = _start_servers(draft_dir, args.draft_threads, getattr(args, "pin", False), device)
     try:
         for m in MODES:  # warm-up: each server's first rounds (and the target's) are not timed
             eng = remote_engine(target, servers[m].address, gamma, 1, deadline_s=5.0)
@@ -100,7 +102,8 @@ def run(args) -> dict:
     off, chain = (sum(rates[m]) / len(rates[m]) for m in MODES)
     return {"pair": {"target": target_dir, "draft": draft_dir, "note": note},
             "workload": {"prompts": n_prompts, "max_new_tokens": max_new, "gamma": gamma, "batch_size": 1,
-                         "draft_threads": args.draft_threads, "pinned": getattr(args, "pin", False)},
+                         "draft_threads": args.draft_threads, "pinned": getattr(args, "pin", False),
+                         "device": device},
             "off_tokens_per_s": round(off, 3), "chain_tokens_per_s": round(chain, 3),
             "ratio": round(chain / off, 4), "runs_tokens_per_s": {m: [round(r, 3) for r in rates[m]] for m in MODES},
             "lookahead_hits": hits, "lookahead_misses": misses,

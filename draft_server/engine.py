@@ -99,6 +99,8 @@ class DraftEngine:
         if self.model.device.type != "cpu":
             import torch
 
+            if self.model.graphs is not None:
+                self.model.graphs.drop()  # they read the weights where they were
             self.model.model.to("cpu")
             torch.cuda.empty_cache()
         self._offloaded = True

@@ -204,6 +204,10 @@ class RaggedKVCache(Cache):
         return ([k[rows] for k in self._keys], [v[rows] for v in self._values], None,
                 None if span is not None else self._write_pos, span.start if span is not None else 0, self._kv_len)
 
+    def write_positions(self) -> torch.Tensor | None:
+        """Where the pass begin() prepared writes each new token: absolute positions [B, Q] on the device."""
+        return self._write_pos
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._kv_len
 

@@ -19,6 +19,7 @@ from starjar.cpu import quantized, skinny_linear
 from starjar.cpu.kernels import forced_path
 from starjar.errors import InvalidArgument, ModelMismatch
 from starjar.model import attention, kv_precision, smoothing
+from starjar.model.cuda_graphs import GraphedDecoder
 from starjar.model.kv_cache import RaggedKVCache
 from starjar.model.lean_decoder import LeanDecoder
 from starjar.model.lean_target import LeanTarget
@@ -82,6 +83,8 @@ class LoadedModel:
     kv_dtype: torch.dtype | None = None  # an int8 draft's KV precision (starjar.model.kv_precision); None: dtype
     # A float Llama-family model's scripted layers (a target's, or a float draft's): HF's forward to the last bit.
     lean_target: LeanTarget | None = None
+    # The same float model's chain and tree passes as CUDA graphs (starjar.model.cuda_graphs).
+    graphs: GraphedDecoder | None = None
 
     @property
     def cache_dtype(self) -> torch.dtype:
@@ -122,6 +125,10 @@ class LoadedModel:
         position_ids, mask = cache.begin(slots, counts, trees)
         if self.lean is not None:
             return self.lean.hidden(ids.to(self.device), position_ids, mask, cache, counts)
+        if self.graphs is not None:
+            hidden = self.graphs.hidden(ids.to(self.device), position_ids, mask, cache)
+            if hidden is not None:
+                return hidden
         if self.lean_target is not None:
             hidden = self.lean_target.hidden(ids.to(self.device), position_ids, mask, cache)
             if hidden is not None:
@@ -192,7 +199,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     elif dev.type == "cpu" and dt == torch.float32 and skinny_linear.install(model):
         skinny_linear.choose(model)  # this machine's fastest few-row products (measured once, cached)
     attention.install(model)  # grouped-query heads folded onto their KV head: no K/V copies per pass
-    lean_target = _lean_target(model) if recipe.get("kind") != quantized.KIND else None  # int8: LeanDecoder's
+    lean_target, graphs = _float_passes(model, dev) if recipe.get("kind") != quantized.KIND else (None, None)
     cfg = model.config
     max_ctx = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 2048
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else tokenizer.eos_token_id
@@ -206,7 +213,14 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
         raise InvalidArgument(what, "prompt_window in starjar.json must be a positive integer", window)
     return LoadedModel(str(p), model, tokenizer, dev, dt, vocab, int(max_ctx), eos_ids,
                        tokenizer_fingerprint(tokenizer), lean, prompt_window=window, kv_dtype=kv_dtype,
-                       lean_target=lean_target)
+                       lean_target=lean_target, graphs=graphs)
+
+
+def _float_passes(model: torch.nn.Module, dev: torch.device) -> tuple[LeanTarget | None, GraphedDecoder | None]:
+    """A float model's passes (an int8 draft runs LeanDecoder's): its scripted layers, whose choices are
+    measured for CPUs, and its CUDA graphs, which take those passes on a GPU (and forced, on a CPU)."""
+    lean_target = _lean_target(model) if dev.type == "cpu" else None
+    return lean_target, GraphedDecoder(model) if LeanTarget.supports(model) else None
 
 
 def _lean_target(model: torch.nn.Module) -> LeanTarget | None:
