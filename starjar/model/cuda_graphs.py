@@ -172,7 +172,7 @@ class GraphedDecoder:
         g.graph.replay()
         self.graphs[key] = g
         self.captures += 1
-        if len(self.graphs) > self.max_graphs:
+        while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         log.debug("captured a CUDA graph for %d rows x %d tokens over %d cached positions (%d kept)",
                   ids.shape[0], ids.shape[1], full.shape[-1], len(self.graphs))
