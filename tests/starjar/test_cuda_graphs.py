@@ -46,7 +46,8 @@ def _counted(model, monkeypatch) -> dict[str, int]:
 
     monkeypatch.setattr(base, "forward", hf)
     monkeypatch.setattr(model.graphs, "decoder", counted)
-    counted.layers, counted.heads, counted.head_dim = static.layers, static.heads, static.head_dim
+    counted.base, counted.layers, counted.heads, counted.head_dim = static.base, static.layers, static.heads, \
+        static.head_dim
     return calls
 
 
