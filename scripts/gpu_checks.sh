@@ -23,6 +23,5 @@ $py -m pytest -q -p no:cacheprovider -m gpu tests/starjar/test_cuda_graphs.py 2>
 $py -m benchmarks.probes.gpu_graph_speed --device "$device" --keep-pair "$pair" "${probe[@]}" \
   --out "$out/gpu_graph_speed.json" 2>&1 | grep -v -e "Writing model" -e "Loading weights"
 $py -m benchmarks.cli lookahead --device "$device" --target "$pair/target" --draft "$pair/draft" --dataset own \
-  "${bench[@]}"
-  --out "$out/lookahead_gpu.json" 2>&1 | tail -15
+  "${bench[@]}" --out "$out/lookahead_gpu.json" 2>&1 | tail -15
 rm -rf "$pair"
