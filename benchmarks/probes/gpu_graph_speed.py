@@ -43,6 +43,9 @@ SHAPES = {"full": dict(hidden_size=576, intermediate_size=1536, num_hidden_layer
                         num_key_value_heads=2, vocab_size=384, rope_theta=10000.0)}
 
 
+CONTEXT = 8192  # the tiny tokenizer spends a token on every few bytes: the longest own prompt is 2.1k tokens
+
+
 def make_pair(root: Path, shapes: dict, draft_layers: int, damp: float, seed: int = 0) -> tuple[str, str]:
     """The target (random, seeded, its layers past draft_layers damped) and the draft of its first layers."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -50,7 +53,7 @@ def make_pair(root: Path, shapes: dict, draft_layers: int, damp: float, seed: in
     tok = make_tokenizer(root / "target", vocab_size=384)
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**shapes, max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-5, **ids)
+    cfg = LlamaConfig(**shapes, max_position_embeddings=CONTEXT, tie_word_embeddings=True, rms_norm_eps=1e-5, **ids)
     target = LlamaForCausalLM(cfg)
     width = shapes["hidden_size"]
     with torch.no_grad():
@@ -62,7 +65,7 @@ def make_pair(root: Path, shapes: dict, draft_layers: int, damp: float, seed: in
             layer.mlp.down_proj.weight.mul_(damp)
     target.save_pretrained(root / "target")
     draft = LlamaForCausalLM(LlamaConfig(**{**shapes, "num_hidden_layers": draft_layers},
-                                         max_position_embeddings=2048, tie_word_embeddings=True,
+                                         max_position_embeddings=CONTEXT, tie_word_embeddings=True,
                                          rms_norm_eps=1e-5, **ids))
     draft.load_state_dict(target.state_dict(), strict=False)  # the first layers, embeddings and final norm
     draft.save_pretrained(root / "draft")
