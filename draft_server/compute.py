@@ -191,6 +191,8 @@ class ComputeLoop(threading.Thread):
         finished = [a for a in self._active if a.done]
         self._active = [a for a in self._active if not a.done]
         now = time.perf_counter()
+        if self.lookahead and finished:  # the hits and misses these rounds counted, current before their replies
+            self.stats.record_lookahead(self.engine.stats)
         for a in finished:
             for i, job in a.jobs:
                 a.replies[i] = job.reply()

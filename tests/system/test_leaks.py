@@ -110,5 +110,6 @@ def test_a_prefill_reuses_its_scratch_instead_of_faulting_it_in_again(tmp_path):
     finally:
         draft.kill()
     # A 900-token pass allocates ~40 MB of activations (2 layers, hidden 512, MLP 1024): ~23k pages a prefill
-    # when each is mmapped; reused from the heap, the later prefills fault in a few hundred.
-    assert faults[2] < 2500, faults
+    # when each is mmapped; reused from the heap, the later prefills fault in a few hundred (2.6k seen under load,
+    # the gRPC and compute threads' own pages included): the limit stays far below the 23k of a regression.
+    assert faults[2] < 6000, faults
