@@ -8,7 +8,9 @@ zero after the softmax), writes K and V by scatter at the positions RaggedKVCach
 ids, positions, mask and write positions from tensors the replay's inputs are copied into.
 
 A graph is kept per (rows, tokens, cache buffers as addressed): one per pass shape of the engine's rounds (a
-decode step, a verification over gamma + 1 positions, a tree) until the cache grows. Passes over more than
+decode step, a verification over gamma + 1 positions, a tree) until the cache grows. A shape is captured the
+second time it runs (its first run is the static pass, eagerly): a short prompt's one-off length costs no
+capture (a warm-up run, the capture and a replay: about three passes). Passes over more than
 MAX_ROWS tokens (prefill) are not launch-bound and run HF's forward; so do passes over scattered slots. The
 captured graphs share one memory pool, which is safe because each replay's output is copied out before the
 next replay; at most MAX_GRAPHS are kept (least recently used dropped).
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 ENV = "STARJAR_CUDA_GRAPHS"
 MAX_ROWS = 64  # tokens in a pass (B x Q) past which it runs eagerly: prefill is not launch-bound
 MAX_GRAPHS = 48  # captured graphs kept; each holds its static inputs and output
+SEEN = 256  # shapes remembered as run once: a shape is captured the second time it runs
 
 
 def forced() -> bool | None:
@@ -104,6 +107,7 @@ class GraphedDecoder:
         self.device = next(model.parameters()).device
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.seen: OrderedDict[tuple, None] = OrderedDict()  # shapes run once, uncaptured (the latest SEEN)
         self.pool = None
         self.captures = self.replays = 0  # counted for the probe and the tests
         self._weights = self._weight_addresses()  # where the captured graphs read the weights
@@ -116,6 +120,7 @@ class GraphedDecoder:
     def drop(self) -> None:
         """Forget every captured graph (the weights moved, or their memory is wanted back)."""
         self.graphs.clear()
+        self.seen.clear()
         self.pool = None
 
     def active(self) -> bool:
@@ -146,6 +151,11 @@ class GraphedDecoder:
             self._weights = self._weight_addresses()
         key = (b, q, tuple(keys[0].shape), keys[0].stride(), tuple(t.data_ptr() for t in keys + values))
         g = self.graphs.get(key)
+        if g is None and key not in self.seen:  # a first sight (a prompt's length, say) may never recur
+            self.seen[key] = None
+            while len(self.seen) > SEEN:
+                self.seen.popitem(last=False)
+            return self.decoder(ids, pos, full, write, keys, values)
         if g is None:
             return self._capture(key, ids, pos, full, write, keys, values)
         self.graphs.move_to_end(key)
