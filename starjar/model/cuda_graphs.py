@@ -16,8 +16,8 @@ captured graphs share one memory pool, which is safe because each replay's outpu
 next replay; at most MAX_GRAPHS are kept (least recently used dropped).
 
 Measured on one H100 (benchmarks/probes/gpu_graph_speed.py, a pair of the default target's shapes): the
-target alone decodes at batch 1 / 4 / 8 / 16 6.7x / 4.7x / 2.2x / 2.0x faster than through HF's forward
-(30 -> 201 tokens/s at batch 1); a step's host work outside the graph is what remains.
+target alone decodes at batch 1 / 4 / 8 / 16 5.1x / 3.8x / 2.2x / 2.2x faster than through HF's forward
+(40 -> 203 tokens/s at batch 1; 6.7x in another run); a step's host work outside the graph is what remains.
 
 The function is the same as HF's forward, with attention reduced over the padded key axis: greedy output is
 HF generate()'s (tested), logits agree to the last few bits, not all of them. STARJAR_CUDA_GRAPHS=0 turns it
