@@ -1,7 +1,8 @@
 """`starjar bench lookahead`: the draft server drafting ahead (`--lookahead chain`) against not (`off`).
 
-One target, batch 1, greedy, the same prompts; two `starjar serve draft` processes on loopback, one per
-mode, alternated twice so drift on the machine hits both alike. Reports tokens/s of each, their ratio, the
+One target, batch 1 (`--batch-size`), greedy, the same prompts; two `starjar serve draft` processes on
+loopback, one per mode, and the target alone (no drafts), alternated twice so drift on the machine hits all
+alike. Reports tokens/s of each, their ratios (chain over off, each over the target alone), the
 chain server's hit rate (hits / (hits + misses)) and tokens drafted ahead and wasted, and whether the
 outputs are identical. On a machine where the draft server shares the target's cores, lookahead competes
 with verification for them: the ratio then measures that too; `--pin` gives the draft servers the last core
@@ -18,7 +19,8 @@ import torch
 
 from benchmarks.common import p50, pair_dirs, prompt_ids
 from benchmarks.launch import ServerProcess
-from controller.colocated import load_pair, remote_engine
+from controller.colocated import colocated_engine, load_pair, remote_engine
+from starjar.errors import InvalidArgument
 from starjar.spec.sampling import SamplingParams
 from starjar.v1 import draft_pb2 as pb
 from starjar.v1 import draft_pb2_grpc as pb_grpc
@@ -68,51 +70,66 @@ def _stats(address: str) -> pb.DraftStats:
 def run(args) -> dict:
     n_prompts, max_new = (4, 32) if args.quick else (12, 64)
     gamma = args.gamma or 3
+    batch = 1 if getattr(args, "batch_size", None) is None else args.batch_size
+    if batch < 1:
+        raise InvalidArgument("--batch-size", "must be at least 1", batch)
     target_dir, draft_dir, note = pair_dirs(args)
     device = getattr(args, "device", "cpu")
     target, _ = load_pair(target_dir, draft_dir, device)
     prompts = prompt_ids(target.tokenizer, n_prompts, args)
     params = SamplingParams(max_tokens=max_new)
     servers = _start_servers(draft_dir, args.draft_threads, getattr(args, "pin", False), device)
+    ways = ("alone", *MODES)  # alone: the target with no drafts, on the same cores and threads
+
+    def engine(way: str):
+        if way == "alone":
+            return colocated_engine(target, None, 0, batch)
+        return remote_engine(target, servers[way].address, gamma, batch, deadline_s=5.0)
+
     try:
-        for m in MODES:  # warm-up: each server's first rounds (and the target's) are not timed
-            eng = remote_engine(target, servers[m].address, gamma, 1, deadline_s=5.0)
+        for way in ways:  # warm-up: each server's first rounds (and the target's) are not timed
+            eng = engine(way)
             eng.generate(prompts[:1], SamplingParams(max_tokens=8))
-            eng.proposer.close()
-        before = _stats(servers["chain"].address)
-        rates, outs, rounds, phases = {m: [] for m in MODES}, {}, {m: [] for m in MODES}, {m: {} for m in MODES}
-        for _rep in range(2):
-            for m in MODES:
-                eng = remote_engine(target, servers[m].address, gamma, 1, deadline_s=5.0)
-                reqs, rate = _timed(eng, prompts, params)
+            if eng.proposer is not None:
                 eng.proposer.close()
-                cs = eng.proposer.stats
+        before = _stats(servers["chain"].address)
+        rates, outs, rounds, phases = ({w: [] for w in ways}, {}, {m: [] for m in MODES},
+                                       {w: {} for w in ways})
+        for _rep in range(2):
+            for way in ways:
+                eng = engine(way)
+                reqs, rate = _timed(eng, prompts, params)
                 for k in ("prefill_s", "propose_s", "verify_s"):
-                    phases[m][k] = phases[m].get(k, 0.0) + getattr(eng.stats, k)
-                rounds[m] += [(r, q, c) for r, q, c in zip(cs.round_s, cs.server_queue_s, cs.server_compute_s,
-                                                            strict=True)]
-                rates[m].append(rate)
-                outs[m] = [r.output_ids for r in reqs]
+                    phases[way][k] = phases[way].get(k, 0.0) + getattr(eng.stats, k)
+                if way != "alone":
+                    eng.proposer.close()
+                    cs = eng.proposer.stats
+                    rounds[way] += [(r, q, c) for r, q, c in zip(cs.round_s, cs.server_queue_s, cs.server_compute_s,
+                                                                  strict=True)]
+                rates[way].append(rate)
+                outs[way] = [r.output_ids for r in reqs]
         after = _stats(servers["chain"].address)
     finally:
         for s in servers.values():
             s.kill()
     hits = after.lookahead_hits - before.lookahead_hits
     misses = after.lookahead_misses - before.lookahead_misses
-    off, chain = (sum(rates[m]) / len(rates[m]) for m in MODES)
+    alone, off, chain = (sum(rates[w]) / len(rates[w]) for w in ways)
     return {"pair": {"target": target_dir, "draft": draft_dir, "note": note},
-            "workload": {"prompts": n_prompts, "max_new_tokens": max_new, "gamma": gamma, "batch_size": 1,
+            "workload": {"prompts": n_prompts, "max_new_tokens": max_new, "gamma": gamma, "batch_size": batch,
                          "draft_threads": args.draft_threads, "pinned": getattr(args, "pin", False),
                          "device": device},
             "off_tokens_per_s": round(off, 3), "chain_tokens_per_s": round(chain, 3),
-            "ratio": round(chain / off, 4), "runs_tokens_per_s": {m: [round(r, 3) for r in rates[m]] for m in MODES},
+            "ratio": round(chain / off, 4), "alone_tokens_per_s": round(alone, 3),
+            "chain_over_alone": round(chain / alone, 4), "off_over_alone": round(off / alone, 4),
+            "runs_tokens_per_s": {w: [round(r, 3) for r in rates[w]] for w in ways},
             "lookahead_hits": hits, "lookahead_misses": misses,
             "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
             "lookahead_drafted_tokens": after.lookahead_drafted_tokens - before.lookahead_drafted_tokens,
             "lookahead_wasted_tokens": after.lookahead_wasted_tokens - before.lookahead_wasted_tokens,
-            "outputs_identical": outs["off"] == outs["chain"],
+            "outputs_identical": outs["off"] == outs["chain"] == outs["alone"],
             # Per round as the target saw it, p50 in ms: the whole round, the server's queue wait, its compute.
             "round_ms_p50": {m: [round(1000 * p50([x[i] for x in rounds[m]]), 3) for i in range(3)] for m in MODES},
             "rounds": {m: len(rounds[m]) for m in MODES},
-            # The target's seconds in prefill, waiting for drafts and verifying, both repetitions.
-            "target_phases_s": {m: {k: round(v, 3) for k, v in phases[m].items()} for m in MODES}}
+            # The target's seconds in prefill, waiting for drafts and verifying (decoding, alone), both repetitions.
+            "target_phases_s": {w: {k: round(v, 3) for k, v in phases[w].items()} for w in ways}}

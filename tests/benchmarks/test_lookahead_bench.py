@@ -1,10 +1,13 @@
-"""bench lookahead's server start-up: a draft server that fails to start leaves none running."""
+"""bench lookahead: a run on tiny models (the target alone, lookahead off and chain, at batch 2), and its server
+start-up: a draft server that fails to start leaves none running."""
 
 import os
 
 import pytest
 
 from benchmarks import lookahead
+from benchmarks.cli import parser
+from starjar.errors import InvalidArgument
 
 
 class _Server:
@@ -41,3 +44,25 @@ def test_a_failed_start_stops_the_servers_already_running(monkeypatch, pin):
             except ProcessLookupError:
                 pass
     assert len(_Server.started) == 1 and _Server.started[0].terminated
+
+
+def test_a_quick_run_at_batch_2_compares_with_the_target_alone(tmp_path):
+    from benchmarks.fixtures.tiny_models import make_tiny_model
+
+    # The tiny tokenizer spends a token on every few bytes: a context the longest own prompt fits in.
+    target = make_tiny_model(tmp_path / "target", "llama", seed=0, max_context=4096)
+    draft = make_tiny_model(tmp_path / "draft", "llama", seed=0, layers=1, max_context=4096, tokenizer_from=target)
+    args = parser().parse_args(["lookahead", "--quick", "--batch-size", "2", "--dataset", "own", "--target",
+                                str(target), "--draft", str(draft), "--out", "unused.json"])
+    result = lookahead.run(args)
+    assert result["workload"]["batch_size"] == 2 and result["outputs_identical"]
+    assert set(result["runs_tokens_per_s"]) == {"alone", "off", "chain"}
+    assert all(len(runs) == 2 and min(runs) > 0 for runs in result["runs_tokens_per_s"].values())
+    assert result["chain_over_alone"] == round(result["chain_tokens_per_s"] / result["alone_tokens_per_s"], 4)
+    assert result["target_phases_s"]["alone"]["propose_s"] == 0
+
+
+def test_batch_size_must_be_positive():
+    args = parser().parse_args(["lookahead", "--batch-size", "0", "--out", "unused.json"])
+    with pytest.raises(InvalidArgument, match="batch-size"):
+        lookahead.run(args)
