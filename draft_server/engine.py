@@ -249,10 +249,11 @@ class DraftEngine:
         """One pass for jobs ahead (from ahead.jobs(), none started since). Returns the tokens drafted (an
         ingest's fed tokens are counted as prefilled ahead)."""
         drafted = self.stats.drafted_tokens
-        ingests = [(j, len(j.seq.cached)) for j in jobs if self.ahead.ingests.get(j.seq_id) is j]
+        ingests = [(j, len(j.seq.cached), len(j.drafts)) for j in jobs if self.ahead.ingests.get(j.seq_id) is j]
         self.advance(jobs)
-        self.stats.lookahead_prefilled += sum(len(j.seq.cached) - n for j, n in ingests)
-        drafted = self.stats.drafted_tokens - drafted
+        self.stats.lookahead_prefilled += sum(len(j.seq.cached) - n for j, n, _ in ingests)
+        # An ingest's one draft is never sent: drafted ahead means drafts a stage may answer with.
+        drafted = self.stats.drafted_tokens - drafted - sum(len(j.drafts) - d for j, _, d in ingests)
         self.stats.lookahead_drafted += drafted
         return drafted
 

@@ -169,6 +169,7 @@ def test_a_prompt_sent_ahead_is_fed_in_idle_time_and_its_first_round_feeds_one_t
         assert list(s.round(dict(seq_id=1, start=0, tokens=PROMPT, gamma=0)).sequences[0].tokens) == []
     wait_until(lambda: _stats(stubs[1]).lookahead_prefilled_tokens == len(PROMPT), timeout=10)
     assert _stats(stubs[0]).lookahead_prefilled_tokens == 0
+    assert _stats(stubs[1]).lookahead_drafted_tokens == 0  # the ingest's one draft is never sent
     before = [e.stats.catchup_tokens for e in engines]
     first = hf_greedy(models["llama"], PROMPT, 1)  # the target's first token, prefilled on its side
     _both(streams, start=len(PROMPT), tokens=first)
