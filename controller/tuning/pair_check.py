@@ -59,8 +59,8 @@ NUMERICS = ({"act_bits": 8}, {"smooth_alpha": 0.5}, {"act_bits": 8, "smooth_alph
 HEAD_VOCAB = 16384  # covers 94% of the default target's output tokens on Spec-Bench
 # Bumped when the draft's forward gets cheaper or dearer, so that measurements taken before are taken again
 # (2: the scripted multi-row draft layer, starjar.model.lean_step; 3: candidates with finer activations, NUMERICS;
-# 4: one-row passes in one native call, starjar.model.native_draft).
-DRAFT_FORWARD_REVISION = 4
+# 4: one-row passes in one native call, starjar.model.native_draft; 5: padded passes in it too).
+DRAFT_FORWARD_REVISION = 5
 # The same for the target's passes (2: few-row products chosen by measurement, starjar.cpu.skinny_linear; 3: MKL-packed
 # weights where they measure faster; 4: the lean target forward, starjar.model.lean_target; 5: its fused projections,
 # starjar.model.fused_projections; 6: its passes in one native call, starjar.model.native_pass).

@@ -177,8 +177,8 @@ class LeanDecoder(torch.nn.Module):
         and sin hold only those), or None; padded: the pass's (B, Q)."""
         b, q = padded
         d, eps = self.head_dim, self.eps
-        if rows is None and real is None and self.native.takes(x, keys, self._probe):
-            return self.native.run(x, cos, sin, mask, keys, values, write, start, kv_len)
+        if rows is None and self.native.takes(x, keys, self._probe):
+            return self.native.run(x, cos, sin, mask, keys, values, write, start, kv_len, real, padded)
         if b == 1 and q == 1 and rows is None and write is None:
             layer = lean_step.layer_fn()
             for (w_in, qkv, _, nq, nk, o_proj, w_post, gate_up, _, down), k, v in zip(self.plan, keys, values,

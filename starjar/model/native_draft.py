@@ -76,13 +76,15 @@ class NativeDraftPass:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
             keys: list[torch.Tensor], values: list[torch.Tensor], write: torch.Tensor | None, start: int,
-            kv_len: int) -> torch.Tensor:
+            kv_len: int, real: torch.Tensor | None = None, padded: tuple[int, int] | None = None) -> torch.Tensor:
         """mask: the pass's [B, 1, Q, K], folded here as the scripted layers fold it (a one-token step needs
-        none); keys, values, write, start and kv_len: the cache's pass views for rows on consecutive slots."""
-        b, q = x.shape[:2]
+        none); keys, values, write, start and kv_len: the cache's pass views for rows on consecutive slots; real
+        and padded: a padded pass's real tokens (x, cos and sin hold those alone) and its (B, Q)."""
+        b, q = padded if real is not None else x.shape[:2]
         folded = None if b * q == 1 else mask if q == 1 else fold_mask(mask, self.nq[0] // self.nk[0])
         return native_pass.run_draft(x, cos, sin, folded, self.norms, self.packs, self.biases, self.reduce_range,
-                                     keys, values, start, self.nq, self.nk, self.d, self.eps, kv_len, write)
+                                     keys, values, start, self.nq, self.nk, self.d, self.eps, kv_len, write, real,
+                                     (b, q) if real is not None else (0, 0))
 
     def _measured(self, probe: Probe) -> dict[str, bool]:
         entry = kernels.cached_entry(f"{KIND}-{len(self.nq)}-layers", self.shapes, lambda: self._measure(probe),

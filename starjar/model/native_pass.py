@@ -125,13 +125,16 @@ def run(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, mask: torc
 def run_draft(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
               norms: list[torch.Tensor], packs: list, biases: list[torch.Tensor | None], reduce_range: bool,
               keys: list[torch.Tensor], values: list[torch.Tensor], start: int, nq: list[int], nk: list[int], d: int,
-              eps: float, kv_len: int, write: torch.Tensor | None) -> torch.Tensor:
+              eps: float, kv_len: int, write: torch.Tensor | None, real: torch.Tensor | None = None,
+              padded: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """lean_step's layers over rows on consecutive slots x [B, Q, H], every layer: mask as they attend with it
     (folded for grouped heads when Q > 1; None for a one-token step), norms two a layer, packs and biases four a
     layer (torch's packed int8 weights of qkv, o, gate-up and down, and their float biases); the rows' K and V
-    written from `start`, or each token at its position in write [B, Q]; attention over kv_len positions."""
+    written from `start`, or each token at its position in write [B, Q]; attention over kv_len positions. A
+    padded pass: x, cos and sin hold its real tokens [T, 1, ...], real their indices in the flattened padded
+    (B, Q)."""
     return torch.ops.starjar.draft_pass(x, cos, sin, mask, norms, packs, biases, reduce_range, keys, values, start,
-                                        nq, nk, d, eps, kv_len, write)
+                                        nq, nk, d, eps, kv_len, write, real, *padded)
 
 
 def takes(x: torch.Tensor) -> bool:
