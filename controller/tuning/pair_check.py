@@ -63,8 +63,9 @@ HEAD_VOCAB = 16384  # covers 94% of the default target's output tokens on Spec-B
 DRAFT_FORWARD_REVISION = 5
 # The same for the target's passes (2: few-row products chosen by measurement, starjar.cpu.skinny_linear; 3: MKL-packed
 # weights where they measure faster; 4: the lean target forward, starjar.model.lean_target; 5: its fused projections,
-# starjar.model.fused_projections; 6: its passes in one native call, starjar.model.native_pass).
-TARGET_FORWARD_REVISION = 6
+# starjar.model.fused_projections; 6: its passes in one native call, starjar.model.native_pass; 7: the fused-or-apart
+# choice timed with the native pass).
+TARGET_FORWARD_REVISION = 7
 # How agreement is measured (_agreement): a measurement taken another way is stale. "stepwise" replaced one
 # teacher-forced pass, which overrated 8-bit activations on AVX2 kernels (0.823 against 0.323 in real steps).
 AGREEMENT = "stepwise"
