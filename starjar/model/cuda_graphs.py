@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from starjar.cpu import kernels
 from starjar.model.kv_cache import RaggedKVCache
+from starjar.model.lean_decoder import rope
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,8 @@ class StaticDecoder:
         for layer, (nq, nk), kb, vb in zip(self.layers, self.heads, keys, values, strict=True):
             a = layer.self_attn
             h = layer.input_layernorm(x)
-            qs = _rotated(a.q_proj(h).view(b, q, nq, d).transpose(1, 2), cos, sin)
-            ks = _rotated(a.k_proj(h).view(b, q, nk, d).transpose(1, 2), cos, sin)
+            qs = rope(a.q_proj(h).view(b, q, nq, d).transpose(1, 2), cos, sin)
+            ks = rope(a.k_proj(h).view(b, q, nk, d).transpose(1, 2), cos, sin)
             vs = a.v_proj(h).view(b, q, nk, d).transpose(1, 2)
             kb.scatter_(2, at.expand(-1, nk, -1, d), ks.to(kb.dtype))
             vb.scatter_(2, at.expand(-1, nk, -1, d), vs.to(vb.dtype))
@@ -82,12 +83,6 @@ class StaticDecoder:
             x = x + a.o_proj(out.transpose(1, 2).reshape(b, q, nq * d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.base.norm(x)
-
-
-def _rotated(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's apply_rotary_pos_emb for one tensor: t * cos + rotate_half(t) * sin."""
-    half = t.shape[-1] // 2
-    return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
 
 
 class _Graph:

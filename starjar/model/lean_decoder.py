@@ -154,7 +154,7 @@ class LeanDecoder(torch.nn.Module):
             else:
                 heads = torch.cat([att.q_proj(h), att.k_proj(h), att.v_proj(h)], -1)
             heads = heads.view(*x.shape[:2], -1, d)
-            qk = _rope(heads[:, :, : nq + nk], cos, sin)
+            qk = rope(heads[:, :, : nq + nk], cos, sin)
             qs, ks, vs = qk[:, :, :nq], qk[:, :, nq:], heads[:, :, nq + nk:]
             if real is not None:
                 qs, ks, vs = (lean_step.padded(t, real, b, q) for t in (qs, ks, vs))
@@ -225,8 +225,9 @@ def _real_tokens(counts: list[int], q: int) -> torch.Tensor | None:
     return torch.tensor([b * q + i for b, n in enumerate(counts) for i in range(n)], dtype=torch.long)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, Q, H, D]; cos and sin [B, Q, 1, D]. (A torch.roll formulation disagreed with Hugging Face's on
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb for one tensor. x [B, Q, H, D] and cos, sin [B, Q, 1, D] here; any shapes that
+    broadcast so. (A torch.roll formulation disagreed with Hugging Face's on
     ragged passes; the rotation is spelled out as HF's rotate_half.)"""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
