@@ -19,10 +19,17 @@ A third spelling, where torch has MKL:
           bit-equal to F.linear's there. It costs a second copy of every weight it packs, so it is only
           measured when that copy fits in half the memory available, and only wins a bucket by PACKED_MARGIN.
 
+A fourth, where starjar's own product builds (starjar.cpu.few_rows):
+  rows    each tile of weight rows loaded once against every input row. On that Xeon MKL's products read the
+          weights more than once between 4 and 12 rows (the output layer over 12 rows: 19.9 ms with F.linear,
+          10.7 as W @ x.T, 8.3 here; one row 4.0); the body's layers over 8 rows took 41 ms with F.linear and
+          30 here.
+
 So the path is chosen per row bucket (BUCKETS), separately for the layers of the model's body and for its
 output layer (a vocabulary-wide product is another shape), by timing the model's own passes once per machine
 (`starjar.cpu.kernels.cached_entry`, a few seconds for the default target); STARJAR_FP32_LINEAR=linear|wxt|packed
-forces one path for every bucket (tests force each). One row always keeps F.linear's GEMV.
+forces one path for every bucket (tests force each). One row always keeps F.linear's GEMV. A bucket is
+timed at its top and its middle (MKL changes its method inside the 9-16 bucket: 12 rows took twice 16's).
 
 The function computed is the same; only floating-point summation order can differ, as it does between any two
 batch sizes. The paths are installed on the model instance, so everything that runs that model (starjar's
@@ -38,12 +45,13 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from starjar.cpu import kernels
+from starjar.cpu import few_rows, kernels
 
 log = logging.getLogger(__name__)
 
-PATHS = ("linear", "wxt", "packed")
+PATHS = ("linear", "wxt", "packed", "rows")
 PACKED = "packed"  # the path that keeps a second copy of the weights
+OWN = "rows"  # starjar's own product (starjar.cpu.few_rows)
 KIND = "fp32-rows"  # its entries in the kernel cache
 ENV = "STARJAR_FP32_LINEAR"
 # Rows up to each; more than 64 rows take the last bucket's path. 3 and 4 apart: MKL's sgemm changes its
@@ -89,6 +97,8 @@ def forced() -> str | None:
     name = kernels.forced_choice(ENV, PATHS)
     if name == PACKED and not packing_available():
         raise ValueError(f"{ENV}={PACKED} needs torch built with MKL (this torch has none)")
+    if name == OWN and not few_rows.available():
+        raise ValueError(f"{ENV}={OWN} needs starjar's few-rows product, which could not be built here")
     return name
 
 
@@ -131,6 +141,8 @@ def _few_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     path = paths[_bucket(rows)]
     if path == "linear":
         return F.linear(x, w, self.bias)
+    if path == OWN:
+        return few_rows.product(x.reshape(rows, k), w, self.bias).reshape(*x.shape[:-1], w.shape[0])
     if path == PACKED and not (w.requires_grad and torch.is_grad_enabled()):  # MKL's packed op has no backward
         return _packed_product(self, x.reshape(rows, k).contiguous()).reshape(*x.shape[:-1], w.shape[0])
     out = torch.matmul(w, x.reshape(rows, k).t()).t()
@@ -251,13 +263,14 @@ def measure(model: torch.nn.Module, reps: int = 5) -> dict:
     body_only = getattr(model, "base_model", model)  # a causal LM's decoder without its output layer
     ms: dict[str, list] = {"body": [], "head": []}
     with torch.inference_mode():
-        for i, rows in enumerate(BUCKETS):
-            ids = torch.full((1, rows), 7, dtype=torch.long, device=param.device)
-            ms["body"].append(_time_bucket(shared.body, i, timed,
-                                           lambda ids=ids: body_only(input_ids=ids, use_cache=False), reps))
+        for i in range(len(BUCKETS)):
+            ids = [torch.full((1, rows), 7, dtype=torch.long, device=param.device) for rows in timed_rows(i)]
+            ms["body"].append(_time_bucket(shared.body, i, timed, lambda ids=ids: [
+                body_only(input_ids=one, use_cache=False) for one in ids], reps))
             if heads:
-                x = torch.randn(rows, heads[0].in_features, device=param.device)
-                ms["head"].append(_time_bucket(shared.head, i, timed, lambda x=x: heads[0](x), reps))
+                xs = [torch.randn(rows, heads[0].in_features, device=param.device) for rows in timed_rows(i)]
+                ms["head"].append(_time_bucket(shared.head, i, timed, lambda xs=xs: [heads[0](x) for x in xs],
+                                               reps))
             else:
                 shared.head[i] = DEFAULT
     log.info("fp32 linear paths for 2..%d rows (%s): body %s, output layer %s (measured: %s ms)", BUCKETS[-1],
@@ -265,9 +278,19 @@ def measure(model: torch.nn.Module, reps: int = 5) -> dict:
     return {"paths": shared.as_dict(), "ms": ms}
 
 
+def timed_rows(i: int) -> tuple[int, ...]:
+    """The row counts bucket i is timed at: its top and, where the bucket holds more than two, its middle."""
+    low, top = (BUCKETS[i - 1] + 1 if i else 2), BUCKETS[i]
+    return (top,) if top - low < 2 else ((low + top) // 2, top)
+
+
 def candidate_paths(model: torch.nn.Module) -> tuple[str, ...]:
-    """The paths worth timing here: packed only with MKL and room for a second copy of the weights."""
-    return PATHS if packing_available() and _packing_fits(model) else tuple(p for p in PATHS if p != PACKED)
+    """The paths worth timing here: packed only with MKL and room for a second copy of the weights, rows
+    where starjar's own product builds."""
+    drop = set() if packing_available() and _packing_fits(model) else {PACKED}
+    if not few_rows.available():
+        drop.add(OWN)
+    return tuple(p for p in PATHS if p not in drop)
 
 
 def choose(model: torch.nn.Module) -> RowPaths | None:
@@ -284,13 +307,14 @@ def choose(model: torch.nn.Module) -> RowPaths | None:
 
 
 def _usable(entry: dict, allowed: tuple[str, ...] = PATHS) -> bool:
-    """An entry of another layout (other buckets, a damaged file), or one that packs where packing no longer
-    fits, is measured again and replaced."""
+    """An entry of another layout (other buckets, a damaged file), one that packs where packing no longer
+    fits, or one that did not time every path this machine has now, is measured again and replaced."""
     try:
         paths = RowPaths.from_dict(entry["paths"])
-    except (KeyError, TypeError, ValueError):
+        timed = set(entry["ms"]["body"][0])
+    except (KeyError, TypeError, ValueError, IndexError):
         return False
-    return all(p in allowed for p in paths.body + paths.head)
+    return all(p in allowed for p in paths.body + paths.head) and set(allowed) <= timed
 
 
 def _time_bucket(slots: list[str], i: int, timed: tuple[str, ...], run: Callable[[], object],

@@ -1,17 +1,13 @@
 """The lean forward of a float Llama-family target (llama, qwen2, mistral): HF's layers without HF's Python.
 
-A target step of the default pair (SmolLM2-135M, 30 layers) runs about 50 small ops per layer through Hugging
-Face's module tree, each paying Python, hooks and dispatch; at batch 1 on 2 cores that overhead was most of the
-gap to llama.cpp on the same float32 weights. Here each decoder layer is one TorchScript function
-(starjar.model.target_step) that computes every value HF's does with the same sums on the same weights, writing
-K and V in place into the RaggedKVCache: the hidden states, hence the logits, are bit for bit those of HF's.
-Measured for the default target decoding alone (gamma 0, 64 new tokens after 64-token prompts, prefill
-included; Intel Xeon, AVX512, 2 threads; benchmarks/probes/lean_target_speed.py, in turns with HF's forward):
-22.2 -> 36.6 tokens/s at batch 1 (1.65x, native passes included), 1.42x at batch 4, 1.45x at batch 8, 1.17x
-at batch 16, the same tokens either way. Where the machine gives the same bits (starjar.model.fused_projections),
-q/k/v and gate/up are one product each; passes over a row bucket take them fused or apart as measured
-(FUSED_KIND), and fused passes over consecutive slots run every layer in one native call where that measured
-faster (NATIVE_KIND, starjar.model.native_pass).
+HF's module tree runs about 50 small ops per layer, each paying Python, hooks and dispatch. Here each decoder
+layer is one TorchScript function (starjar.model.target_step) computing every value HF's does with the same sums
+on the same weights, writing K and V in place into the RaggedKVCache: the logits are HF's bit for bit. The
+default target decoding alone (Intel Xeon, AVX512, 2 threads; benchmarks/probes/lean_target_speed.py): 22.2 ->
+36.6 tokens/s at batch 1 (1.65x), 1.42x at batch 4, 1.45x at 8, 1.17x at 16, the same tokens either way.
+Where the machine gives the same bits (starjar.model.fused_projections), q/k/v and gate/up are one product each;
+passes over a row bucket take them fused or apart as measured (FUSED_KIND), and fused passes over consecutive
+slots run every layer in one native call where that measured faster (NATIVE_KIND, starjar.model.native_pass).
 
 Pass shape classes (CLASSES): `step` (one row, one token: batch-1 decoding), `rows` (up to LONG rows in all:
 verification over gamma + 1 positions, multi-row decoding) and `long` (prefill). Whether the lean forward runs
@@ -28,7 +24,7 @@ import logging
 
 import torch
 
-from starjar.cpu import kernels, skinny_linear
+from starjar.cpu import few_rows, kernels, skinny_linear
 from starjar.model import attention, fused_projections, native_pass, target_step
 from starjar.model.kv_cache import RaggedKVCache
 
@@ -220,8 +216,11 @@ class LeanTarget:
                 x = self.step_layer(x, cos, sin, mask, ws, bs, k, v, start, kv_len, nq, nk, d, eps, scaling)
             return base.norm(x)
         codes = self._layer_codes(x, b * q)
-        if self.takes_fused(b * q):
+        own = any(target_step.OWN in c for c in codes)  # starjar's own product: the native pass runs it, or HF's
+        if self.takes_fused(b * q) and (not own or self._runs_native(x, rows, b * q)):
             return base.norm(self._fused_rows_pass(x, cos, sin, mask, codes, views, q))
+        if own:
+            return None
         folded: dict[int, torch.Tensor] = {}  # the mask as folded_attention folds it, once per pass
         for (ws, bs, linears, nq, nk), k, v, c in zip(self.plan, keys, values, codes, strict=True):
             g = nq // nk
@@ -249,9 +248,10 @@ class LeanTarget:
                                 skinny_linear.packed_weight(linears[3]) if paths[1] == 2 else None,
                                 self._fused_packed(i, 1) if paths[2] == 2 else None,
                                 skinny_linear.packed_weight(linears[6]) if paths[3] == 2 else None])
-        groups = {nq // nk for nq, nk in zip(nqs, nks, strict=True)}
-        if rows is None and len(groups) == 1 and native_pass.takes(x) and self.takes_native(x.shape[0] * q):
-            g = groups.pop()
+        if self._runs_native(x, rows, x.shape[0] * q):
+            g = nqs[0] // nks[0]
+            if any(target_step.OWN in c for c in layer_paths):
+                few_rows.use_forced_isa()
             return native_pass.run(x, cos, sin_signed, mask if g == 1 or q == 1 else attention.fold_mask(mask, g),
                                    *self.flat, [p for packs in layer_packs for p in packs],
                                    [c for paths in layer_paths for c in paths], keys, values, start, kv_len, nqs,
@@ -266,6 +266,12 @@ class LeanTarget:
                                       layer_paths[i], keys[i], values[i], rows, write, start, kv_len, nq, nk, d,
                                       self.eps, self.scaling)
         return x
+
+    def _runs_native(self, x: torch.Tensor, rows: torch.Tensor | None, n: int) -> bool:
+        """Whether a fused chain pass over n rows in all runs natively: consecutive slots, one head grouping."""
+        _, _, nqs, nks = self.fused
+        return rows is None and len({nq // nk for nq, nk in zip(nqs, nks, strict=True)}) == 1 and \
+            native_pass.takes(x) and self.takes_native(n)
 
     def _fused_packed(self, layer: int, which: int) -> torch.Tensor:
         """Layer's packed qkv (which 0) or gate-up (1) weight, packed on first use."""

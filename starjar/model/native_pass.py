@@ -11,27 +11,21 @@ benchmarks.probes.llama_cpp_reference --also-scripted): 29.0 tokens/s scripted, 
 The draft's pass calls the packed int8 weights' own kernel the same way, its hidden states the scripted layers'
 (starjar.model.lean_step) bit for bit.
 
-The source is compiled by torch.utils.cpp_extension (a C++ compiler and ninja; about 15 s on 2 cores) the first
-time a process asks for it on a machine, into native_dir(), keyed by the sources, the library's name, the flags
-and torch's version; later processes load the built library. Where it cannot be built, the scripted layers run
+The source is compiled the first time a process asks for it on a machine (starjar.cpu.native_build; about 15 s
+on 2 cores); later processes load the built library. Where it cannot be built, the scripted layers run
 (a warning says why). STARJAR_NATIVE_PASS=1 requires it, 0 keeps the scripted layers; unset,
 starjar.model.lean_target takes it where it measured faster on the running machine.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import shutil
-import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
 
-from starjar.cpu import kernels
+from starjar.cpu import kernels, native_build
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +51,6 @@ def required() -> bool | None:
     return force
 
 
-def native_dir() -> Path:
-    """Where built libraries are kept: $STARJAR_NATIVE_DIR, default ~/.cache/starjar/native (not under
-    STARJAR_HOME, which tests and clusters point at fresh folders: one build serves every process)."""
-    return Path(os.environ.get("STARJAR_NATIVE_DIR") or Path.home() / ".cache" / "starjar" / "native")
-
-
-def _build_key() -> str:
-    text = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
-    digest = hashlib.sha256(text + " ".join([LIBRARY, *FLAGS]).encode() + torch.__version__.encode())
-    return digest.hexdigest()[:16]
-
-
 def available() -> bool:
     """Whether the native pass is loaded in this process, building it first where no build is kept."""
     with _loading:
@@ -86,27 +68,7 @@ def unavailable_reason() -> str:
 def _load() -> tuple[bool, str]:
     if hasattr(torch.ops.starjar, "fused_pass") and hasattr(torch.ops.starjar, "draft_pass"):
         return True, ""
-    from torch.utils import cpp_extension  # imported here: it is slow to import and only a build needs it
-
-    build = native_dir() / _build_key()
-    bin_dir = os.path.dirname(sys.executable)  # the environment's ninja, where PATH (a Ray worker's) lacks it
-    if shutil.which("ninja") is None and os.path.exists(os.path.join(bin_dir, "ninja")):
-        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    try:
-        build.mkdir(parents=True, exist_ok=True)
-        built = any(build.glob("*.so"))
-        if not built:
-            log.info("building the native passes for this machine (once, about 15 s) in %s", build)
-        t0 = time.perf_counter()
-        cpp_extension.load(name=LIBRARY, sources=[str(f) for f in SOURCES], extra_cflags=FLAGS,
-                           build_directory=str(build), is_python_module=False, verbose=False)
-        if not built:
-            log.info("native passes built in %.1f s", time.perf_counter() - t0)
-    except Exception as e:  # no compiler, no ninja, a read-only home: the scripted step still runs
-        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        said = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "")
-        return False, f"{type(e).__name__}: {said}"
-    return True, ""
+    return native_build.load(LIBRARY, SOURCES, HEADERS, FLAGS, what="the native passes")
 
 
 def run(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, mask: torch.Tensor,

@@ -29,7 +29,8 @@ from torch import Tensor
 from starjar.model.lean_step import write_read
 from starjar.model.scripting import scripted
 
-PATHS = {"linear": 0, "wxt": 1, "packed": 2}  # skinny_linear's path names -> the codes the layers take
+PATHS = {"linear": 0, "wxt": 1, "packed": 2, "rows": 3}  # skinny_linear's path names -> the layers' codes
+OWN = 3  # starjar's own few-rows product: the native pass calls it; the scripted layers cannot
 
 
 def hf_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -49,6 +50,8 @@ def _linear(x: Tensor, w: Tensor, b: Tensor | None, path: int, packed: Tensor | 
     """skinny_linear._few_rows_forward's product for `path` (0 F.linear, 1 W @ x.T, 2 MKL packed)."""
     if path == 0:
         return F.linear(x, w, b)
+    if path == 3:
+        raise RuntimeError("the few-rows product (path 3) runs in the native pass only")
     k = x.shape[-1]
     rows = x.numel() // k
     shape = x.shape[:-1] + [w.shape[0]]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from benchmarks.fixtures.reference import hf_greedy
 from controller.colocated import colocated_engine
-from starjar.cpu import kernels, machine, skinny_linear
+from starjar.cpu import few_rows, kernels, machine, skinny_linear
 from starjar.model.loading import load_model
 from starjar.spec.sampling import SamplingParams
 
@@ -50,8 +50,22 @@ def _packed_calls(monkeypatch) -> list:
     return calls
 
 
+def _own_calls(monkeypatch) -> list:
+    """Count products taken by starjar's own few-rows product."""
+    calls = []
+    real = few_rows.product
+
+    def counted(x, w, b):
+        calls.append(x.shape)
+        return real(x, w, b)
+    monkeypatch.setattr(skinny_linear.few_rows, "product", counted)
+    return calls
+
+
 needs_mkl = pytest.mark.skipif(not skinny_linear.packing_available(), reason="torch without MKL: no packed path")
-EVERY_PATH = [pytest.param(p, marks=needs_mkl) if p == skinny_linear.PACKED else p for p in skinny_linear.PATHS]
+needs_own = pytest.mark.skipif(not few_rows.available(), reason="starjar's few-rows product could not be built")
+MARKS = {skinny_linear.PACKED: needs_mkl, skinny_linear.OWN: needs_own}
+EVERY_PATH = [pytest.param(p, marks=MARKS[p]) if p in MARKS else p for p in skinny_linear.PATHS]
 
 
 @pytest.mark.parametrize("path", EVERY_PATH)
@@ -59,7 +73,7 @@ def test_each_path_computes_f_linear_and_is_the_one_taken(path, monkeypatch):
     torch.manual_seed(0)
     body, head = torch.nn.Linear(48, 300, bias=True), torch.nn.Linear(48, skinny_linear.WIDE, bias=False)
     assert skinny_linear.install(torch.nn.Sequential(body, head), skinny_linear.RowPaths.every(path)) == 2
-    calls, packed = _matmul_calls(monkeypatch), _packed_calls(monkeypatch)
+    calls, packed, own = _matmul_calls(monkeypatch), _packed_calls(monkeypatch), _own_calls(monkeypatch)
     with torch.no_grad():
         for rows in (1, 2, 5, 33, 100):
             x = torch.randn(rows, 48)
@@ -67,6 +81,7 @@ def test_each_path_computes_f_linear_and_is_the_one_taken(path, monkeypatch):
             assert torch.allclose(head(x), F.linear(x, head.weight), atol=1e-4)
     # one row keeps F.linear's GEMV on every path
     assert len(calls) == (8 if path == "wxt" else 0) and len(packed) == (8 if path == "packed" else 0)
+    assert len(own) == (8 if path == "rows" else 0)
 
 
 @needs_mkl
@@ -118,6 +133,13 @@ def _slowed(monkeypatch, slow_path: str) -> None:
             time.sleep(0.003)
             return real_packed(*a, **k)
         monkeypatch.setattr(skinny_linear, "_packed_product", slow_packed)
+    elif slow_path == "rows":
+        real_own = few_rows.product
+
+        def slow_own(*a, **k):
+            time.sleep(0.003)
+            return real_own(*a, **k)
+        monkeypatch.setattr(skinny_linear.few_rows, "product", slow_own)
     else:
         def slow_linear(*a, **k):
             if a[0].numel() > a[0].shape[-1]:  # a multi-row product only, as the path applies to
@@ -148,8 +170,8 @@ def test_the_measurement_picks_the_faster_path_and_is_cached(fresh_cache, model_
 
 @needs_mkl
 def test_packing_is_not_timed_where_its_copy_does_not_fit(fresh_cache, model_dirs, monkeypatch):
-    _slowed(monkeypatch, "linear")
-    _slowed(monkeypatch, "wxt")
+    for slow in ("linear", "wxt", "rows"):
+        _slowed(monkeypatch, slow)
     assert skinny_linear.installed(load_model(model_dirs["llama"]).model).body[0] == "packed"
     # Less memory now: the cached choice that packs is measured again without the packed path.
     monkeypatch.setattr(kernels, "_entries", {})

@@ -76,7 +76,7 @@ def test_native_passes_equal_hf_and_scripted_bitwise(models, prompt_ids, monkeyp
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("path", ["linear", "wxt", "packed"])
+@pytest.mark.parametrize("path", ["linear", "wxt", "packed", "rows"])
 def test_native_chain_passes_equal_hf_bitwise(model_dirs, prompt_ids, monkeypatch, family, path):
     """Verification, multi-row and ragged passes natively (rows of unequal lengths on consecutive slots write
     each token where the cache says), by each product skinny_linear may install (qwen2: biased q/k/v): HF's bits;
@@ -167,6 +167,8 @@ def test_every_native_source_ships_in_the_package():
 
     root = Path(__file__).resolve().parents[2]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["starjar"]
-    shipped = {f.relative_to(root / "starjar").as_posix() for f in (root / "starjar" / "model" / "native").iterdir()}
-    assert shipped >= {"model/native/target_pass.cpp", "model/native/draft_pass.cpp", "model/native/pass_parts.h"}
+    shipped = {f.relative_to(root / "starjar").as_posix() for folder in ("model/native", "cpu/native")
+               for f in (root / "starjar" / folder).iterdir()}
+    assert shipped >= {"model/native/target_pass.cpp", "model/native/draft_pass.cpp", "model/native/pass_parts.h",
+                       "cpu/native/few_rows.cpp"}
     assert [f for f in shipped if not any(fnmatch.fnmatch(f, p) for p in patterns)] == []

@@ -32,17 +32,26 @@ at::Tensor mkl_linear(const at::Tensor& x, const at::Tensor& packed, const at::T
   return op.call(x, packed, w, b, rows);
 }
 
+// starjar's own few-rows product (starjar/cpu/native/few_rows.cpp, loaded where skinny_linear chose it).
+at::Tensor own_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("starjar::few_rows", "").typed<
+      at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+  return op.call(x, w, b);
+}
+
 // target_step._linear over x [B, Q, K] contiguous, as each path computes it, -> [B, Q, N] contiguous. Path 0
 // is F.linear as at::linear computes it for a contiguous 3-d input (addmm over the [B Q, K] view with a bias,
 // else mm, as at::matmul folds it), called without linear's and matmul's glue; 1 is W @ x.T (then the bias);
-// 2 is MKL's packed sgemm.
+// 2 is MKL's packed sgemm; 3 starjar's own (skinny_linear's "rows").
 at::Tensor product(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t path,
                    const std::optional<at::Tensor>& packed) {
   const int64_t k = x.size(-1), rows = x.numel() / k;
   const at::Tensor flat = x.view({rows, k});
   const bool biased = b.has_value() && b->defined();
   at::Tensor out;
-  if (path == 2 && packed.has_value() && packed->defined()) {
+  if (path == 3) {
+    out = own_linear(flat, w, b);
+  } else if (path == 2 && packed.has_value() && packed->defined()) {
     out = mkl_linear(flat, *packed, w, b, rows);
   } else if (path == 0) {
     out = biased ? at::addmm(*b, flat, w.t()) : at::mm(flat, w.t());

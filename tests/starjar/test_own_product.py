@@ -1,0 +1,77 @@
+"""starjar's own few-rows product (starjar.cpu.few_rows), each kernel this CPU has forced in turn: F.linear's
+values, and each output's sum independent of the rows, outputs and threads beside it."""
+
+import pytest
+import torch
+
+from starjar.cpu import few_rows
+
+pytestmark = pytest.mark.skipif(not few_rows.available(), reason="starjar's few-rows product could not be built")
+
+
+def _isas() -> list[str]:
+    best = torch.ops.starjar.few_rows_isa() if few_rows.available() else 0
+    return [name for name, code in few_rows.ISAS.items() if code <= best]
+
+
+@pytest.fixture(params=_isas())
+def isa(request, monkeypatch):
+    monkeypatch.setenv(few_rows.ISA_ENV, request.param)
+    yield request.param
+    monkeypatch.delenv(few_rows.ISA_ENV)
+    few_rows.use_forced_isa()  # the best kernel again for later tests
+
+
+@pytest.mark.parametrize("k", [1, 7, 15, 16, 17, 37, 576])
+def test_values_are_f_linears_with_every_tail(isa, k):
+    torch.manual_seed(k)
+    for rows, n in ((1, 1), (2, 5), (6, 9), (7, 33), (13, 4)):
+        x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+        exact = (x.double() @ w.double().t() + b.double()).float()
+        assert torch.allclose(few_rows.product(x, w, b), exact, atol=1e-5 * k ** 0.5, rtol=1e-5)
+        assert torch.allclose(few_rows.product(x, w, None), exact - b, atol=1e-5 * k ** 0.5, rtol=1e-4)
+
+
+def test_a_rows_values_do_not_depend_on_the_rows_beside_it(isa):
+    """One row alone, or among 2 to 16 others in any place: the same bits (decoding alone equals batched)."""
+    torch.manual_seed(1)
+    w, b = torch.randn(300, 200), torch.randn(300)
+    xs = torch.randn(16, 200)
+    alone = torch.cat([few_rows.product(xs[i:i + 1], w, b) for i in range(16)])
+    for rows in (2, 3, 6, 7, 12, 16):
+        assert torch.equal(few_rows.product(xs[:rows], w, b), alone[:rows]), rows
+    assert torch.equal(few_rows.product(xs.flip(0), w, b), alone.flip(0))
+
+
+def test_an_outputs_values_do_not_depend_on_the_outputs_beside_it(isa):
+    """q, k and v as one product give the three products' bits (the fused projections rely on it)."""
+    torch.manual_seed(2)
+    x = torch.randn(5, 96)
+    wq, wk, wv = torch.randn(96, 96), torch.randn(31, 96), torch.randn(31, 96)
+    fused = few_rows.product(x, torch.cat((wq, wk, wv)), None)
+    apart = torch.cat([few_rows.product(x, w, None) for w in (wq, wk, wv)], dim=1)
+    assert torch.equal(fused, apart)
+
+
+def test_the_thread_count_does_not_change_the_values(isa):
+    torch.manual_seed(3)
+    x, w = torch.randn(9, 130), torch.randn(1001, 130)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = few_rows.product(x, w, None)
+        torch.set_num_threads(2)
+        assert torch.equal(few_rows.product(x, w, None), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_bad_or_missing_kernel_is_refused(monkeypatch):
+    monkeypatch.setenv(few_rows.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="avx2"):
+        few_rows.isa()
+    if torch.ops.starjar.few_rows_isa() < few_rows.ISAS["avx512"]:
+        with pytest.raises(RuntimeError, match="lacks the instructions"):
+            torch.ops.starjar.few_rows_use(few_rows.ISAS["avx512"])
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.starjar.few_rows(torch.randn(2, 3).double(), torch.randn(4, 3).double())
