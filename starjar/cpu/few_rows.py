@@ -24,7 +24,7 @@ from starjar.cpu import native_build
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "few_rows.cpp"
+SOURCES = [Path(__file__).with_name("native") / name for name in ("few_rows.cpp", "int8_rows.cpp")]
 LIBRARY = "starjar_few_rows"
 FLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for splits the tiles between the threads only with it
 ISA_ENV = "STARJAR_FEW_ROWS_ISA"
@@ -39,7 +39,7 @@ def available() -> bool:
     with _loading:
         if "ok" not in _state:
             ok, why = (True, "") if hasattr(torch.ops.starjar, "few_rows") else native_build.load(
-                LIBRARY, [SOURCE], flags=FLAGS, ldflags=["-fopenmp"], what="the few-rows product")
+                LIBRARY, SOURCES, flags=FLAGS, ldflags=["-fopenmp"], what="the few-rows product")
             if ok and torch.ops.starjar.few_rows_isa() == 0:
                 ok, why = False, "this CPU has neither AVX2 with FMA nor AVX-512"
             _state["ok"], _state["why"] = ok, why
@@ -70,3 +70,28 @@ def product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
     """x [R, K] float32 times w [N, K]^T, plus b: [R, N]."""
     use_forced_isa()
     return torch.ops.starjar.few_rows(x, w, b)
+
+
+def int8_available() -> bool:
+    """Whether starjar's own int8 product runs here: the library loaded and AVX-512 VNNI."""
+    return available() and bool(torch.ops.starjar.int8_rows_available())
+
+
+def int8_layout(packed) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """torch's packed dynamic int8 weights (per output channel, symmetric) laid out for the own int8 product:
+    int8 [N, K padded to a multiple of 64] and [2, N] float32 (each output's scale, the sum of its int8
+    weights); None for weights it cannot take (nonzero zero points)."""
+    w, _ = torch.ops.quantized.linear_unpack(packed)
+    if w.qscheme() not in (torch.per_channel_affine, torch.per_channel_symmetric) or \
+            bool((w.q_per_channel_zero_points() != 0).any()):
+        return None
+    ints = w.int_repr()
+    n, k = ints.shape
+    padded = torch.zeros(n, -(-k // 64) * 64, dtype=torch.int8)
+    padded[:, :k] = ints
+    return padded, torch.stack([w.q_per_channel_scales().float(), ints.sum(1).float()])
+
+
+def int8_product(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x [R, K] float32, quantized per row, times int8_layout's weights, plus b: [R, N]."""
+    return torch.ops.starjar.int8_rows(x, w, meta, b)

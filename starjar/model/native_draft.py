@@ -9,6 +9,11 @@ same row scaling, ATen's attention and SiLU) and writes the elementwise work bet
 its hidden states are the scripted layers' bit for bit. A one-token step went from 12.6 to 8.8 ms, and speculation
 at batch 1 gained 1.06-1.26x over the scripted draft at gamma 2-4 (python -m benchmarks.probes.native_draft_speed,
 same machine, in turns). STARJAR_NATIVE_PASS forces it as it does the target's (1 required, 0 off).
+
+Where the CPU has AVX-512 VNNI, the native pass may take starjar's own int8 product instead of torch's
+(starjar.cpu.few_rows: rows quantized each by its own peak, weights streamed once for a few rows), chosen per
+pass class by measurement; STARJAR_DRAFT_INT8=own|torch forces it. The draft's values then differ from the
+scripted layers' (a draft only proposes: verification keeps the output the target's own).
 """
 
 from __future__ import annotations
@@ -18,13 +23,15 @@ from collections.abc import Callable
 
 import torch
 
-from starjar.cpu import kernels
+from starjar.cpu import few_rows, kernels
 from starjar.model import native_pass
 from starjar.model.attention import fold_mask
 
 log = logging.getLogger(__name__)
 
 KIND = "native-draft-pass"  # the kernel cache's entries of the native-or-scripted choice
+OWN_KIND = "own-int8-draft"  # those of the own-or-torch int8 product choice
+OWN_ENV = "STARJAR_DRAFT_INT8"
 CONTEXT = 128  # the probe's cached positions, a typical short context
 # The passes timed, (rows, tokens): a one-token step, a catch-up, batched drafting.
 PROBES = {"step": (1, 1), "span": (1, 3), "rows": (4, 1)}
@@ -49,6 +56,9 @@ class NativeDraftPass:
         self.spans = spans and len({q // k for q, k in zip(self.nq, self.nk, strict=True)}) == 1  # one folded mask
         self.chosen: dict[str, bool] | None = None  # measured on this machine (None: not yet)
         self.override: bool | None = None  # set while it is measured, and by tests
+        self.own_chosen: dict[str, bool] | None = None  # the own int8 product, per pass class (None: not yet)
+        self.own_override: bool | None = None  # set while that is measured
+        self._own: tuple[list, list] | None = None  # the weights laid out for it, once
 
     def usable(self, x: torch.Tensor, keys: list[torch.Tensor]) -> bool:
         """Whether the native pass can compute this pass: float32 states and cache, and for several rows or
@@ -73,6 +83,8 @@ class NativeDraftPass:
         """Build, load and measure now (at load, not in a served step), unless forced or done."""
         if self.chosen is None and self.packs and native_pass.forced() is None:
             self.chosen = self._measured(probe) if native_pass.available() else dict.fromkeys(PROBES, False)
+        if self.own_chosen is None and self.packs and own_forced() is None and native_pass.forced() is not False:
+            self.own_chosen = self._own_measured(probe) if self._own_weights() else dict.fromkeys(PROBES, False)
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
             keys: list[torch.Tensor], values: list[torch.Tensor], write: torch.Tensor | None, start: int,
@@ -82,9 +94,58 @@ class NativeDraftPass:
         and padded: a padded pass's real tokens (x, cos and sin hold those alone) and its (B, Q)."""
         b, q = padded if real is not None else x.shape[:2]
         folded = None if b * q == 1 else mask if q == 1 else fold_mask(mask, self.nq[0] // self.nk[0])
+        own = self._own_weights() if self._takes_own(b, q) else None
         return native_pass.run_draft(x, cos, sin, folded, self.norms, self.packs, self.biases, self.reduce_range,
                                      keys, values, start, self.nq, self.nk, self.d, self.eps, kv_len, write, real,
-                                     (b, q) if real is not None else (0, 0))
+                                     (b, q) if real is not None else (0, 0), own)
+
+    def _takes_own(self, b: int, q: int) -> bool:
+        """Whether this pass takes starjar's own int8 product: overridden while measured, forced, or chosen."""
+        if self.own_override is not None:
+            return self.own_override
+        force = own_forced()
+        if force is not None:
+            return force
+        return bool(self.own_chosen and self.own_chosen[pass_class(b, q)])
+
+    def _own_weights(self) -> tuple[list, list] | None:
+        """The products' weights laid out for the own int8 product (once), or None where it cannot run."""
+        if self._own is None and few_rows.int8_available():
+            laid = [few_rows.int8_layout(p) for p in self.packs]
+            if all(w is not None for w in laid):
+                self._own = ([w for w, _ in laid], [m for _, m in laid])
+        if self._own is None and own_forced():
+            raise RuntimeError(f"{OWN_ENV}=own, but the own int8 product cannot run here (it needs AVX-512 VNNI)")
+        return self._own
+
+    def _own_measured(self, probe: Probe) -> dict[str, bool]:
+        entry = kernels.cached_entry(f"{OWN_KIND}-{len(self.nq)}-layers", self.shapes, lambda: self._measure_own(probe),
+                                     usable=lambda e: isinstance(e.get("own"), dict) and set(e["own"]) == set(PROBES))
+        return {k: bool(v) for k, v in entry["own"].items()}
+
+    def _measure_own(self, probe: Probe, reps: int = 7) -> dict:
+        """Each probe pass natively with torch's int8 kernel and the own one, in turns; own where faster."""
+        ms, own = {}, {}
+        for cls, (b, q) in PROBES.items():
+            if b * q > 1 and not self.spans:
+                own[cls] = False
+                continue
+            times = []
+            for way in (False, True):
+                run = probe(b, q, True)
+
+                def timed(run=run, way=way):
+                    self.own_override = way
+                    try:
+                        return run()
+                    finally:
+                        self.own_override = None
+                times.append(timed)
+            torch_s, own_s = kernels.interleaved_medians(times, reps)
+            ms[cls] = {"torch": round(torch_s * 1000, 3), "own": round(own_s * 1000, 3)}
+            own[cls] = own_s < torch_s
+        log.info("own int8 draft products (%s): %s (measured: %s ms)", kernels.machine_label(), own, ms)
+        return {"own": own, "ms": ms}
 
     def _measured(self, probe: Probe) -> dict[str, bool]:
         entry = kernels.cached_entry(f"{KIND}-{len(self.nq)}-layers", self.shapes, lambda: self._measure(probe),
@@ -104,6 +165,12 @@ class NativeDraftPass:
             native[cls] = native_s < scripted_s
         log.info("native draft passes (%s): %s (measured: %s ms)", kernels.machine_label(), native, ms)
         return {"native": native, "ms": ms}
+
+
+def own_forced() -> bool | None:
+    """What STARJAR_DRAFT_INT8 forces: True (own), False (torch's kernel), None (measured)."""
+    name = kernels.forced_choice(OWN_ENV, ("own", "torch"))
+    return None if name is None else name == "own"
 
 
 def pass_class(b: int, q: int) -> str:

@@ -88,15 +88,16 @@ def run_draft(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch
               norms: list[torch.Tensor], packs: list, biases: list[torch.Tensor | None], reduce_range: bool,
               keys: list[torch.Tensor], values: list[torch.Tensor], start: int, nq: list[int], nk: list[int], d: int,
               eps: float, kv_len: int, write: torch.Tensor | None, real: torch.Tensor | None = None,
-              padded: tuple[int, int] = (0, 0)) -> torch.Tensor:
+              padded: tuple[int, int] = (0, 0), own: tuple[list, list] | None = None) -> torch.Tensor:
     """lean_step's layers over rows on consecutive slots x [B, Q, H], every layer: mask as they attend with it
     (folded for grouped heads when Q > 1; None for a one-token step), norms two a layer, packs and biases four a
     layer (torch's packed int8 weights of qkv, o, gate-up and down, and their float biases); the rows' K and V
     written from `start`, or each token at its position in write [B, Q]; attention over kv_len positions. A
     padded pass: x, cos and sin hold its real tokens [T, 1, ...], real their indices in the flattened padded
-    (B, Q)."""
+    (B, Q). own: starjar's own int8 weights for every product (starjar.cpu.few_rows.int8_layout's, four a
+    layer), where they replace torch's kernel."""
     return torch.ops.starjar.draft_pass(x, cos, sin, mask, norms, packs, biases, reduce_range, keys, values, start,
-                                        nq, nk, d, eps, kv_len, write, real, *padded)
+                                        nq, nk, d, eps, kv_len, write, real, *padded, *(own or (None, None)))
 
 
 def takes(x: torch.Tensor) -> bool:

@@ -8,6 +8,7 @@ import torch
 from int8_drafts import int8_draft_dir, with_random_biases
 
 from controller.colocated import colocated_engine
+from starjar.model import native_draft
 from starjar.model.loading import load_model
 from starjar.spec.sampling import SamplingParams
 
@@ -15,6 +16,7 @@ from starjar.spec.sampling import SamplingParams
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_lean_logits_match_the_hf_path_of_the_same_int8_model(tmp_path, model_dirs, family, monkeypatch):
     monkeypatch.setenv("STARJAR_DRAFT_KV", "float32")  # the same function (float16: model.kv_precision)
+    monkeypatch.setenv(native_draft.OWN_ENV, "torch")  # the HF path's int8 kernel (the own one is timed per machine)
     draft = load_model(int8_draft_dir(tmp_path, model_dirs[family]))
     assert draft.lean is not None
     hf = dataclasses.replace(draft, lean=None)

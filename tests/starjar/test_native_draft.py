@@ -45,6 +45,7 @@ def test_batched_drafting_natively_is_the_scripted_layers_bit_for_bit(tmp_path, 
     catch-up: logits and K/V the scripted layers'; scattered passes stay scripted."""
     monkeypatch.setenv("STARJAR_DRAFT_KV", "float32")
     monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")
+    monkeypatch.setenv(native_draft.OWN_ENV, "torch")  # the scripted layers' kernel, for their bits
     target = with_random_biases(tmp_path, model_dirs[family]) if family == "qwen2" else model_dirs[family]
     draft = load_model(int8_draft_dir(tmp_path, target))
     shapes = []
@@ -80,6 +81,7 @@ def test_batched_drafting_natively_is_the_scripted_layers_bit_for_bit(tmp_path, 
 def test_native_passes_are_the_scripted_layers_bit_for_bit(tmp_path, model_dirs, prompt_ids, monkeypatch, family):
     monkeypatch.setenv("STARJAR_DRAFT_KV", "float32")
     monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")  # the row-scaled products that catch-ups run natively
+    monkeypatch.setenv(native_draft.OWN_ENV, "torch")  # the scripted layers' kernel, for their bits
     target = with_random_biases(tmp_path, model_dirs[family]) if family == "qwen2" else model_dirs[family]
     draft = load_model(int8_draft_dir(tmp_path, target))
     assert native_pass.available(), native_pass.unavailable_reason()

@@ -47,7 +47,27 @@ struct Pass {
 // A product by packed int8 weights, as lean_step runs it: one token as torch's dynamic kernel is (its one
 // activation range is the row's own); several with each row scaled to an absolute maximum of 1 first and put
 // right after, the bias (inside the packed weights) scaled with the row and restored (lean_step._rows_linear).
-at::Tensor product(const at::Tensor& x, const Packed& pack, const std::optional<at::Tensor>& bias, bool reduce_range) {
+// A product's weights: torch's packed int8 ones, and where starjar's own int8 product was chosen
+// (starjar.cpu.few_rows) their layout for it: int8 [N, K padded] and [2, N] scales and weight sums.
+struct Weights {
+  Packed pack;
+  at::Tensor own_w, own_meta;
+};
+
+// starjar's own int8 product: x quantized per row, VNNI sums (starjar/cpu/native/int8_rows.cpp).
+at::Tensor own_product(const at::Tensor& x, const Weights& w, const std::optional<at::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("starjar::int8_rows", "").typed<
+      at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+  const int64_t k = x.size(-1), rows = x.numel() / k;
+  at::Tensor y = op.call(x.reshape({rows, k}), w.own_w, w.own_meta, bias);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = w.own_w.size(0);
+  return y.view(shape);
+}
+
+at::Tensor product(const at::Tensor& x, const Weights& w, const std::optional<at::Tensor>& bias, bool reduce_range) {
+  if (w.own_w.defined()) return own_product(x, w, bias);
+  const Packed& pack = w.pack;
   const int64_t k = x.size(-1), rows = x.numel() / k;
   if (rows == 1) return pack->apply_dynamic(x, reduce_range);
   at::Tensor scaled = at::empty_like(x);
@@ -77,7 +97,7 @@ at::Tensor product(const at::Tensor& x, const Packed& pack, const std::optional<
 // [T, 1, H]; keys and values [B, nk, L, d], written from `start` or where `write` says; biases the four
 // products' (undefined where none).
 at::Tensor layer(const at::Tensor& x, const Pass& s, const at::Tensor& w_in, const at::Tensor& w_post,
-                 const Packed* packs, const std::optional<at::Tensor>* biases, const at::Tensor& keys,
+                 const Weights* packs, const std::optional<at::Tensor>* biases, const at::Tensor& keys,
                  const at::Tensor& values, int64_t nq, int64_t nk) {
   const int64_t d = s.d, half = d / 2, heads_n = nq + 2 * nk, tokens = x.size(0) * x.size(1);
   const int64_t B = s.real != nullptr ? s.rows : x.size(0), Q = s.real != nullptr ? s.span : x.size(1);
@@ -159,7 +179,7 @@ at::Tensor layer(const at::Tensor& x, const Pass& s, const at::Tensor& w_in, con
 // the first kv_len positions. A padded pass (rows of unequal token counts): x, cos and sin hold its real tokens
 // alone ([T, 1, ...]), real their indices in the flattened [rows, span], which attention and the cache see.
 void draft_pass(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  auto args = torch::jit::last(*stack, 20);
+  auto args = torch::jit::last(*stack, 22);
   const at::Tensor x = args[0].toTensor(), cos = args[1].toTensor().contiguous(),
                    sin = args[2].toTensor().contiguous();
   const std::optional<at::Tensor> mask = args[3].toOptional<at::Tensor>();
@@ -198,9 +218,14 @@ void draft_pass(const c10::OperatorHandle&, torch::jit::Stack* stack) {
     TORCH_CHECK(at_pos.numel() == B * Q, "write must hold each token's cache position");
   }
   const int64_t* wp = at_pos.defined() ? at_pos.data_ptr<int64_t>() : nullptr;
-  std::vector<Packed> packs;
+  std::vector<Weights> packs;
   std::vector<std::optional<at::Tensor>> biases;
-  for (const c10::IValue& v : pack_list) packs.push_back(unpack(v));
+  for (const c10::IValue& v : pack_list) packs.push_back({unpack(v), at::Tensor(), at::Tensor()});
+  if (!args[20].isNone()) {  // starjar's own int8 weights, four a layer
+    const auto own_w = args[20].toTensorList(), own_meta = args[21].toTensorList();
+    TORCH_CHECK(own_w.size() == 4 * layers && own_meta.size() == 4 * layers, "draft_pass: four own weights a layer");
+    for (int64_t i = 0; i < 4 * layers; ++i) packs[i].own_w = own_w.get(i), packs[i].own_meta = own_meta.get(i);
+  }
   for (int64_t i = 0; i < 4 * layers; ++i) biases.push_back(bias_list.get(i));
   for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor& k = keys.get(i);
@@ -220,7 +245,7 @@ void draft_pass(const c10::OperatorHandle&, torch::jit::Stack* stack) {
     out = layer(out, s, norms.get(2 * i), norms.get(2 * i + 1), packs.data() + 4 * i, biases.data() + 4 * i,
                 keys.get(i), values.get(i), nq[i], nk[i]);
   }
-  torch::jit::drop(*stack, 20);
+  torch::jit::drop(*stack, 22);
   torch::jit::push(*stack, std::move(out));
 }
 
@@ -230,7 +255,8 @@ TORCH_LIBRARY_FRAGMENT(starjar, m) {
   m.def("draft_pass(Tensor x, Tensor cos, Tensor sin, Tensor? mask, Tensor[] norms, "
         "__torch__.torch.classes.quantized.LinearPackedParamsBase[] packs, Tensor?[] biases, bool reduce_range, "
         "Tensor[] keys, Tensor[] values, int start, int[] nq, int[] nk, int d, float eps, int kv_len, "
-        "Tensor? write, Tensor? real=None, int rows=0, int span=0) -> Tensor");
+        "Tensor? write, Tensor? real=None, int rows=0, int span=0, Tensor[]? own_w=None, Tensor[]? own_meta=None) -> "
+        "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(starjar, CPU, m) {

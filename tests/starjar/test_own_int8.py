@@ -1,0 +1,94 @@
+"""starjar's own int8 product (starjar.cpu.few_rows.int8_product) and the int8 draft's native passes on it
+(starjar.model.native_draft): exact sums of per-row quantized activations, chosen by measurement or forced, and
+lossless through the engine."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from int8_drafts import int8_draft_dir
+
+from benchmarks.fixtures.reference import hf_greedy
+from controller.colocated import colocated_engine
+from starjar.cpu import few_rows, kernels
+from starjar.cpu.quantized import dynamic_int8
+from starjar.model import native_draft
+from starjar.model.loading import load_model
+from starjar.spec.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not few_rows.int8_available(), reason="no AVX-512 VNNI here, or no build")
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The product's definition in float64 sums: each row quantized by its own peak, ties to even."""
+    peak = x.abs().amax(1, keepdim=True)
+    q = torch.round(x * (127 / peak)).clamp(-127, 127)
+    sums = (q.double() @ w[:, : x.shape[1]].double().t()).float()
+    out = sums * (peak / 127) * meta[0]
+    return out if b is None else out + b
+
+
+@pytest.mark.parametrize("k", [64, 100, 576])
+def test_the_sums_are_exact_and_each_rows_own(k):
+    torch.manual_seed(k)
+    layer = torch.nn.Linear(k, 300)
+    w, meta = few_rows.int8_layout(dynamic_int8(layer)._packed_params._packed_params)
+    assert w.shape == (300, -(-k // 64) * 64) and w.dtype == torch.int8
+    x = torch.randn(13, k) * torch.logspace(-2, 2, 13).unsqueeze(1)  # rows of very different ranges
+    y = few_rows.int8_product(x, w, meta, layer.bias.detach())
+    assert torch.allclose(y, _exact(x, w, meta, layer.bias.detach()), rtol=1e-6, atol=1e-6)
+    alone = torch.cat([few_rows.int8_product(x[i:i + 1], w, meta, None) for i in range(13)])
+    assert torch.equal(few_rows.int8_product(x, w, meta, None), alone)
+    ref = F.linear(x, layer.weight.detach())
+    assert ((alone - ref).abs().amax(1) / ref.abs().amax(1)).max() < 0.03  # 8-bit rows, 8-bit weights
+
+
+def _forced(monkeypatch, tmp_path, model_dirs, way: str):
+    monkeypatch.setenv("STARJAR_DRAFT_KV", "float32")
+    monkeypatch.setenv("STARJAR_NATIVE_PASS", "1")
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")  # the products whose passes of several rows run natively
+    monkeypatch.setenv(native_draft.OWN_ENV, way)
+    return load_model(int8_draft_dir(tmp_path / way, model_dirs["llama"]))
+
+
+def test_forced_own_drafts_close_to_torchs_kernel_and_stays_lossless(tmp_path, models, model_dirs, prompt_ids,
+                                                                     monkeypatch):
+    logits = {}
+    for way in ("torch", "own"):
+        draft = _forced(monkeypatch, tmp_path, model_dirs, way)
+        cache = draft.new_cache()
+        slots = [cache.allocate() for _ in range(3)]
+        draft.forward(cache, slots, [p[:12] for p in prompt_ids[:3]], [[11]] * 3)
+        logits[way] = torch.cat(draft.forward(cache, slots, [[5, 6], [7, 8], [9, 10]], [[0, 1]] * 3))
+    assert not torch.equal(logits["own"], logits["torch"])  # another kernel ran
+    scale = logits["torch"].abs().max()
+    assert (logits["own"] - logits["torch"]).abs().max() < 0.1 * scale
+    target = models["llama"]
+    alone = [hf_greedy(target, p, 24) for p in prompt_ids[:6]]
+    for gamma, batch in ((3, 1), (2, 4)):
+        reqs = colocated_engine(target, draft, gamma, batch).generate(prompt_ids[:6], SamplingParams(max_tokens=24))
+        assert [r.output_ids for r in reqs] == alone, (gamma, batch)
+
+
+def test_the_own_choice_is_measured_once_and_cached(tmp_path, model_dirs, monkeypatch):
+    monkeypatch.setenv("STARJAR_DRAFT_KV", "float32")
+    monkeypatch.setenv("STARJAR_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(native_draft.OWN_ENV, raising=False)
+    monkeypatch.delenv("STARJAR_NATIVE_PASS", raising=False)
+    measured = []
+    real = native_draft.NativeDraftPass._measure_own
+    monkeypatch.setattr(native_draft.NativeDraftPass, "_measure_own",
+                        lambda self, probe, reps=3: measured.append(1) or real(self, probe, reps))
+    for i in range(2):
+        kernels._entries.clear()
+        draft = load_model(int8_draft_dir(tmp_path / str(i), model_dirs["llama"]))
+        assert draft.lean.native.own_chosen is not None
+    assert measured == [1]
+    entry = next(e for name, e in kernels.cached_entries().items() if native_draft.OWN_KIND in name)
+    assert entry["own"] == draft.lean.native.own_chosen
+    assert all(set(ms) == {"torch", "own"} for ms in entry["ms"].values())
+
+
+def test_a_bad_forced_value_says_what_is_allowed(monkeypatch):
+    monkeypatch.setenv(native_draft.OWN_ENV, "fastest")
+    with pytest.raises(ValueError, match="own"):
+        native_draft.own_forced()
