@@ -19,11 +19,13 @@ pytestmark = pytest.mark.skipif(not few_rows.int8_available(), reason="no AVX-51
 
 
 def _exact(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """The product's definition in float64 sums: each row quantized by its own peak, ties to even."""
-    peak = x.abs().amax(1, keepdim=True)
-    q = torch.round(x * (127 / peak)).clamp(-127, 127)
-    sums = (q.double() @ w[:, : x.shape[1]].double().t()).float()
-    out = sums * (peak / 127) * meta[0]
+    """The product's definition, its sums in int64: each row quantized to 0..255 over [min(x, 0), max(x, 0)]."""
+    lo, hi = x.amin(1, keepdim=True).clamp(max=0), x.amax(1, keepdim=True).clamp(min=0)
+    scale = (hi - lo) / 255
+    zero = torch.round(-lo / scale).clamp(0, 255)
+    q = (torch.round(x * (1 / scale)) + zero).clamp(0, 255)
+    sums = (q.long() @ w[:, : x.shape[1]].long().t()).float()
+    out = (sums - zero * meta[1]) * scale * meta[0]
     return out if b is None else out + b
 
 
@@ -40,6 +42,13 @@ def test_the_sums_are_exact_and_each_rows_own(k):
     assert torch.equal(few_rows.int8_product(x, w, meta, None), alone)
     ref = F.linear(x, layer.weight.detach())
     assert ((alone - ref).abs().amax(1) / ref.abs().amax(1)).max() < 0.03  # 8-bit rows, 8-bit weights
+    # A row of one sign keeps all 256 levels over [0, max]: about half the error of a symmetric range.
+    positive, wq = x.abs(), w[:, :k].float() * meta[0].unsqueeze(1)  # the int8 weights' own values
+    exact = F.linear(positive, wq)
+    peak = positive.amax(1, keepdim=True)
+    symmetric = F.linear(torch.round(positive / peak * 127) * peak / 127, wq)
+    own = few_rows.int8_product(positive, w, meta, None)
+    assert (own - exact).abs().mean() < 0.75 * (symmetric - exact).abs().mean()
 
 
 def _forced(monkeypatch, tmp_path, model_dirs, way: str):

@@ -7,9 +7,9 @@
 // once against every input row, 6 rows at a time, with the next tile prefetched, as the float product does
 // (few_rows.cpp), and the sums are VNNI's u8 x s8 dot products into int32.
 //
-// Each row r is quantized symmetrically to 8 bits by its own peak (s_r = max|x_r| / 127, q = round(x * 127 /
-// max|x_r|), ties to even) and offset by 128 to be unsigned; a sum over k is exact in int32 (at most 255 * 128 * K), so
-// y[r, n] = (sum - 128 * sum_k W[n, k]) * s_r * scale_n + b_n, each in float, in that order. A row's values
+// Each row r is quantized to 8 unsigned bits over its own range (scale s_r, zero point z_r: quantize_row); a
+// sum over k is exact in int32 (at most 255 * 128 * K), so y[r, n] = (sum - z_r * sum_k W[n, k]) * s_r *
+// scale_n + b_n, each in float, in that order. A row's values
 // do not depend on the rows or outputs beside it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <cstdint>
 #include <vector>
 
@@ -35,8 +36,9 @@ bool has_vnni() {
 }
 
 struct Job {
-  const uint8_t* xq;     // [R, Kp], each row's values + 128
+  const uint8_t* xq;     // [R, Kp], each row quantized over its own range
   const float* scale_x;  // [R]
+  const float* zero_x;   // [R]: each row's zero point
   const int8_t* w;       // [N, Kp]
   const float* scale_w;  // [N]
   const float* sum_w;    // [N]: sum over k of W[n, k]
@@ -68,10 +70,10 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile(const Job& j, i
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < NB; ++i) sums[r][i] = _mm512_reduce_add_epi32(acc[r][i]);
   for (int r = 0; r < RB; ++r) {
-    const float sx = j.scale_x[r0 + r];
+    const float sx = j.scale_x[r0 + r], zx = j.zero_x[r0 + r];
     for (int64_t i = 0; i < nb; ++i) {
       const int64_t n = n0 + i;
-      const float v = static_cast<float>(sums[r][i]) - 128.0f * j.sum_w[n];
+      const float v = static_cast<float>(sums[r][i]) - zx * j.sum_w[n];
       const float out = v * sx * j.scale_w[n];
       j.y[(r0 + r) * j.N + n] = j.b != nullptr ? out + j.b[n] : out;
     }
@@ -81,25 +83,36 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile(const Job& j, i
 using Tile = void (*)(const Job&, int64_t, int64_t, int64_t);
 constexpr Tile TILES[RMAX] = {tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
-// Row r of x [R, K] quantized into xq [R, Kp] (the padding 128: zero); returns its scale. q = x * (127 / peak),
-// rounded to nearest, ties to even (the default rounding mode), within [-127, 127] by construction.
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) float quantize_row(const float* x, int64_t K, int64_t Kp,
-                                                                          uint8_t* xq) {
-  __m512 peak16 = _mm512_setzero_ps();
+// Row r of x [R, K] quantized into xq [R, Kp] over its own range [min(x, 0), max(x, 0)] in 255 steps, as
+// torch's dynamic kernel quantizes one tensor (a mostly positive row, as SiLU gives the down projection, keeps
+// all 256 levels); the padding is the zero point, which contributes nothing once it is subtracted. Returns
+// (scale, zero point). q = x / scale, rounded to nearest (ties to even), plus the zero point, within [0, 255].
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) std::pair<float, int32_t> quantize_row(
+    const float* x, int64_t K, int64_t Kp, uint8_t* xq) {
+  __m512 lo16 = _mm512_setzero_ps(), hi16 = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + 16 <= K; i += 16) peak16 = _mm512_max_ps(peak16, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
-  float peak = _mm512_reduce_max_ps(peak16);
-  for (; i < K; ++i) peak = std::max(peak, std::fabs(x[i]));
-  const float inv = peak > 0.0f ? 127.0f / peak : 0.0f;
-  const __m512 inv16 = _mm512_set1_ps(inv);
-  const __m512i offset = _mm512_set1_epi32(128);
+  for (; i + 16 <= K; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    lo16 = _mm512_min_ps(lo16, v);
+    hi16 = _mm512_max_ps(hi16, v);
+  }
+  float lo = _mm512_reduce_min_ps(lo16), hi = _mm512_reduce_max_ps(hi16);
+  for (; i < K; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+  const float scale = hi > lo ? (hi - lo) / 255.0f : 1.0f;
+  const int32_t zero = static_cast<int32_t>(std::min(255.0f, std::max(0.0f, std::nearbyint(-lo / scale))));
+  const __m512 inv16 = _mm512_set1_ps(1.0f / scale);
+  const __m512i zero16 = _mm512_set1_epi32(zero), top = _mm512_set1_epi32(255), bottom = _mm512_setzero_si512();
   for (i = 0; i + 16 <= K; i += 16) {
-    const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv16)), offset);
+    __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv16)), zero16);
+    q = _mm512_min_epi32(_mm512_max_epi32(q, bottom), top);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i), _mm512_cvtepi32_epi8(q));
   }
-  for (; i < K; ++i) xq[i] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(x[i] * inv)) + 128);
-  std::fill(xq + K, xq + Kp, static_cast<uint8_t>(128));
-  return peak > 0.0f ? peak / 127.0f : 1.0f;
+  for (; i < K; ++i) {
+    const int32_t q = static_cast<int32_t>(std::nearbyint(x[i] * (1.0f / scale))) + zero;
+    xq[i] = static_cast<uint8_t>(std::min(255, std::max(0, q)));
+  }
+  std::fill(xq + K, xq + Kp, static_cast<uint8_t>(zero));
+  return {scale, zero};
 }
 
 // x [R, K] float32; w [N, Kp] int8 (K padded with zeros to a multiple of 64); meta [2, N] float32: each
@@ -122,11 +135,14 @@ at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   at::Tensor y = at::empty({R, N}, x.options());
   if (R == 0 || N == 0) return y;
   std::vector<uint8_t> xq(R * Kp);
-  std::vector<float> sx(R);
+  std::vector<float> sx(R), zx(R);
   const float* xp = xc.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) sx[r] = quantize_row(xp + r * K, K, Kp, xq.data() + r * Kp);
+  for (int64_t r = 0; r < R; ++r) {
+    const auto [scale, zero] = quantize_row(xp + r * K, K, Kp, xq.data() + r * Kp);
+    sx[r] = scale, zx[r] = static_cast<float>(zero);
+  }
   const float* mp = mc.data_ptr<float>();
-  const Job job{xq.data(), sx.data(), wc.data_ptr<int8_t>(), mp, mp + N,
+  const Job job{xq.data(), sx.data(), zx.data(), wc.data_ptr<int8_t>(), mp, mp + N,
                 bc.defined() ? bc.data_ptr<float>() : nullptr, y.data_ptr<float>(), Kp, N};
   const int64_t tiles = (N + NB - 1) / NB;
   const int64_t grain = std::max<int64_t>(1, (tiles + at::get_num_threads() - 1) / at::get_num_threads());
