@@ -49,10 +49,11 @@ def available() -> bool:
 
 
 def isa() -> int:
-    """The kernel STARJAR_FEW_ROWS_ISA forces (its code), else 0: the best this CPU has."""
+    """The kernel STARJAR_FEW_ROWS_ISA forces (its code); else AVX2's where ATen is held to it (as
+    scripts/emulate_isa.sh holds every library), else 0: the best this CPU has."""
     name = os.environ.get(ISA_ENV, "").strip().lower()
     if not name:
-        return 0
+        return ISAS["avx2"] if _held_to_avx2() else 0
     if name not in ISAS:
         raise ValueError(f"{ISA_ENV} must be one of {sorted(ISAS)}, not {name!r}")
     return ISAS[name]
@@ -73,8 +74,13 @@ def product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
 
 
 def int8_available() -> bool:
-    """Whether starjar's own int8 product runs here: the library loaded and AVX-512 VNNI."""
-    return available() and bool(torch.ops.starjar.int8_rows_available())
+    """Whether starjar's own int8 product runs here: the library loaded, AVX-512 VNNI, and ATen not held to
+    AVX2."""
+    return available() and bool(torch.ops.starjar.int8_rows_available()) and not _held_to_avx2()
+
+
+def _held_to_avx2() -> bool:
+    return os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower() == "avx2"
 
 
 def int8_layout(packed) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -75,3 +75,13 @@ def test_a_bad_or_missing_kernel_is_refused(monkeypatch):
             torch.ops.starjar.few_rows_use(few_rows.ISAS["avx512"])
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.starjar.few_rows(torch.randn(2, 3).double(), torch.randn(4, 3).double())
+
+
+def test_an_aten_held_to_avx2_holds_the_own_products_to_it(monkeypatch):
+    """scripts/emulate_isa.sh avx2 holds ATen, oneDNN, fbgemm and MKL to AVX2: the own products follow."""
+    monkeypatch.delenv(few_rows.ISA_ENV, raising=False)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert few_rows.isa() == few_rows.ISAS["avx2"]
+    assert not few_rows.int8_available()
+    monkeypatch.setenv(few_rows.ISA_ENV, "avx512")  # a forced kernel still wins
+    assert few_rows.isa() == few_rows.ISAS["avx512"]

@@ -95,13 +95,17 @@ def test_the_pair_check_measures_once_per_machine_and_keeps_the_choice(tmp_path,
     assert all((c["int8_kernel"], c["head_vocab"], c["agreement"] is not None) ==
                (best_base["int8_kernel"], best_base["head_vocab"], True) for c in tried)
     best_so_far = max(base + tried, key=lambda c: c["predicted_speedup"])
-    # Self-speculation: every layer left out alone is scored, and the least harmful one makes a candidate.
-    assert sorted(first["skip_scan"]) == ["0", "1"]  # JSON keys: by layer
+    # Self-speculation: every layer left out alone is scored, and the least harmful one makes a candidate. The
+    # scan runs only where the best variant so far speculates at some gamma; a tiny int8 draft costs about what
+    # its tiny target does, so whether it does here depends on this machine's timings.
     skipping = [c for c in first["candidates"] if c.get("skip_layers")]
-    least_harmful = max(first["skip_scan"], key=first["skip_scan"].get)
-    assert [c["skip_layers"] for c in skipping] == [[int(least_harmful)]]  # 2 layers: only one may go
-    assert skipping[0]["agreement"] is not None and skipping[0]["cost_b1"] > 0
-    assert finer(skipping[0]) == finer(best_so_far)  # layers are left out of the best variant so far
+    assert bool(first["skip_scan"]) == bool(skipping) == (best_so_far["best_gamma"] > 0)
+    if skipping:
+        assert sorted(first["skip_scan"]) == ["0", "1"]  # JSON keys: by layer
+        least_harmful = max(first["skip_scan"], key=first["skip_scan"].get)
+        assert [c["skip_layers"] for c in skipping] == [[int(least_harmful)]]  # 2 layers: only one may go
+        assert skipping[0]["agreement"] is not None and skipping[0]["cost_b1"] > 0
+        assert finer(skipping[0]) == finer(best_so_far)  # layers are left out of the best variant so far
     assert first["machine"]["cpu_capability"] and first["gamma"] >= 0 and first["verdict"]
     scored = [c for c in first["candidates"] if c["agreement"] is not None]
     assert scored and all(0 <= c["agreement"] <= 1 and c["cost_b1"] > 0 for c in scored)
