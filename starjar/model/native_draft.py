@@ -85,6 +85,8 @@ class NativeDraftPass:
             self.chosen = self._measured(probe) if native_pass.available() else dict.fromkeys(PROBES, False)
         if self.own_chosen is None and self.packs and own_forced() is None and native_pass.forced() is not False:
             self.own_chosen = self._own_measured(probe) if self._own_weights() else dict.fromkeys(PROBES, False)
+            if not any(self.own_chosen.values()):
+                self._own = None  # its copy of the int8 weights is not kept where no pass takes it
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
             keys: list[torch.Tensor], values: list[torch.Tensor], write: torch.Tensor | None, start: int,
