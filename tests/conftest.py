@@ -13,6 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The whole lean pass (starjar.model.lean_pass) sums in its own order, so the many tests that hold a pass to HF's
+# bits run without it (a measured choice would make them depend on timing); tests/starjar/test_lean_pass.py
+# turns it on and holds it to HF generate()'s greedy tokens.
+os.environ.setdefault("STARJAR_LEAN_PASS", "0")
 # Ray reads these when it is imported: tests join their own loopback clusters, each with its own Ray token
 # (controller.cluster.spec.local_ray_env names the file).
 for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",

@@ -25,6 +25,7 @@ from starjar.cpu import native_build
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("native") / name for name in ("few_rows.cpp", "int8_rows.cpp")]
+HEADERS = [Path(__file__).with_name("native") / "tiles.h"]  # the tiles, shared with the native lean pass
 LIBRARY = "starjar_few_rows"
 FLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for splits the tiles between the threads only with it
 ISA_ENV = "STARJAR_FEW_ROWS_ISA"
@@ -39,7 +40,7 @@ def available() -> bool:
     with _loading:
         if "ok" not in _state:
             ok, why = (True, "") if hasattr(torch.ops.starjar, "few_rows") else native_build.load(
-                LIBRARY, SOURCES, flags=FLAGS, ldflags=["-fopenmp"], what="the few-rows product")
+                LIBRARY, SOURCES, HEADERS, flags=FLAGS, ldflags=["-fopenmp"], what="the few-rows product")
             if ok and torch.ops.starjar.few_rows_isa() == 0:
                 ok, why = False, "this CPU has neither AVX2 with FMA nor AVX-512"
             _state["ok"], _state["why"] = ok, why

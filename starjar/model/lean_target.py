@@ -6,15 +6,18 @@ on the same weights, writing K and V in place into the RaggedKVCache: the logits
 default target decoding alone (Intel Xeon, AVX512, 2 threads; benchmarks/probes/lean_target_speed.py): 22.2 ->
 36.6 tokens/s at batch 1 (1.65x), 1.42x at batch 4, 1.45x at 8, 1.17x at 16, the same tokens either way.
 Where the machine gives the same bits (starjar.model.fused_projections), q/k/v and gate/up are one product each;
-passes over a row bucket take them fused or apart as measured (FUSED_KIND), and fused passes over consecutive
-slots run every layer in one native call where that measured faster (NATIVE_KIND, starjar.model.native_pass).
+passes over a row bucket take them fused or apart as measured, and fused passes over consecutive slots run
+every layer in one native call where that measured faster (starjar.model.native_pass). Faster still, and not
+HF's bits, is the whole lean pass (starjar.model.lean_pass: own products, norms and attention in one parallel
+region), taken per class where it measured faster; greedy output stays HF generate()'s in the tests.
 
-Pass shape classes (CLASSES): `step` (one row, one token: batch-1 decoding), `rows` (up to LONG rows in all:
-verification over gamma + 1 positions, multi-row decoding) and `long` (prefill). Whether the lean forward runs
-a class is measured once per machine and model shapes (both forwards timed in turns on the model's own passes,
-a few seconds; kept in starjar.cpu.kernels' cache). STARJAR_LEAN_TARGET=1 forces it wherever it applies, 0 forces
-HF's forward everywhere (tests force each). Token-tree verification passes run it too: their tree is all in the
-pass's mask and position ids, which both forwards take from RaggedKVCache.begin. Models outside the families, or
+Pass shape classes (lean_choices.CLASSES): `step` (one row, one token: batch-1 decoding), `rows` (up to LONG
+rows in all: verification over gamma + 1 positions, multi-row decoding) and `long` (prefill). Whether the lean
+forward runs a class is measured once per machine and model shapes (starjar.model.lean_choices: both forwards
+timed in turns on the model's own passes, a few seconds; kept in starjar.cpu.kernels' cache).
+STARJAR_LEAN_TARGET=1 forces it wherever it applies, 0 forces HF's forward everywhere (tests force each).
+Token-tree verification passes run it too: their tree is all in the pass's mask and position ids, which both
+forwards take from RaggedKVCache.begin. Models outside the families, or
 whose layers it does not reproduce (LeanTarget.supports), keep HF's forward.
 """
 
@@ -25,23 +28,14 @@ import logging
 import torch
 
 from starjar.cpu import few_rows, kernels, skinny_linear
-from starjar.model import attention, fused_projections, native_pass, target_step
+from starjar.model import attention, fused_projections, lean_choices, lean_pass, native_pass, target_step
 from starjar.model.kv_cache import RaggedKVCache
 
 log = logging.getLogger(__name__)
 
 ENV = "STARJAR_LEAN_TARGET"
-KIND = "lean-target"  # its entries in the kernel cache
-# The entries of the fused-or-apart choice per row bucket ("-native": fused passes timed as they run, natively
-# where that was chosen; apart ones never are, so timing both scripted had kept 12-row passes off the native
-# pass: 86-88 ms apart against 76-78 ms fused and native, default target on the 2-core Xeon).
-FUSED_KIND = "fused-rows-native"
-NATIVE_KIND = "native-pass"  # the entries of the native-or-scripted choice (one-row steps, other passes)
 FAMILIES = ("llama", "qwen2", "mistral")
-CLASSES = ("step", "rows", "long")
 LONG = 64  # rows (B x Q) past which a pass counts as long; skinny_linear's last bucket
-PROBES = {"step": (1, 1), "rows": (2, 4), "long": (1, 128)}  # the (B, Q) each class is timed at
-CONTEXT = 64  # cached tokens per row before a timed pass
 
 
 def forced() -> bool | None:
@@ -101,6 +95,8 @@ class LeanTarget:
         self._step_codes = ([None] * 4 * len(self.plan), [0] * 4 * len(self.plan))  # one row: F.linear's GEMVs
         self.native: dict[str, bool] | None = None  # one-row steps ("step"), other passes ("rows"): run natively?
         self._native_override: bool | None = None  # set while that is measured
+        self.whole: dict[str, bool] | None = None  # one-row steps, other passes: run the whole lean pass?
+        self._whole_override: bool | None = None  # set while that is measured
         half = self.head_dim // 2
         self.perm = torch.cat((torch.arange(half, self.head_dim), torch.arange(half)))  # rotate_half as a gather
 
@@ -125,11 +121,12 @@ class LeanTarget:
         """Measure the per-class choice now (at load, not in a served step) unless a forced one holds, and
         which row buckets take the fused products."""
         if forced() is None and self.choice is None:
-            self.choice = self._measured()
+            self.choice = lean_choices.lean_classes(self)
         self.takes_native(1)  # built, loaded and measured at load, not in a served step; before the fused choice,
         if self.fused is not None and self.fused_rows is None:  # whose fused passes run natively where chosen
-            self.fused_rows = self._fused_measured()
+            self.fused_rows = lean_choices.fused_buckets(self)
             self._settle_packs()
+        self.takes_whole(next(self.model.parameters()), 1)  # last: timed against the passes chosen above
 
     def _settle_packs(self) -> None:
         """Keep packed the weights the packed product will read: the whole qkv and gate-up where a bucket on
@@ -153,7 +150,7 @@ class LeanTarget:
         if rows == 1:
             return True
         if self.fused_rows is None:
-            self.fused_rows = self._fused_measured()
+            self.fused_rows = lean_choices.fused_buckets(self)
         return self.fused_rows[skinny_linear.bucket_index(rows)]
 
     def takes_native(self, rows: int) -> bool:
@@ -169,8 +166,23 @@ class LeanTarget:
         if self.native is None:
             param = next(self.model.parameters())
             on = native_pass.takes(param) and native_pass.available()
-            self.native = self._native_measured() if on else {"step": False, "rows": False}
+            self.native = lean_choices.native_classes(self) if on else {"step": False, "rows": False}
         return bool(force) or self.native["step" if rows == 1 else "rows"]
+
+    def takes_whole(self, x: torch.Tensor, rows: int) -> bool:
+        """Whether a chain pass over `rows` rows (B x Q) on consecutive slots runs the whole lean pass
+        (starjar.model.lean_pass): forced by its variable (up to LONG rows), or measured once per machine and
+        shapes against the passes the other choices give."""
+        if self.fused is None or rows > LONG or not native_pass.takes(x):
+            return False
+        if self._whole_override is not None:
+            return self._whole_override
+        force = lean_pass.forced()
+        if force is False or not lean_pass.available():
+            return False
+        if self.whole is None:
+            self.whole = lean_choices.whole_classes(self) if force is None else {"step": True, "rows": True}
+        return bool(force) or self.whole["step" if rows == 1 else "rows"]
 
     def wants(self, b: int, q: int) -> bool:
         """Whether a chain pass of b rows of q tokens runs lean."""
@@ -178,7 +190,7 @@ class LeanTarget:
         if force is not None:
             return force
         if self.choice is None:
-            self.choice = self._measured()
+            self.choice = lean_choices.lean_classes(self)
         return self.choice[shape_class(b, q)]
 
     @torch.no_grad()
@@ -204,6 +216,9 @@ class LeanTarget:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, Q, D], as apply_rotary_pos_emb unsqueezes them
         b, q = input_ids.shape
         d, eps, scaling = self.head_dim, self.eps, self.scaling
+        if rows is None and self.takes_whole(x, b * q):
+            return base.norm(lean_pass.run(x, cos, _signed_sin(sin), mask, *self.flat, keys, values, start, kv_len,
+                                           *self.fused[2:], d, eps, scaling, write))
         if b == 1 and q == 1 and rows is None and write is None and self.takes_fused(1):
             ws, bs, nqs, nks = self.fused
             if native_pass.takes(x) and self.takes_native(1):
@@ -291,28 +306,6 @@ class LeanTarget:
                                  for lin in linears] for _, _, linears, _, _ in self.plan]
         return self._codes[key]
 
-    def _measured(self) -> dict[str, bool]:
-        """The cached per-class choice for this machine and these shapes, measured now when there is none."""
-        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        entry = kernels.cached_entry(f"{KIND}-{dtype}", skinny_linear.shapes(self.model), self._measure,
-                                     usable=lambda e: isinstance(e.get("lean"), dict) and
-                                     set(e["lean"]) == set(CLASSES))
-        return {c: bool(entry["lean"][c]) for c in CLASSES}
-
-    def _measure(self, reps: int = 5) -> dict:
-        """Both forwards timed in turns on a pass of each class (PROBES) over CONTEXT cached tokens per row;
-        a class runs lean where that was faster."""
-        ms, lean = {}, {}
-        for cls, (b, q) in PROBES.items():
-            eager_s, lean_s = kernels.interleaved_medians([self._probe(b, q, False), self._probe(b, q, True)],
-                                                          reps if cls != "long" else max(2, reps // 2))
-            ms[cls] = {"eager": round(eager_s * 1000, 3), "lean": round(lean_s * 1000, 3)}
-            lean[cls] = lean_s < eager_s
-        self._drop_module_packs()
-        log.info("lean target forward per pass class (%s): %s (measured: %s ms)", kernels.machine_label(),
-                 ", ".join(f"{c} {'lean' if on else 'HF'}" for c, on in lean.items()), ms)
-        return {"lean": lean, "ms": ms}
-
     def _fused_modules(self):
         """The linears whose weights are views of the fused products: q, k, v, gate and up of each layer."""
         for _, _, linears, _, _ in self.plan:
@@ -324,74 +317,6 @@ class LeanTarget:
         if self.fused is not None:
             for lin in self._fused_modules():
                 skinny_linear.drop_packed(lin)
-
-    def _fused_measured(self) -> list[bool]:
-        """The cached per-bucket fused-or-apart choice for this machine and these shapes, measured now when
-        there is none."""
-        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        n = len(skinny_linear.BUCKETS)
-        entry = kernels.cached_entry(f"{FUSED_KIND}-{dtype}", skinny_linear.shapes(self.model), self._measure_fused,
-                                     usable=lambda e: isinstance(e.get("fused"), list) and len(e["fused"]) == n)
-        return [bool(f) for f in entry["fused"]]
-
-    def _measure_fused(self, reps: int = 3) -> dict:
-        """The lean forward timed with the projections apart and fused, in turns, on one row of as many tokens
-        as each row bucket holds, each as it would run (fused passes natively where that is chosen); a bucket
-        takes the fused products where they were not slower."""
-        ms, fused = [], []
-        for rows in skinny_linear.BUCKETS:
-            apart_s, fused_s = kernels.interleaved_medians([self._probe(1, rows, True, False, native=False),
-                                                            self._probe(1, rows, True, True)], reps)
-            ms.append({"apart": round(apart_s * 1000, 3), "fused": round(fused_s * 1000, 3)})
-            fused.append(fused_s <= apart_s)
-        self._drop_module_packs()
-        log.info("fused projections per row bucket %s (%s): %s (measured: %s ms)", skinny_linear.BUCKETS,
-                 kernels.machine_label(), fused, ms)
-        return {"fused": fused, "buckets": list(skinny_linear.BUCKETS), "ms": ms}
-
-    def _native_measured(self) -> dict[str, bool]:
-        """The cached native-or-scripted choice for one-row steps and other chain passes on this machine and
-        these shapes, measured now when there is none."""
-        entry = kernels.cached_entry(f"{NATIVE_KIND}-float32", skinny_linear.shapes(self.model),
-                                     self._measure_native, usable=lambda e: isinstance(e.get("native"), dict) and
-                                     set(e["native"]) == {"step", "rows"})
-        return {k: bool(v) for k, v in entry["native"].items()}
-
-    def _measure_native(self, reps: int = 5) -> dict:
-        """A one-row step and a rows pass (PROBES) timed scripted and native, in turns; each runs natively
-        where that was faster."""
-        ms, native = {}, {}
-        for cls in ("step", "rows"):
-            b, q = PROBES[cls]
-            scripted_s, native_s = kernels.interleaved_medians([self._probe(b, q, True, True, native=False),
-                                                                self._probe(b, q, True, True, native=True)], reps)
-            ms[cls] = {"scripted": round(scripted_s * 1000, 3), "native": round(native_s * 1000, 3)}
-            native[cls] = native_s < scripted_s
-        log.info("native target passes (%s): %s (measured: %s ms)", kernels.machine_label(), native, ms)
-        return {"native": native, "ms": ms}
-
-    def _probe(self, b: int, q: int, lean: bool, fused: bool | None = None, native: bool | None = None):
-        """A function running one pass of b rows x q tokens, lean or HF's, after CONTEXT tokens in its own cache."""
-        param = next(self.model.parameters())
-        cache = RaggedKVCache(param.device, param.dtype)
-        slots = [cache.allocate() for _ in range(b)]
-
-        @torch.no_grad()
-        def run(n: int) -> None:
-            for s in slots:
-                cache.truncate(s, min(cache.lengths[s], CONTEXT))
-            pos, mask = cache.begin(slots, [n] * b)
-            ids = torch.full((b, n), 7, dtype=torch.long, device=param.device)
-            self._fused_override, self._native_override = fused, native
-            try:
-                done = lean and self.run(ids, pos, mask, cache) is not None
-            finally:
-                self._fused_override = self._native_override = None
-            if not done:
-                self.base(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True)
-
-        run(CONTEXT)
-        return lambda: run(q)
 
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:

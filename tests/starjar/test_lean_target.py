@@ -5,7 +5,7 @@ import torch
 
 from controller.colocated import colocated_engine
 from starjar.cpu import kernels, skinny_linear
-from starjar.model import fused_projections, lean_target
+from starjar.model import fused_projections, lean_choices, lean_target
 from starjar.model.lean_target import ENV, LeanTarget
 from starjar.model.loading import load_model
 from starjar.spec.sampling import SamplingParams
@@ -97,7 +97,7 @@ def test_rows_passes_fused_or_apart_equal_hf(model_dirs, prompt_ids, monkeypatch
     model = load_model(model_dirs["qwen2"])  # biased q/k/v: the fused bias too
     lean = model.lean_target
     assert len(lean.fused_rows) == len(skinny_linear.BUCKETS)  # measured at load
-    assert (tmp_path / "kernels.json").read_text().count(lean_target.FUSED_KIND) == 1
+    assert (tmp_path / "kernels.json").read_text().count(lean_choices.FUSED_KIND) == 1
     lean.fused_rows = [fused] * len(skinny_linear.BUCKETS)
     layers = {"fused": 0, "apart": 0}
     for name, attr in (("fused", "fused_rows_layer"), ("apart", "rows_layer")):
@@ -182,8 +182,8 @@ def test_measured_choice_is_cached(model_dirs, monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_entries", {})  # nothing this process measured before
     monkeypatch.delenv(ENV, raising=False)
     model = load_model(model_dirs["qwen2"])  # measures each pass class at load
-    assert set(model.lean_target.choice) == set(lean_target.CLASSES)
-    assert (tmp_path / "kernels.json").read_text().count(lean_target.KIND) == 1
+    assert set(model.lean_target.choice) == set(lean_choices.CLASSES)
+    assert (tmp_path / "kernels.json").read_text().count(lean_choices.KIND) == 1
     monkeypatch.setattr(kernels, "_entries", {})
     again = LeanTarget(model.model)
     monkeypatch.setattr(again, "_measure", lambda: pytest.fail("measured again"))

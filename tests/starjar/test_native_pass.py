@@ -10,7 +10,7 @@ import torch
 
 from controller.colocated import colocated_engine
 from starjar.cpu import kernels, skinny_linear
-from starjar.model import lean_target, native_pass
+from starjar.model import lean_choices, lean_target, native_pass
 from starjar.model.loading import load_model
 from starjar.spec.sampling import SamplingParams
 
@@ -127,7 +127,7 @@ def test_native_choice_measured_once_and_cached(model_dirs, monkeypatch, tmp_pat
     model = load_model(model_dirs["llama"])
     assert set(model.lean_target.native) == {"step", "rows"}  # settled at load
     stored = json.loads((tmp_path / "kernels.json").read_text())
-    entries = [e for name, e in stored.items() if lean_target.NATIVE_KIND in name]
+    entries = [e for name, e in stored.items() if lean_choices.NATIVE_KIND in name]
     assert len(entries) == 1 and entries[0]["native"] == model.lean_target.native
     assert set(entries[0]["ms"]) == {"step", "rows"} and set(entries[0]["ms"]["rows"]) == {"scripted", "native"}
 

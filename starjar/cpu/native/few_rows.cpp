@@ -19,128 +19,17 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
+#include "tiles.h"
 
 #include <algorithm>
 #include <atomic>
 
 namespace {
 
-constexpr int64_t NB = 4;  // weight rows a tile holds
-
-// A tile's sums [rb][NB] into y, the bias added: only the tile's nb real outputs.
-inline void store(const float* sums, int rb, const float* b, float* y, int64_t N, int64_t r0, int64_t n0,
-                  int64_t nb) {
-  for (int r = 0; r < rb; ++r) {
-    for (int64_t j = 0; j < nb; ++j) {
-      const float s = sums[r * NB + j];
-      y[(r0 + r) * N + n0 + j] = b != nullptr ? s + b[n0 + j] : s;
-    }
-  }
-}
-
-// The AVX-512 tile: outputs [n0, n0 + nb) (nb 1..4) for input rows [r0, r0 + RB).
-template <int RB>
-__attribute__((target("avx512f"))) void tile512(const float* x, const float* w, const float* b, float* y,
-                                                int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t nb) {
-  __m512 acc[RB][NB];
-  for (int r = 0; r < RB; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
-  const float* wr[NB];
-  for (int j = 0; j < NB; ++j) wr[j] = w + (n0 + std::min<int64_t>(j, nb - 1)) * K;
-  const int64_t full = K - K % 16;
-  for (int64_t k = 0; k < full; k += 16) {
-    __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) {
-      wv[j] = _mm512_loadu_ps(wr[j] + k);
-      // The first input rows prefetch the next tile; later ones, summing from L1, the tile after into L2.
-      if (r0 == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + NB * K + k), _MM_HINT_T0);
-      else _mm_prefetch(reinterpret_cast<const char*>(wr[j] + 2 * NB * K + k), _MM_HINT_T1);
-    }
-    for (int r = 0; r < RB; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + (r0 + r) * K + k);
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
-    }
-  }
-  if (full < K) {  // the last lanes, the rest zero: each lane's sum in the same order as a full one's
-    const __mmask16 m = static_cast<__mmask16>((1u << (K - full)) - 1);
-    __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_ps(m, wr[j] + full);
-    for (int r = 0; r < RB; ++r) {
-      const __m512 xv = _mm512_maskz_loadu_ps(m, x + (r0 + r) * K + full);
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
-    }
-  }
-  // Reduced with constant bounds, so the accumulators stay in registers; then the nb real outputs written.
-  float sums[RB][NB];
-  for (int r = 0; r < RB; ++r)
-    for (int j = 0; j < NB; ++j) sums[r][j] = _mm512_reduce_add_ps(acc[r][j]);
-  store(sums[0], RB, b, y, N, r0, n0, nb);
-}
-
-// The AVX2 tile: lanes of 8 (16 registers: 4 x 2 accumulators, 4 weights, one input). The tail of k past the
-// last full lane is summed one by one after the lanes, in order.
-__attribute__((target("avx2,fma"))) inline float reduce256(__m256 v) {
-  const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  __m128 s = _mm_add_ps(lo, hi);
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
-template <int RB>
-__attribute__((target("avx2,fma"))) void tile256(const float* x, const float* w, const float* b, float* y,
-                                                 int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t nb) {
-  __m256 acc[RB][NB];
-  for (int r = 0; r < RB; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
-  const float* wr[NB];
-  for (int j = 0; j < NB; ++j) wr[j] = w + (n0 + std::min<int64_t>(j, nb - 1)) * K;
-  const int64_t full = K - K % 8;
-  for (int64_t k = 0; k < full; k += 8) {
-    __m256 wv[NB];
-    for (int j = 0; j < NB; ++j) {
-      wv[j] = _mm256_loadu_ps(wr[j] + k);
-      if (r0 == 0 && k % 16 == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + NB * K + k), _MM_HINT_T0);
-    }
-    for (int r = 0; r < RB; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + (r0 + r) * K + k);
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_fmadd_ps(xv, wv[j], acc[r][j]);
-    }
-  }
-  float sums[RB][NB];
-  for (int r = 0; r < RB; ++r) {
-    for (int j = 0; j < NB; ++j) {
-      float s = reduce256(acc[r][j]);
-      for (int64_t k = full; k < K; ++k) s += x[(r0 + r) * K + k] * wr[j][k];
-      sums[r][j] = s;
-    }
-  }
-  store(sums[0], RB, b, y, N, r0, n0, nb);
-}
-
-using Tile = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
-                      int64_t);
-
-// Tiles for 1..max input rows at a time: the AVX-512 kernel keeps 6 rows x 4 outputs in 24 registers, AVX2's
-// 2 x 4 in 8.
-struct Isa {
-  Tile tiles[6];
-  int max;
-};
-
-Isa isa_of(int64_t which) {
-  if (which == 2) return {{tile512<1>, tile512<2>, tile512<3>, tile512<4>, tile512<5>, tile512<6>}, 6};
-  return {{tile256<1>, tile256<2>, nullptr, nullptr, nullptr, nullptr}, 2};
-}
-
-// The best this CPU has: 2 AVX-512, 1 AVX2 with FMA, 0 neither (no path here).
-int64_t best_isa() {
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return 2;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-  return 0;
-}
+using starjar_tiles::best_isa;
+using starjar_tiles::Isa;
+using starjar_tiles::isa_of;
+using starjar_tiles::NB;
 
 // The kernel in use: 0 the best this CPU has, else forced (few_rows_use; tests force each).
 std::atomic<int64_t> forced_isa{0};
@@ -169,13 +58,7 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, const std::optiona
   const int64_t tiles = (N + NB - 1) / NB;
   const int64_t grain = std::max<int64_t>(1, (tiles + at::get_num_threads() - 1) / at::get_num_threads());
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * NB, nb = std::min<int64_t>(NB, N - n0);
-      for (int64_t r0 = 0; r0 < R; r0 += kernels.max) {
-        const int64_t rb = std::min<int64_t>(kernels.max, R - r0);
-        kernels.tiles[rb - 1](xp, wp, bp, yp, K, N, r0, n0, nb);
-      }
-    }
+    starjar_tiles::tiles_range(kernels, xp, wp, bp, yp, R, K, N, t0, t1);
   });
   return y;
 }

@@ -1,0 +1,170 @@
+"""The whole lean pass (starjar.model.lean_pass): HF's values within rounding and HF generate()'s greedy tokens,
+each kernel forced, rows and threads independent of each other, chosen by measurement or forced."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks.fixtures.reference import hf_greedy
+from controller.colocated import colocated_engine
+from starjar.cpu import few_rows, kernels, skinny_linear
+from starjar.model import lean_choices, lean_pass, lean_target, native_pass
+from starjar.model.loading import load_model
+from starjar.spec.sampling import SamplingParams
+
+TOLERANCE = 1e-4  # the largest logit difference taken from HF's (rounding; seen: under 2e-5 on the tiny models)
+
+
+def _spy(monkeypatch) -> list:
+    calls = []
+    run = lean_pass.run
+    monkeypatch.setattr(lean_pass, "run", lambda *a: calls.append(tuple(a[0].shape[:2])) or run(*a))
+    return calls
+
+
+def _passes(model, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Logits of the passes the engines make on consecutive slots: a prefill of three rows, one-token steps at
+    batch 1, verification over 4 positions at batch 1 and 3, rows of unequal lengths, and a token-tree pass."""
+    cache = model.new_cache()
+    slots = [cache.allocate() for _ in range(3)]
+    out = model.forward(cache, slots, [p[:24] for p in prompts[:3]], [[23]] * 3)  # 72 rows: long, not taken
+    for tok in (3, 4, 5):
+        out += model.forward(cache, slots[:1], [[tok]], [[0]])
+    out += model.forward(cache, slots[:1], [[6, 7, 8, 9]], [[0, 1, 2, 3]])
+    out += model.forward(cache, slots, [[10, 11, 12, 13]] * 3, [[0, 1, 2, 3]] * 3)
+    out += model.forward(cache, slots, [[14, 15], [16], [17, 18]], [[0, 1], [0], [0, 1]])
+    # Root 19 with children 20 and 21, 22 under 20: four tokens positioned by depth, each seeing its ancestors.
+    out += model.forward(cache, slots[:1], [[19, 20, 21, 22]], [[0, 1, 2, 3]], trees=[(0, [-1, 0, 0, 1])])
+    return out
+
+
+def _hf_then_lean(model, prompts, monkeypatch) -> tuple[list, list]:
+    monkeypatch.setenv(lean_target.ENV, "0")
+    hf = _passes(model, prompts)
+    monkeypatch.setenv(lean_target.ENV, "1")
+    monkeypatch.setenv(lean_pass.ENV, "1")
+    return hf, _passes(model, prompts)
+
+
+def _close(hf: list, lean: list) -> None:
+    for a, b in zip(hf, lean, strict=True):
+        assert (a - b).abs().max() < TOLERANCE, (a - b).abs().max()
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("isa", sorted(few_rows.ISAS))
+def test_every_pass_is_hf_within_rounding_on_each_kernel(model_dirs, prompt_ids, monkeypatch, family, isa):
+    """Steps, verification, multi-row, unequal-length and tree passes (qwen2: biased q/k/v) with each kernel
+    this CPU has forced: HF's logits within TOLERANCE, the same argmax; prefill keeps the other passes."""
+    assert lean_pass.available()
+    if few_rows.ISAS[isa] > torch.ops.starjar.lean_pass_isa():
+        pytest.skip(f"this CPU lacks {isa}")
+    monkeypatch.setenv(few_rows.ISA_ENV, isa)
+    model = load_model(model_dirs[family])
+    calls = _spy(monkeypatch)
+    hf, lean = _hf_then_lean(model, prompt_ids[:3], monkeypatch)
+    assert calls == [(1, 1)] * 3 + [(1, 4), (3, 4), (3, 2), (1, 4)]
+    _close(hf, lean)
+
+
+def test_the_cache_holds_hf_keys_and_values_within_rounding(models, prompt_ids, monkeypatch):
+    model = models["llama"]
+    buffers = {}
+    for way in ("0", "1"):
+        monkeypatch.setenv(lean_target.ENV, way)
+        monkeypatch.setenv(lean_pass.ENV, way)
+        cache = model.new_cache()
+        slot = cache.allocate()
+        model.forward(cache, [slot], [prompt_ids[4]], [[len(prompt_ids[4]) - 1]])
+        for tok in (5, 6, 7, 8):
+            model.forward(cache, [slot], [[tok]], [[0]])
+        model.forward(cache, [slot], [[9, 10, 11]], [[0, 1, 2]])
+        buffers[way] = [t[slot, :, : cache.lengths[slot]].clone() for t in (*cache._keys, *cache._values)]
+    for a, b in zip(buffers["0"], buffers["1"], strict=True):
+        assert (a - b).abs().max() < TOLERANCE
+
+
+def test_a_rows_values_do_not_depend_on_the_batch_or_the_threads(model_dirs, prompt_ids, monkeypatch):
+    """One row's logits alone, beside two others, and on one thread: the same bits (the output layer on the
+    own product too, whose sums do not depend on the rows either)."""
+    monkeypatch.setenv(skinny_linear.ENV, "rows")
+    model = load_model(model_dirs["llama"])
+    monkeypatch.setenv(lean_target.ENV, "1")
+    monkeypatch.setenv(lean_pass.ENV, "1")
+
+    def verify(rows: int, threads: int) -> torch.Tensor:
+        cache = model.new_cache()
+        slots = [cache.allocate() for _ in range(rows)]
+        model.forward(cache, slots, [prompt_ids[0][:12]] + [p[:12] for p in prompt_ids[1:rows]], [[11]] * rows)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return model.forward(cache, slots, [[6, 7, 8]] * rows, [[0, 1, 2]] * rows)[0]
+        finally:
+            torch.set_num_threads(before)
+
+    alone = verify(1, 2)
+    assert torch.equal(alone, verify(3, 2)) and torch.equal(alone, verify(1, 1))
+
+
+@pytest.mark.parametrize("gamma,batch", [(0, 1), (3, 1), (2, 4)])
+def test_greedy_output_is_hf_generate_s(model_dirs, models, prompt_ids, monkeypatch, gamma, batch):
+    monkeypatch.setenv(lean_pass.ENV, "1")
+    target = load_model(model_dirs["llama"])
+    calls = _spy(monkeypatch)
+    prompts = prompt_ids[:8]
+    alone = [hf_greedy(target, p, 32) for p in prompts]
+    engine = colocated_engine(target, models["draft"] if gamma else None, gamma, batch)
+    reqs = engine.generate(prompts, SamplingParams(max_tokens=32))
+    assert [r.output_ids for r in reqs] == alone
+    assert len(calls) > 32
+
+
+def test_off_it_never_runs_and_forced_on_it_runs_every_chain_pass(models, prompt_ids, monkeypatch):
+    model = models["llama"]
+    calls = _spy(monkeypatch)
+    monkeypatch.setenv(lean_target.ENV, "1")
+    monkeypatch.setenv(lean_pass.ENV, "0")
+    _passes(model, prompt_ids[:3])
+    assert calls == []
+    monkeypatch.setenv(native_pass.ENV, "0")  # forced on, it runs whatever the native pass's choice
+    monkeypatch.setenv(lean_pass.ENV, "1")
+    _passes(model, prompt_ids[:3])
+    assert len(calls) == 7
+
+
+def test_the_choice_is_measured_once_at_load_and_cached(model_dirs, monkeypatch, tmp_path):
+    monkeypatch.setenv("STARJAR_HOME", str(tmp_path))
+    monkeypatch.delenv(lean_pass.ENV, raising=False)
+    monkeypatch.delenv(lean_target.ENV, raising=False)
+    monkeypatch.setattr(kernels, "_entries", {})
+    model = load_model(model_dirs["llama"])
+    assert set(model.lean_target.whole) == {"step", "rows"}  # settled at load
+    stored = json.loads((tmp_path / "kernels.json").read_text())
+    entries = [e for name, e in stored.items() if f"|{lean_choices.WHOLE_KIND}-" in name]
+    assert len(entries) == 1 and entries[0]["whole"] == model.lean_target.whole
+    assert set(entries[0]["ms"]["step"]) == {"whole", "other"}
+    again = load_model(model_dirs["llama"])
+    assert again.lean_target.whole == model.lean_target.whole
+    assert json.loads((tmp_path / "kernels.json").read_text()) == stored  # read, not measured again
+
+
+def test_bad_inputs_are_refused_with_the_reason(models):
+    """The op checks what it is handed: a write position outside the buffers, a missing layer's weights."""
+    lt = models["llama"].lean_target
+    _, _, nqs, nks = lt.fused
+    d, layers = lt.head_dim, len(lt.plan)
+    x = torch.zeros(1, 1, lt.base.embed_tokens.weight.shape[1])
+    cos = sin = torch.zeros(1, 1, 1, d)
+    keys = [torch.zeros(1, nks[0], 8, d) for _ in range(layers)]
+    values = [torch.zeros(1, nks[0], 8, d) for _ in range(layers)]
+    args = (x, cos, sin, None, *lt.flat, keys, values, 0, 1, nqs, nks, d, lt.eps, lt.scaling)
+    with pytest.raises(RuntimeError, match="write position lies outside"):
+        lean_pass.run(*args, torch.tensor([[9]]))
+    with pytest.raises(RuntimeError, match="written span lies outside"):
+        lean_pass.run(*args[:8], 8, *args[9:])
+    with pytest.raises(RuntimeError, match="six weights and four biases a layer"):
+        lean_pass.run(x, cos, sin, None, lt.flat[0][:-1], *args[5:])
+    assert lean_pass.run(*args).shape == x.shape
