@@ -165,6 +165,6 @@ def test_bad_inputs_are_refused_with_the_reason(models):
         lean_pass.run(*args, torch.tensor([[9]]))
     with pytest.raises(RuntimeError, match="written span lies outside"):
         lean_pass.run(*args[:8], 8, *args[9:])
-    with pytest.raises(RuntimeError, match="six weights and four biases a layer"):
+    with pytest.raises(RuntimeError, match="six weights .two norms with int8 products. and four biases a layer"):
         lean_pass.run(x, cos, sin, None, lt.flat[0][:-1], *args[5:])
     assert lean_pass.run(*args).shape == x.shape

@@ -16,6 +16,7 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include "../../cpu/native/int8_tiles.h"
 #include "../../cpu/native/tiles.h"
 
 #include <cmath>
@@ -78,9 +79,21 @@ Kernels kernels_of(int64_t isa) {
   return {starjar_tiles::isa_of(1), dot256, axpy256};
 }
 
-// One layer's weights (fused q/k/v and gate/up, as target_pass.cpp takes them) and its K/V buffers [B, nk, L, d].
+// One product's weights: float32 W [N, K], or the own int8 layout (W [N, Kp] int8, meta [2, N]: each output's
+// scale and weight sum; starjar.cpu.few_rows.int8_layout); and its bias.
+struct Weight {
+  const float* w;
+  const int8_t* q;
+  const float* meta;
+  int64_t kp;
+  const float* b;
+};
+
+// One layer's norms and products (fused q/k/v and gate/up, as target_pass.cpp and draft_pass.cpp take them:
+// qkv, o, gate-up, down) and its K/V buffers [B, nk, L, d].
 struct Layer {
-  const float *norm1, *qkv, *qkv_b, *o, *o_b, *norm2, *gu, *gu_b, *down, *down_b;
+  const float *norm1, *norm2;
+  Weight wt[4];
   int64_t nq, nk, inner;
   float *kp, *vp;
   int64_t ks[4], vs[4];
@@ -96,6 +109,9 @@ struct Pass {
   int64_t mask_s[4];
   float *heads, *att, *y, *gu, *act;  // [R, nq + 2 nk, d], [R, nq d], [R, H], [R, 2 inner], [R, inner]
   float *h, *scores, *qrot;           // per thread: [R, H], [kv_len], [d]
+  uint8_t* xq;                        // per thread, int8 products: the input rows quantized [R, kq]
+  float* xscale;                      // per thread: each row's scale and zero point [2 R]
+  int64_t kq;
 };
 
 inline void split(int64_t total, int tid, int n, int64_t* lo, int64_t* hi) {
@@ -115,11 +131,23 @@ void rms_norm(const float* x, const float* w, float* out, int64_t R, int64_t H, 
 }
 
 // The product's tiles this thread owns: y = x W^T (+ b), and where `residual` is given y += residual there.
-void product(const Kernels& k, const float* x, const float* w, const float* b, float* y, int64_t R, int64_t K,
+// An int8 product quantizes x's rows first, each thread its own copy (no barrier).
+void product(const Kernels& k, const Pass& p, const Weight& wt, const float* x, float* y, int64_t R, int64_t K,
              int64_t N, int tid, int n, const float* residual) {
   int64_t t0, t1;
   split((N + NB - 1) / NB, tid, n, &t0, &t1);
-  starjar_tiles::tiles_range(k.tiles, x, w, b, y, R, K, N, t0, t1);
+  if (wt.q != nullptr) {
+    uint8_t* xq = p.xq + tid * p.R * p.kq;
+    float* sx = p.xscale + tid * 2 * p.R;
+    for (int64_t r = 0; r < R; ++r) {
+      const auto [scale, zero] = starjar_int8::quantize_row(x + r * K, K, wt.kp, xq + r * wt.kp);
+      sx[r] = scale, sx[R + r] = static_cast<float>(zero);
+    }
+    const starjar_int8::Job job{xq, sx, sx + R, wt.q, wt.meta, wt.meta + N, wt.b, y, wt.kp, N};
+    starjar_int8::int8_range(job, R, t0, t1);
+  } else {
+    starjar_tiles::tiles_range(k.tiles, x, wt.w, wt.b, y, R, K, N, t0, t1);
+  }
   if (residual == nullptr) return;
   const int64_t n0 = t0 * NB, n1 = std::min<int64_t>(t1 * NB, N);
   for (int64_t r = 0; r < R; ++r)
@@ -206,60 +234,75 @@ void layer(const Kernels& k, const Pass& p, const Layer& L, const float* x, floa
   float* h = p.h + tid * p.R * p.H;
   const int64_t heads_n = L.nq + 2 * L.nk;
   rms_norm(x, L.norm1, h, p.R, p.H, p.eps);
-  product(k, h, L.qkv, L.qkv_b, p.heads, p.R, p.H, heads_n * p.d, tid, n, nullptr);
+  product(k, p, L.wt[0], h, p.heads, p.R, p.H, heads_n * p.d, tid, n, nullptr);
 #pragma omp barrier
   write_kv(p, L, tid, n);
 #pragma omp barrier
   attend(k, p, L, tid, n);
 #pragma omp barrier
-  product(k, p.att, L.o, L.o_b, p.y, p.R, L.nq * p.d, p.H, tid, n, x);
+  product(k, p, L.wt[1], p.att, p.y, p.R, L.nq * p.d, p.H, tid, n, x);
 #pragma omp barrier
   rms_norm(p.y, L.norm2, h, p.R, p.H, p.eps);
-  product(k, h, L.gu, L.gu_b, p.gu, p.R, p.H, 2 * L.inner, tid, n, nullptr);
+  product(k, p, L.wt[2], h, p.gu, p.R, p.H, 2 * L.inner, tid, n, nullptr);
 #pragma omp barrier
   gated(p, L, tid, n);
 #pragma omp barrier
-  product(k, p.act, L.down, L.down_b, out, p.R, L.inner, p.H, tid, n, p.y);
+  product(k, p, L.wt[3], p.act, out, p.R, L.inner, p.H, tid, n, p.y);
 #pragma omp barrier
 }
 
-const float* data_or_null(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t->data_ptr<float>() : nullptr;
+using Tensors = c10::List<at::Tensor>;
+
+// The product `j` of a layer (0 qkv, 1 o, 2 gate-up, 3 down) checked against its shape [N, K]: float32 from ws,
+// or int8 with its meta where q8 is given.
+Weight weight_of(const at::Tensor* w, const at::Tensor* q8, const at::Tensor* meta,
+                 const std::optional<at::Tensor>& b, int64_t N, int64_t K) {
+  TORCH_CHECK(!b.has_value() || !b->defined() || (b->scalar_type() == at::kFloat && b->is_contiguous() &&
+              b->numel() == N), "lean_pass: contiguous float32 biases, one an output");
+  const float* bias = b.has_value() && b->defined() ? b->data_ptr<float>() : nullptr;
+  if (q8 == nullptr) {
+    TORCH_CHECK(w->scalar_type() == at::kFloat && w->is_contiguous() && w->dim() == 2 && w->size(0) == N &&
+                w->size(1) == K, "lean_pass: contiguous float32 weights [N, K] matching the hidden size and heads");
+    return {w->data_ptr<float>(), nullptr, nullptr, 0, bias};
+  }
+  TORCH_CHECK(q8->scalar_type() == at::kChar && q8->is_contiguous() && q8->dim() == 2 && q8->size(0) == N &&
+              q8->size(1) % starjar_int8::KB == 0 && q8->size(1) >= K && q8->size(1) < K + starjar_int8::KB,
+              "lean_pass: int8 weights [N, K padded to a multiple of 64] matching the hidden size and heads");
+  TORCH_CHECK(meta->scalar_type() == at::kFloat && meta->is_contiguous() && meta->dim() == 2 && meta->size(0) == 2 &&
+              meta->size(1) == N, "lean_pass: int8 meta [2, N]");
+  return {nullptr, q8->data_ptr<int8_t>(), meta->data_ptr<float>(), q8->size(1), bias};
 }
 
-std::vector<Layer> layers_of(const c10::List<at::Tensor>& ws, const c10::List<std::optional<at::Tensor>>& bs,
-                             const c10::List<at::Tensor>& keys, const c10::List<at::Tensor>& values,
-                             at::IntArrayRef nq, at::IntArrayRef nk, int64_t B, int64_t H, int64_t d) {
-  const int64_t n = static_cast<int64_t>(nq.size());
-  TORCH_CHECK(ws.size() == 6 * n && bs.size() == 4 * n && keys.size() == n && values.size() == n,
-              "lean_pass: six weights and four biases a layer, and each layer's K and V");
+// Each layer's norms, products and K/V buffers: ws six a layer (input norm, qkv, o, post norm, gate-up, down),
+// or, with int8 weights (q8 and meta four a layer), its two norms only.
+std::vector<Layer> layers_of(const Tensors& ws, const c10::List<std::optional<at::Tensor>>& bs, const Tensors* q8,
+                             const Tensors* meta, const Tensors& keys, const Tensors& values, at::IntArrayRef nq,
+                             at::IntArrayRef nk, int64_t B, int64_t H, int64_t d) {
+  const int64_t n = static_cast<int64_t>(nq.size()), per = q8 != nullptr ? 2 : 6;
+  TORCH_CHECK(ws.size() == per * n && bs.size() == 4 * n && keys.size() == n && values.size() == n &&
+              (q8 == nullptr || (q8->size() == 4 * n && meta->size() == 4 * n)),
+              "lean_pass: six weights (two norms with int8 products) and four biases a layer, and each layer's K and V");
   std::vector<Layer> out;
   for (int64_t i = 0; i < n; ++i) {
-    for (int64_t j = 0; j < 6; ++j) {
-      const at::Tensor& w = ws.get(i * 6 + j);
-      TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous(), "lean_pass: contiguous float32 weights");
-    }
-    for (int64_t j = 0; j < 4; ++j) {
-      const auto b = bs.get(i * 4 + j);
-      TORCH_CHECK(!b.has_value() || !b->defined() || (b->scalar_type() == at::kFloat && b->is_contiguous()),
-                  "lean_pass: contiguous float32 biases");
-    }
-    const at::Tensor &kt = keys.get(i), &vt = values.get(i);
+    const at::Tensor &kt = keys.get(i), &vt = values.get(i), &n1 = ws.get(i * per), &n2 = ws.get(i * per + per / 2);
     TORCH_CHECK(nk[i] > 0 && nq[i] % nk[i] == 0, "lean_pass: query heads a multiple of the KV heads");
     TORCH_CHECK(kt.scalar_type() == at::kFloat && vt.scalar_type() == at::kFloat && kt.dim() == 4 && vt.dim() == 4 &&
                 kt.size(0) == B && vt.size(0) == B && kt.size(1) == nk[i] && vt.size(1) == nk[i] &&
                 kt.size(3) == d && vt.size(3) == d && kt.stride(3) == 1 && vt.stride(3) == 1,
                 "lean_pass: float32 K/V buffers [B, nk, L, d], dense in d");
-    const int64_t inner = ws.get(i * 6 + 4).size(0) / 2;
-    TORCH_CHECK(ws.get(i * 6).numel() == H && ws.get(i * 6 + 3).numel() == H &&
-                ws.get(i * 6 + 1).size(0) == (nq[i] + 2 * nk[i]) * d && ws.get(i * 6 + 1).size(1) == H &&
-                ws.get(i * 6 + 2).size(0) == H && ws.get(i * 6 + 2).size(1) == nq[i] * d &&
-                ws.get(i * 6 + 4).size(1) == H && ws.get(i * 6 + 5).size(0) == H && ws.get(i * 6 + 5).size(1) == inner,
-                "lean_pass: the weights' shapes do not match the hidden size and heads");
-    Layer L{ws.get(i * 6).data_ptr<float>(), ws.get(i * 6 + 1).data_ptr<float>(), data_or_null(bs.get(i * 4)),
-            ws.get(i * 6 + 2).data_ptr<float>(), data_or_null(bs.get(i * 4 + 1)), ws.get(i * 6 + 3).data_ptr<float>(),
-            ws.get(i * 6 + 4).data_ptr<float>(), data_or_null(bs.get(i * 4 + 2)), ws.get(i * 6 + 5).data_ptr<float>(),
-            data_or_null(bs.get(i * 4 + 3)), nq[i], nk[i], inner, kt.data_ptr<float>(), vt.data_ptr<float>(), {}, {}};
+    TORCH_CHECK(n1.scalar_type() == at::kFloat && n2.scalar_type() == at::kFloat && n1.is_contiguous() &&
+                n2.is_contiguous() && n1.numel() == H && n2.numel() == H, "lean_pass: float32 norm weights [H]");
+    const int64_t inner = (q8 != nullptr ? q8->get(i * 4 + 2) : ws.get(i * 6 + 4)).size(0) / 2;
+    const int64_t shape[4][2] = {{(nq[i] + 2 * nk[i]) * d, H}, {H, nq[i] * d}, {2 * inner, H}, {H, inner}};
+    Layer L{n1.data_ptr<float>(), n2.data_ptr<float>(), {}, nq[i], nk[i], inner, kt.data_ptr<float>(),
+            vt.data_ptr<float>(), {}, {}};
+    for (int j = 0; j < 4; ++j) {
+      const int64_t at_ws[4] = {1, 2, 4, 5};
+      const at::Tensor w = q8 != nullptr ? at::Tensor() : ws.get(i * 6 + at_ws[j]);
+      const at::Tensor qw = q8 != nullptr ? q8->get(i * 4 + j) : at::Tensor();
+      const at::Tensor mw = q8 != nullptr ? meta->get(i * 4 + j) : at::Tensor();
+      L.wt[j] = weight_of(&w, q8 != nullptr ? &qw : nullptr, &mw, bs.get(i * 4 + j), shape[j][0], shape[j][1]);
+    }
     for (int a = 0; a < 4; ++a) {
       L.ks[a] = kt.stride(a);
       L.vs[a] = vt.stride(a);
@@ -269,25 +312,51 @@ std::vector<Layer> layers_of(const c10::List<at::Tensor>& ws, const c10::List<st
   return out;
 }
 
+// Where each token's K and V go: write [B, Q] (checked inside every layer's buffers), or one span from `start`.
+at::Tensor positions(const std::optional<at::Tensor>& write, int64_t start, int64_t Q, int64_t R,
+                     const Tensors& keys, const Tensors& values) {
+  at::Tensor at_pos;
+  if (write.has_value() && write->defined()) {
+    at_pos = write->to(at::kLong).contiguous();
+    TORCH_CHECK(at_pos.numel() == R, "lean_pass: write must hold each token's cache position");
+  }
+  const int64_t* wp = at_pos.defined() ? at_pos.data_ptr<int64_t>() : nullptr;
+  for (int64_t l = 0; l < static_cast<int64_t>(keys.size()); ++l) {
+    const int64_t room = std::min(keys.get(l).size(2), values.get(l).size(2));
+    for (int64_t i = 0; wp != nullptr && i < R; ++i) {
+      TORCH_CHECK(wp[i] >= 0 && wp[i] < room, "lean_pass: a write position lies outside the KV buffers");
+    }
+    TORCH_CHECK(wp != nullptr || (start >= 0 && start + Q <= room),
+                "lean_pass: the written span lies outside the KV buffers");
+  }
+  return at_pos;
+}
+
 // Every layer of a pass: x [B, Q, H]; ws six weights a layer (input norm, qkv, o, post norm, gate-up, down),
-// bs four biases a layer; cos and sin_signed each token's [d]; mask additive [B, 1, Q, >= kv_len] or None;
-// keys and values the rows' buffers, written as one span from `start` or each token at write [B, Q]; isa 0 the
-// best this CPU has, 1 AVX2, 2 AVX-512. Returns the hidden states after the last layer [B, Q, H].
+// or two (the norms) where q8 and meta give the products in the own int8 layout (four a layer: qkv, o,
+// gate-up, down; AVX-512 VNNI); bs four biases a layer; cos and sin_signed each token's [d]; mask additive
+// [B, 1, Q, >= kv_len] or None (every key visible); keys and values the rows' buffers, written as one span
+// from `start` or each token at write [B, Q]; isa 0 the best this CPU has, 1 AVX2, 2 AVX-512. Returns the
+// hidden states after the last layer [B, Q, H].
 at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed,
                      const std::optional<at::Tensor>& mask, const c10::List<at::Tensor>& ws,
                      const c10::List<std::optional<at::Tensor>>& bs, const c10::List<at::Tensor>& keys,
                      const c10::List<at::Tensor>& values, int64_t start, int64_t kv_len, at::IntArrayRef nq,
                      at::IntArrayRef nk, int64_t d, double eps, double scaling, const std::optional<at::Tensor>& write,
-                     int64_t isa) {
+                     int64_t isa, const std::optional<Tensors>& q8, const std::optional<Tensors>& meta) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3, "lean_pass takes float32 [B, Q, H]");
   const int64_t best = starjar_tiles::best_isa(), which = isa == 0 ? best : isa;
   TORCH_CHECK(which >= 1 && which <= best, "lean_pass: this CPU lacks the instructions asked for (", isa, ")");
   const int64_t B = x.size(0), Q = x.size(1), H = x.size(2), R = B * Q;
-  const std::vector<Layer> lw = layers_of(ws, bs, keys, values, nq, nk, B, H, d);
+  const bool int8 = q8.has_value();
+  TORCH_CHECK(!int8 || (meta.has_value() && which == 2 && starjar_int8::has_vnni()),
+              "lean_pass: int8 products need their meta and AVX-512 VNNI");
+  const std::vector<Layer> lw = layers_of(ws, bs, int8 ? &*q8 : nullptr, int8 ? &*meta : nullptr, keys, values, nq,
+                                          nk, B, H, d);
   const at::Tensor c = cos.contiguous(), s = sin_signed.contiguous();
   TORCH_CHECK(c.scalar_type() == at::kFloat && s.scalar_type() == at::kFloat && c.numel() == R * d &&
               s.numel() == R * d, "lean_pass: cos and sin must hold each token's position");
-  int64_t width = 0, inner = 0, att_w = 0;
+  int64_t width = 0, inner = 0, att_w = 0, kq = 0;
   TORCH_CHECK(d > 0 && d <= MAX_D && d % 2 == 0, "lean_pass: an even head dimension up to ", MAX_D);
   for (int64_t l = 0; l < static_cast<int64_t>(lw.size()); ++l) {
     const Layer& L = lw[l];
@@ -296,24 +365,9 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
     width = std::max(width, (L.nq + 2 * L.nk) * d);
     inner = std::max(inner, L.inner);
     att_w = std::max(att_w, L.nq * d);
+    for (const Weight& w : L.wt) kq = std::max(kq, w.kp);
   }
-  at::Tensor at_pos;
-  if (write.has_value() && write->defined()) {
-    at_pos = write->to(at::kLong).contiguous();
-    TORCH_CHECK(at_pos.numel() == R, "lean_pass: write must hold each token's cache position");
-    const int64_t* wp = at_pos.data_ptr<int64_t>();
-    for (int64_t i = 0; i < R; ++i) {
-      for (int64_t l = 0; l < static_cast<int64_t>(lw.size()); ++l) {
-        TORCH_CHECK(wp[i] >= 0 && wp[i] < keys.get(l).size(2) && wp[i] < values.get(l).size(2),
-                    "lean_pass: a write position lies outside the KV buffers");
-      }
-    }
-  } else {
-    for (int64_t l = 0; l < static_cast<int64_t>(lw.size()); ++l) {
-      TORCH_CHECK(start >= 0 && start + Q <= keys.get(l).size(2) && start + Q <= values.get(l).size(2),
-                  "lean_pass: the written span lies outside the KV buffers");
-    }
-  }
+  const at::Tensor at_pos = positions(write, start, Q, R, keys, values);
   const bool masked = mask.has_value() && mask->defined();
   if (masked) {
     TORCH_CHECK(mask->scalar_type() == at::kFloat && mask->dim() == 4 && mask->size(0) == B && mask->size(2) == Q &&
@@ -326,7 +380,7 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   Pass p{B, Q, H, R, d, start, kv_len, static_cast<float>(eps), static_cast<float>(scaling), c.data_ptr<float>(),
          s.data_ptr<float>(), at_pos.defined() ? at_pos.data_ptr<int64_t>() : nullptr,
          masked ? mask->data_ptr<float>() : nullptr, {}, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-         nullptr, nullptr};
+         nullptr, nullptr, nullptr, nullptr, 0};
   if (masked) {
     for (int a = 0; a < 4; ++a) p.mask_s[a] = mask->stride(a);
   }
@@ -338,6 +392,11 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   p.h = p.act + R * inner;
   p.scores = p.h + nt * R * H;
   p.qrot = p.scores + nt * kv_len;
+  at::Tensor quantized = at::empty({int8 ? nt * R * kq : 0}, opts.dtype(at::kByte));
+  at::Tensor row_scales = at::empty({int8 ? nt * 2 * R : 0}, opts);
+  p.xq = quantized.data_ptr<uint8_t>();
+  p.xscale = row_scales.data_ptr<float>();
+  p.kq = kq;
   at::Tensor bufs[2] = {at::empty_like(x), at::empty_like(x)};
   const Kernels k = kernels_of(which);
   const int64_t layers = static_cast<int64_t>(lw.size());
@@ -361,7 +420,7 @@ int64_t lean_pass_isa() { return starjar_tiles::best_isa(); }
 TORCH_LIBRARY_FRAGMENT(starjar, m) {
   m.def("lean_pass(Tensor x, Tensor cos, Tensor sin_signed, Tensor? mask, Tensor[] ws, Tensor?[] bs, "
         "Tensor[] keys, Tensor[] values, int start, int kv_len, int[] nq, int[] nk, int d, float eps, "
-        "float scaling, Tensor? write, int isa) -> Tensor");
+        "float scaling, Tensor? write, int isa, Tensor[]? q8=None, Tensor[]? meta=None) -> Tensor");
   m.def("lean_pass_isa() -> int", lean_pass_isa);
 }
 
