@@ -25,7 +25,7 @@ from starjar.cpu import native_build
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("native") / name for name in ("few_rows.cpp", "int8_rows.cpp")]
-HEADERS = [Path(__file__).with_name("native") / name for name in ("tiles.h", "int8_tiles.h")]  # shared with the lean pass
+HEADERS = [Path(__file__).with_name("native") / name for name in ("tiles.h", "int8_tiles.h")]  # the lean pass shares
 LIBRARY = "starjar_few_rows"
 FLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for splits the tiles between the threads only with it
 ISA_ENV = "STARJAR_FEW_ROWS_ISA"

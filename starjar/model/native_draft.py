@@ -24,13 +24,14 @@ from collections.abc import Callable
 import torch
 
 from starjar.cpu import few_rows, kernels
-from starjar.model import native_pass
+from starjar.model import lean_pass, native_pass
 from starjar.model.attention import fold_mask
 
 log = logging.getLogger(__name__)
 
 KIND = "native-draft-pass"  # the kernel cache's entries of the native-or-scripted choice
 OWN_KIND = "own-int8-draft"  # those of the own-or-torch int8 product choice
+WHOLE_KIND = "lean-pass-int8-draft"  # those of the whole-lean-pass choice (starjar.model.lean_pass)
 OWN_ENV = "STARJAR_DRAFT_INT8"
 CONTEXT = 128  # the probe's cached positions, a typical short context
 # The passes timed, (rows, tokens): a one-token step, a catch-up, batched drafting.
@@ -53,12 +54,15 @@ class NativeDraftPass:
         self.shapes = tuple((lin.in_features, lin.out_features) for lin in (plan[0][1], plan[0][5], plan[0][7],
                                                                             plan[0][9])) if plan else ()
         self.d, self.eps = head_dim, eps
+        self.scaling = float(plan[0][2].scaling) if plan else 1.0
         self.spans = spans and len({q // k for q, k in zip(self.nq, self.nk, strict=True)}) == 1  # one folded mask
         self.chosen: dict[str, bool] | None = None  # measured on this machine (None: not yet)
         self.override: bool | None = None  # set while it is measured, and by tests
         self.own_chosen: dict[str, bool] | None = None  # the own int8 product, per pass class (None: not yet)
         self.own_override: bool | None = None  # set while that is measured
         self._own: tuple[list, list] | None = None  # the weights laid out for it, once
+        self.whole_chosen: dict[str, bool] | None = None  # the whole lean pass over those weights, per class
+        self.whole_override: bool | None = None  # set while that is measured
 
     def usable(self, x: torch.Tensor, keys: list[torch.Tensor]) -> bool:
         """Whether the native pass can compute this pass: float32 states and cache, and for several rows or
@@ -85,8 +89,13 @@ class NativeDraftPass:
             self.chosen = self._measured(probe) if native_pass.available() else dict.fromkeys(PROBES, False)
         if self.own_chosen is None and self.packs and own_forced() is None and native_pass.forced() is not False:
             self.own_chosen = self._own_measured(probe) if self._own_weights() else dict.fromkeys(PROBES, False)
-            if not any(self.own_chosen.values()):
-                self._own = None  # its copy of the int8 weights is not kept where no pass takes it
+        if self.whole_chosen is None and self.packs and lean_pass.forced() is None and \
+                native_pass.forced() is not False and own_forced() is not False:
+            whole = self._own_weights() is not None and lean_pass.available()
+            self.whole_chosen = self._whole_measured(probe) if whole else dict.fromkeys(PROBES, False)
+        if not any((self.own_chosen or {}).values()) and not any((self.whole_chosen or {}).values()) and \
+                not own_forced() and not lean_pass.forced():
+            self._own = None  # its copy of the int8 weights is not kept where no pass takes it
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
             keys: list[torch.Tensor], values: list[torch.Tensor], write: torch.Tensor | None, start: int,
@@ -95,6 +104,12 @@ class NativeDraftPass:
         none); keys, values, write, start and kv_len: the cache's pass views for rows on consecutive slots; real
         and padded: a padded pass's real tokens (x, cos and sin hold those alone) and its (B, Q)."""
         b, q = padded if real is not None else x.shape[:2]
+        if real is None and self._takes_whole(b, q):
+            half = self.d // 2
+            sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            return lean_pass.run(x, cos, sin_signed, None if b * q == 1 else mask, self.norms, self.biases, keys,
+                                 values, start, kv_len, self.nq, self.nk, self.d, self.eps, self.scaling, write,
+                                 self._own_weights())
         folded = None if b * q == 1 else mask if q == 1 else fold_mask(mask, self.nq[0] // self.nk[0])
         own = self._own_weights() if self._takes_own(b, q) else None
         return native_pass.run_draft(x, cos, sin, folded, self.norms, self.packs, self.biases, self.reduce_range,
@@ -110,6 +125,16 @@ class NativeDraftPass:
             return force
         return bool(self.own_chosen and self.own_chosen[pass_class(b, q)])
 
+    def _takes_whole(self, b: int, q: int) -> bool:
+        """Whether this pass runs the whole lean pass over the own int8 weights: overridden while measured,
+        forced (STARJAR_LEAN_PASS), or chosen."""
+        if self.whole_override is not None:
+            return self.whole_override
+        force = lean_pass.forced()
+        if force is not None:
+            return force and self._own_weights() is not None
+        return bool(self.whole_chosen and self.whole_chosen[pass_class(b, q)])
+
     def _own_weights(self) -> tuple[list, list] | None:
         """The products' weights laid out for the own int8 product (once), or None where it cannot run."""
         if self._own is None and few_rows.int8_available():
@@ -121,33 +146,41 @@ class NativeDraftPass:
         return self._own
 
     def _own_measured(self, probe: Probe) -> dict[str, bool]:
-        entry = kernels.cached_entry(f"{OWN_KIND}-{len(self.nq)}-layers", self.shapes, lambda: self._measure_own(probe),
+        entry = kernels.cached_entry(f"{OWN_KIND}-{len(self.nq)}-layers", self.shapes,
+                                     lambda: self._two_ways(probe, "own_override", "own", "torch"),
                                      usable=lambda e: isinstance(e.get("own"), dict) and set(e["own"]) == set(PROBES))
         return {k: bool(v) for k, v in entry["own"].items()}
 
-    def _measure_own(self, probe: Probe, reps: int = 7) -> dict:
-        """Each probe pass natively with torch's int8 kernel and the own one, in turns; own where faster."""
-        ms, own = {}, {}
+    def _whole_measured(self, probe: Probe) -> dict[str, bool]:
+        entry = kernels.cached_entry(f"{WHOLE_KIND}-{len(self.nq)}-layers", self.shapes,
+                                     lambda: self._two_ways(probe, "whole_override", "whole", "native"),
+                                     usable=lambda e: isinstance(e.get("whole"), dict) and
+                                     set(e["whole"]) == set(PROBES))
+        return {k: bool(v) for k, v in entry["whole"].items()}
+
+    def _two_ways(self, probe: Probe, attr: str, on_name: str, off_name: str, reps: int = 7) -> dict:
+        """Each probe pass natively with the override `attr` off and on, in turns; on where faster."""
+        ms, on = {}, {}
         for cls, (b, q) in PROBES.items():
             if b * q > 1 and not self.spans:
-                own[cls] = False
+                on[cls] = False
                 continue
             times = []
             for way in (False, True):
                 run = probe(b, q, True)
 
                 def timed(run=run, way=way):
-                    self.own_override = way
+                    setattr(self, attr, way)
                     try:
                         return run()
                     finally:
-                        self.own_override = None
+                        setattr(self, attr, None)
                 times.append(timed)
-            torch_s, own_s = kernels.interleaved_medians(times, reps)
-            ms[cls] = {"torch": round(torch_s * 1000, 3), "own": round(own_s * 1000, 3)}
-            own[cls] = own_s < torch_s
-        log.info("own int8 draft products (%s): %s (measured: %s ms)", kernels.machine_label(), own, ms)
-        return {"own": own, "ms": ms}
+            off_s, on_s = kernels.interleaved_medians(times, reps)
+            ms[cls] = {off_name: round(off_s * 1000, 3), on_name: round(on_s * 1000, 3)}
+            on[cls] = on_s < off_s
+        log.info("%s draft passes (%s): %s (measured: %s ms)", on_name, kernels.machine_label(), on, ms)
+        return {on_name: on, "ms": ms}
 
     def _measured(self, probe: Probe) -> dict[str, bool]:
         entry = kernels.cached_entry(f"{KIND}-{len(self.nq)}-layers", self.shapes, lambda: self._measure(probe),

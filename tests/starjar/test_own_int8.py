@@ -84,14 +84,14 @@ def test_the_own_choice_is_measured_once_and_cached(tmp_path, model_dirs, monkey
     monkeypatch.delenv(native_draft.OWN_ENV, raising=False)
     monkeypatch.delenv("STARJAR_NATIVE_PASS", raising=False)
     measured = []
-    real = native_draft.NativeDraftPass._measure_own
-    monkeypatch.setattr(native_draft.NativeDraftPass, "_measure_own",
-                        lambda self, probe, reps=3: measured.append(1) or real(self, probe, reps))
+    real = native_draft.NativeDraftPass._two_ways
+    monkeypatch.setattr(native_draft.NativeDraftPass, "_two_ways",
+                        lambda self, probe, attr, *names: measured.append(attr) or real(self, probe, attr, *names, 3))
     for i in range(2):
         kernels._entries.clear()
         draft = load_model(int8_draft_dir(tmp_path / str(i), model_dirs["llama"]))
         assert draft.lean.native.own_chosen is not None
-    assert measured == [1]
+    assert measured == ["own_override"]
     entry = next(e for name, e in kernels.cached_entries().items() if native_draft.OWN_KIND in name)
     assert entry["own"] == draft.lean.native.own_chosen
     assert all(set(ms) == {"torch", "own"} for ms in entry["ms"].values())
