@@ -68,15 +68,90 @@ __attribute__((target("avx2,fma"))) void axpy256(float* y, float a, const float*
   for (; e < d; ++e) y[e] += a * v[e];
 }
 
+// e^x in 16 lanes: x = n ln2 + r (|r| <= ln2 / 2), e^r by its Taylor polynomial of degree 7 (the remainder
+// under 1e-8 relative), scaled by 2^n; lanes below -87 (hidden keys, SiLU's far tail) give 0.
+__attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts: r exact
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+  __m512 poly = _mm512_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(c));
+  }
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(poly, n));
+}
+
+// One query head's attention with AVX-512 over a head of 16 C floats, q and the output in registers: the scores
+// (q . k scaling + mask; hidden keys -inf), their exponentials 16 at a time, then p v summed; out = that / sum.
+template <int C>
+__attribute__((target("avx512f"))) void attend_head512(const float* q, const float* keys, int64_t kstride,
+                                                       const float* vals, int64_t vstride, const float* m,
+                                                       int64_t mstride, int64_t n, float scaling, float* sc,
+                                                       float* out) {
+  const float hidden = std::numeric_limits<float>::lowest() / 2, none = -std::numeric_limits<float>::infinity();
+  __m512 qv[C], ov[C];
+  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c), ov[c] = _mm512_setzero_ps();
+  float top = none;
+  for (int64_t s = 0; s < n; ++s) {
+    const float add = m != nullptr ? m[s * mstride] : 0.0f;
+    if (add <= hidden) {
+      sc[s] = none;
+      continue;
+    }
+    const float* kr = keys + s * kstride;
+    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+    for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc);
+    sc[s] = _mm512_reduce_add_ps(acc) * scaling + add;
+    top = std::max(top, sc[s]);
+  }
+  if (top == none) {  // no key visible
+    std::fill(out, out + 16 * C, 0.0f);
+    return;
+  }
+  const __m512 tv = _mm512_set1_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t s = 0; s < n; s += 16) {
+    const __mmask16 in = n - s >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - s)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(in, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, sc + s), tv)));
+    _mm512_mask_storeu_ps(sc + s, in, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  for (int64_t s = 0; s < n; ++s) {
+    if (sc[s] == 0.0f) continue;
+    const __m512 pv = _mm512_set1_ps(sc[s]);
+    const float* vr = vals + s * vstride;
+    for (int c = 0; c < C; ++c) ov[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + 16 * c), ov[c]);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(ov[c], inv));
+}
+
+// silu(g) * u over n elements with AVX-512 (the tail past the last 16 one by one).
+__attribute__((target("avx512f"))) void silu_mul512(const float* g, const float* u, float* out, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  int64_t e = 0;
+  for (; e + 16 <= n; e += 16) {
+    const __m512 x = _mm512_loadu_ps(g + e);
+    const __m512 den = _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+    _mm512_storeu_ps(out + e, _mm512_mul_ps(_mm512_div_ps(x, den), _mm512_loadu_ps(u + e)));
+  }
+  for (; e < n; ++e) out[e] = (g[e] / (1.0f + std::exp(-g[e]))) * u[e];
+}
+
 struct Kernels {
+  int64_t isa;
   Isa tiles;
   float (*dot)(const float*, const float*, int64_t);
   void (*axpy)(float*, float, const float*, int64_t);
 };
 
 Kernels kernels_of(int64_t isa) {
-  if (isa == 2) return {starjar_tiles::isa_of(2), dot512, axpy512};
-  return {starjar_tiles::isa_of(1), dot256, axpy256};
+  if (isa == 2) return {2, starjar_tiles::isa_of(2), dot512, axpy512};
+  return {1, starjar_tiles::isa_of(1), dot256, axpy256};
 }
 
 // One product's weights: float32 W [N, K], or the own int8 layout (W [N, Kp] int8, meta [2, N]: each output's
@@ -197,6 +272,12 @@ void attend(const Kernels& k, const Pass& p, const Layer& L, int tid, int n) {
     const float* keys = L.kp + b * L.ks[0] + j * L.ks[1];
     const float* vals = L.vp + b * L.vs[0] + j * L.vs[1];
     const float* m = p.mask != nullptr ? p.mask + b * p.mask_s[0] + t * p.mask_s[2] : nullptr;
+    float* out = p.att + r * L.nq * d + hq * d;
+    if (k.isa == 2 && (d == 64 || d == 128)) {  // the heads Llama-family models have, in registers
+      (d == 64 ? attend_head512<4> : attend_head512<8>)(q, keys, L.ks[2], vals, L.vs[2], m, p.mask_s[3], p.kv_len,
+                                                        p.scaling, sc, out);
+      continue;
+    }
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t s = 0; s < p.kv_len; ++s) {
       const float add = m != nullptr ? m[s * p.mask_s[3]] : 0.0f;
@@ -204,7 +285,6 @@ void attend(const Kernels& k, const Pass& p, const Layer& L, int tid, int n) {
                             : k.dot(q, keys + s * L.ks[2], d) * p.scaling + add;
       top = std::max(top, sc[s]);
     }
-    float* out = p.att + r * L.nq * d + hq * d;
     std::fill(out, out + d, 0.0f);
     if (top == -std::numeric_limits<float>::infinity()) continue;  // no key visible
     float total = 0;
@@ -219,9 +299,18 @@ void attend(const Kernels& k, const Pass& p, const Layer& L, int tid, int n) {
 }
 
 // silu(gate) * up for this thread's share of the elements.
-void gated(const Pass& p, const Layer& L, int tid, int n) {
+void gated(const Kernels& k, const Pass& p, const Layer& L, int tid, int n) {
   int64_t i0, i1;
   split(p.R * L.inner, tid, n, &i0, &i1);
+  if (k.isa == 2) {  // row by row, each row's share in one run
+    for (int64_t i = i0; i < i1;) {
+      const int64_t r = i / L.inner, e = i % L.inner, len = std::min(i1 - i, L.inner - e);
+      const float* g = p.gu + r * 2 * L.inner + e;
+      silu_mul512(g, g + L.inner, p.act + i, len);
+      i += len;
+    }
+    return;
+  }
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t r = i / L.inner, e = i % L.inner;
     const float gate = p.gu[r * 2 * L.inner + e];
@@ -245,7 +334,7 @@ void layer(const Kernels& k, const Pass& p, const Layer& L, const float* x, floa
   rms_norm(p.y, L.norm2, h, p.R, p.H, p.eps);
   product(k, p, L.wt[2], h, p.gu, p.R, p.H, 2 * L.inner, tid, n, nullptr);
 #pragma omp barrier
-  gated(p, L, tid, n);
+  gated(k, p, L, tid, n);
 #pragma omp barrier
   product(k, p, L.wt[3], p.act, out, p.R, L.inner, p.H, tid, n, p.y);
 #pragma omp barrier
