@@ -57,6 +57,9 @@ ENV = "STARJAR_FP32_LINEAR"
 # Rows up to each; more than 64 rows take the last bucket's path. 3 and 4 apart: MKL's sgemm changes its
 # method between them (gamma 2 verifies 3 positions, gamma 3 four).
 BUCKETS = (2, 3, 4, 6, 8, 16, 32, 64)
+# One row: the body keeps F.linear's GEMV; the output layer takes it or the own product, as measured (on a
+# 2-core AMD EPYC, AVX2, MKL's GEMV read the default target's output layer at 11 GB/s, half the bandwidth).
+ONE_ROW = ("linear", OWN)
 PACK_HINT = 8  # the row count MKL packs for; its packed layout served 4 to 64 rows alike on the Xeon
 WIDE = 8192  # output features from which a layer counts as an output layer (a vocabulary-wide product)
 DEFAULT = "wxt"  # before a measurement: what the first machine measured
@@ -68,28 +71,33 @@ class RowPaths:
     """The path of each row bucket, for the body's layers and for the output layer. Shared by every layer of
     one model; changing it changes what the model's next pass runs."""
 
-    def __init__(self, body: list[str] | None = None, head: list[str] | None = None):
+    def __init__(self, body: list[str] | None = None, head: list[str] | None = None, head_one: str = "linear"):
         self.body = list(body or [DEFAULT] * len(BUCKETS))
         self.head = list(head or [DEFAULT] * len(BUCKETS))
         for paths in (self.body, self.head):
             if len(paths) != len(BUCKETS) or any(p not in PATHS for p in paths):
                 raise ValueError(f"row paths must name one of {PATHS} for each of {len(BUCKETS)} buckets: {paths}")
+        if head_one not in ONE_ROW:
+            raise ValueError(f"the output layer's one-row path must be one of {ONE_ROW}: {head_one}")
+        self.head_one = head_one
 
     @classmethod
     def every(cls, path: str) -> RowPaths:
-        return cls([path] * len(BUCKETS), [path] * len(BUCKETS))
+        return cls([path] * len(BUCKETS), [path] * len(BUCKETS), path if path in ONE_ROW else "linear")
 
     def as_dict(self) -> dict:
-        return {"buckets": list(BUCKETS), "body": list(self.body), "head": list(self.head)}
+        return {"buckets": list(BUCKETS), "body": list(self.body), "head": list(self.head),
+                "head_one": self.head_one}
 
     @classmethod
     def from_dict(cls, d: dict) -> RowPaths:
         if list(d.get("buckets", ())) != list(BUCKETS):
             raise ValueError("row paths were measured for other buckets")
-        return cls(d["body"], d["head"])
+        return cls(d["body"], d["head"], d.get("head_one", "linear"))
 
     def set(self, other: RowPaths) -> None:
         self.body[:], self.head[:] = other.body, other.head
+        self.head_one = other.head_one
 
 
 def forced() -> str | None:
@@ -136,6 +144,8 @@ def _few_rows_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if rows < 2:
+        if self._starjar_wide and self._starjar_row_paths.head_one == OWN:
+            return few_rows.product(x.reshape(rows, k), w, self.bias).reshape(*x.shape[:-1], w.shape[0])
         return F.linear(x, w, self.bias)
     paths = self._starjar_row_paths.head if self._starjar_wide else self._starjar_row_paths.body
     path = paths[_bucket(rows)]
@@ -273,6 +283,9 @@ def measure(model: torch.nn.Module, reps: int = 5) -> dict:
                                                reps))
             else:
                 shared.head[i] = DEFAULT
+        if heads and OWN in timed:
+            x = torch.randn(1, heads[0].in_features, device=param.device)
+            ms["head_one"] = _time_one_row(shared, lambda: heads[0](x), reps)
     log.info("fp32 linear paths for 2..%d rows (%s): body %s, output layer %s (measured: %s ms)", BUCKETS[-1],
              kernels.machine_label(), "/".join(shared.body), "/".join(shared.head), ms)
     return {"paths": shared.as_dict(), "ms": ms}
@@ -314,7 +327,21 @@ def _usable(entry: dict, allowed: tuple[str, ...] = PATHS) -> bool:
         timed = set(entry["ms"]["body"][0])
     except (KeyError, TypeError, ValueError, IndexError):
         return False
-    return all(p in allowed for p in paths.body + paths.head) and set(allowed) <= timed
+    one_timed = OWN not in allowed or "head_one" in entry["paths"]
+    return all(p in allowed for p in paths.body + paths.head) and set(allowed) <= timed and one_timed
+
+
+def _time_one_row(shared: RowPaths, run: Callable[[], object], reps: int) -> dict[str, float]:
+    """Time the output layer over one row on each ONE_ROW path, in turns; the faster is kept (F.linear unless
+    the other wins by NOISE). Returns ms by path."""
+    def on(path: str) -> Callable[[], object]:
+        def timed_run():
+            shared.head_one = path
+            return run()
+        return timed_run
+    times = dict(zip(ONE_ROW, kernels.interleaved_medians([on(p) for p in ONE_ROW], reps), strict=True))
+    shared.head_one = OWN if times[OWN] < times["linear"] * (1 - NOISE) else "linear"
+    return {p: round(t * 1000, 3) for p, t in times.items()}
 
 
 def _time_bucket(slots: list[str], i: int, timed: tuple[str, ...], run: Callable[[], object],

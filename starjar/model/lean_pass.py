@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 ENV = "STARJAR_LEAN_PASS"
 SOURCES = [Path(__file__).with_name("native") / "lean_pass.cpp"]
-HEADERS = [Path(few_rows.__file__).with_name("native") / "tiles.h"]
+HEADERS = [*(Path(few_rows.__file__).with_name("native") / h for h in ("tiles.h", "int8_tiles.h")),
+           Path(__file__).with_name("native") / "lean_avx2.h"]
 LIBRARY = "starjar_lean_pass"
 FLAGS = ["-O3", "-fopenmp"]
 _state: dict[str, object] = {}  # "ok": loaded in this process; "why": the reason if not

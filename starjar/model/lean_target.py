@@ -59,8 +59,11 @@ class LeanTarget:
         self.eps = float(layers[0].input_layernorm.variance_epsilon)
         self.kv_heads = att.k_proj.out_features // self.head_dim
         # One-row steps run every layer in one call over fused q/k/v and gate/up weights where that gives
-        # the same bits here (the modules' weights become views of them first, so the plan below sees those).
-        fused = fused_projections.fuse(layers)
+        # the same bits here (the modules' weights become views of them first, so the plan below sees those);
+        # where it does not (self.exact False), they are copies that only the whole lean pass reads, kept only
+        # where it is taken (settle).
+        fusion = fused_projections.fuse(layers)
+        fused, self.exact = (None, False) if fusion is None else fusion
         # Per layer, looked up once: weights (norm, q, k, v, o, norm, gate, up, down), the seven linears and
         # their biases, and the head counts.
         self.plan = []
@@ -71,10 +74,8 @@ class LeanTarget:
                   layer.post_attention_layernorm.weight, *[lin.weight for lin in linears[4:]]]
             self.plan.append((ws, [lin.bias for lin in linears], linears,
                               a.q_proj.out_features // self.head_dim, a.k_proj.out_features // self.head_dim))
-        self.fused = None if fused is None else (
-            [[ws[0], wq, ws[4], ws[5], wg, ws[8]] for (ws, *_), (wq, _, wg, _) in zip(self.plan, fused, strict=True)],
-            [[bq, bs[3], bg, bs[6]] for (_, bs, *_), (_, bq, _, bg) in zip(self.plan, fused, strict=True)],
-            [nq for *_, nq, _ in self.plan], [nk for *_, nk in self.plan])
+        self._layers, self._fusable = layers, fused is not None
+        self._hold_fused(fused)
         self._codes: dict[tuple[str, str], list[list[int]]] = {}  # per (body, wide) path: each layer's codes
         self.choice: dict[str, bool] | None = None  # per shape class: lean or not (None: not measured yet)
         self.step_layer, self.rows_layer = target_step.step_fn(), target_step.rows_fn()
@@ -85,13 +86,10 @@ class LeanTarget:
         # steps always do; for rows it is measured (the Xeon's packed sgemm was 5% slower fused at 16 rows).
         self.fused_rows: list[bool] | None = None
         self._fused_override: bool | None = None  # set while the choice is measured
-        if fused is not None and skinny_linear.PACKED in getattr(skinny_linear.installed(model), "body", ()):
+        if self.exact and skinny_linear.PACKED in getattr(skinny_linear.installed(model), "body", ()):
             for i in range(len(self.plan)):  # packed now, as choose() packs the modules: not in a served pass
                 for which in (0, 1):
                     self._fused_packed(i, which)
-        # Native passes take the fused weights and biases as flat lists (six and four a layer).
-        self.flat = None if fused is None else ([w for ws in self.fused[0] for w in ws],
-                                                [b for bs in self.fused[1] for b in bs])
         self._step_codes = ([None] * 4 * len(self.plan), [0] * 4 * len(self.plan))  # one row: F.linear's GEMVs
         self.native: dict[str, bool] | None = None  # one-row steps ("step"), other passes ("rows"): run natively?
         self._native_override: bool | None = None  # set while that is measured
@@ -123,10 +121,22 @@ class LeanTarget:
         if forced() is None and self.choice is None:
             self.choice = lean_choices.lean_classes(self)
         self.takes_native(1)  # built, loaded and measured at load, not in a served step; before the fused choice,
-        if self.fused is not None and self.fused_rows is None:  # whose fused passes run natively where chosen
+        if self.exact and self.fused_rows is None:  # whose fused passes run natively where chosen
             self.fused_rows = lean_choices.fused_buckets(self)
             self._settle_packs()
         self.takes_whole(next(self.model.parameters()), 1)  # last: timed against the passes chosen above
+        if not self.exact and self.fused is not None and not (self.whole and any(self.whole.values())):
+            self._hold_fused(None)  # copies no pass reads (made again if the whole pass is forced on later)
+
+    def _hold_fused(self, fused: list | None) -> None:
+        """Keep fused_projections.fuse's concatenations as the passes take them (per layer: six weights, four
+        biases, the head counts) and, for the native passes, as flat lists; None drops them."""
+        self.fused = None if fused is None else (
+            [[ws[0], wq, ws[4], ws[5], wg, ws[8]] for (ws, *_), (wq, _, wg, _) in zip(self.plan, fused, strict=True)],
+            [[bq, bs[3], bg, bs[6]] for (_, bs, *_), (_, bq, _, bg) in zip(self.plan, fused, strict=True)],
+            [nq for *_, nq, _ in self.plan], [nk for *_, nk in self.plan])
+        self.flat = None if fused is None else ([w for ws in self.fused[0] for w in ws],
+                                                [b for bs in self.fused[1] for b in bs])
 
     def _settle_packs(self) -> None:
         """Keep packed the weights the packed product will read: the whole qkv and gate-up where a bucket on
@@ -143,7 +153,7 @@ class LeanTarget:
 
     def takes_fused(self, rows: int) -> bool:
         """Whether a chain pass over `rows` rows (B x Q) runs the fused products."""
-        if self.fused is None:
+        if not self.exact:
             return False
         if self._fused_override is not None:
             return self._fused_override
@@ -156,7 +166,7 @@ class LeanTarget:
     def takes_native(self, rows: int) -> bool:
         """Whether a chain pass over `rows` rows (B x Q) runs natively (starjar.model.native_pass): forced by
         its variable, or measured against the scripted layers once per machine and shapes."""
-        if self.fused is None:
+        if not self.exact:
             return False
         if self._native_override is not None:
             return self._native_override
@@ -173,25 +183,28 @@ class LeanTarget:
         """Whether a chain pass over `rows` rows (B x Q) on consecutive slots runs the whole lean pass
         (starjar.model.lean_pass): forced by its variable (up to LONG rows), or measured once per machine and
         shapes against the passes the other choices give."""
-        if self.fused is None or rows > LONG or not native_pass.takes(x):
+        if not self._fusable or rows > LONG or not native_pass.takes(x):
             return False
         if self._whole_override is not None:
             return self._whole_override
         force = lean_pass.forced()
         if force is False or not lean_pass.available():
             return False
+        if self.fused is None:  # dropped copies, the pass forced on since
+            self._hold_fused(fused_projections.fuse(self._layers)[0])
         if self.whole is None:
             self.whole = lean_choices.whole_classes(self) if force is None else {"step": True, "rows": True}
         return bool(force) or self.whole["step" if rows == 1 else "rows"]
 
     def wants(self, b: int, q: int) -> bool:
-        """Whether a chain pass of b rows of q tokens runs lean."""
+        """Whether a chain pass of b rows of q tokens runs lean: its class measured so, or the whole lean pass
+        taken for it (measured against what the other choices give)."""
         force = forced()
         if force is not None:
             return force
         if self.choice is None:
             self.choice = lean_choices.lean_classes(self)
-        return self.choice[shape_class(b, q)]
+        return self.choice[shape_class(b, q)] or self.takes_whole(next(self.model.parameters()), b * q)
 
     @torch.no_grad()
     def hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,

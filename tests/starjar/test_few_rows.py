@@ -79,9 +79,9 @@ def test_each_path_computes_f_linear_and_is_the_one_taken(path, monkeypatch):
             x = torch.randn(rows, 48)
             assert torch.allclose(body(x), F.linear(x, body.weight, body.bias), atol=1e-5)
             assert torch.allclose(head(x), F.linear(x, head.weight), atol=1e-4)
-    # one row keeps F.linear's GEMV on every path
+    # one row keeps F.linear's GEMV on every path, but the output layer's on the own product where that is taken
     assert len(calls) == (8 if path == "wxt" else 0) and len(packed) == (8 if path == "packed" else 0)
-    assert len(own) == (8 if path == "rows" else 0)
+    assert len(own) == (9 if path == "rows" else 0)
 
 
 @needs_mkl
@@ -115,6 +115,37 @@ def test_buckets_route_rows_and_the_output_layer_separately(monkeypatch):
         calls.clear()
         layer(torch.randn(rows, 16))
         assert bool(calls) == wxt, (rows, layer.out_features)
+
+
+@needs_own
+@pytest.mark.parametrize("slow", skinny_linear.ONE_ROW)
+def test_one_row_through_the_output_layer_takes_the_faster_path(monkeypatch, slow):
+    """The body keeps F.linear's GEMV for one row; the output layer takes it or the own product, whichever
+    measured faster (the other slowed here), with F.linear's values either way."""
+    body, head = torch.nn.Linear(64, 32), torch.nn.Linear(64, skinny_linear.WIDE)
+    paths = skinny_linear.RowPaths()
+    skinny_linear.install(torch.nn.Sequential(body, head), paths)
+    own_calls = []
+    real_own, real_linear = few_rows.product, F.linear
+
+    def own(*a):
+        own_calls.append(a[0].shape[0])
+        time.sleep(0.003 if slow == skinny_linear.OWN else 0)
+        return real_own(*a)
+
+    def linear(*a):
+        time.sleep(0.003 if slow == "linear" else 0)
+        return real_linear(*a)
+    monkeypatch.setattr(skinny_linear.few_rows, "product", own)
+    monkeypatch.setattr(skinny_linear, "F", types.SimpleNamespace(linear=linear))
+    x = torch.randn(1, 64)
+    ms = skinny_linear._time_one_row(paths, lambda: head(x), 3)
+    assert set(ms) == set(skinny_linear.ONE_ROW) and paths.head_one != slow
+    assert skinny_linear.RowPaths.from_dict(paths.as_dict()).head_one == paths.head_one
+    own_calls.clear()
+    assert torch.allclose(head(x), real_linear(x, head.weight, head.bias), atol=1e-5)
+    body(x)
+    assert own_calls == ([1] if paths.head_one == skinny_linear.OWN else [])
 
 
 def _slowed(monkeypatch, slow_path: str) -> None:

@@ -9,7 +9,7 @@ import torch
 from benchmarks.fixtures.reference import hf_greedy
 from controller.colocated import colocated_engine
 from starjar.cpu import few_rows, kernels, skinny_linear
-from starjar.model import lean_choices, lean_pass, lean_target, native_pass
+from starjar.model import fused_projections, lean_choices, lean_pass, lean_target, native_pass
 from starjar.model.loading import load_model
 from starjar.spec.sampling import SamplingParams
 
@@ -120,6 +120,21 @@ def test_greedy_output_is_hf_generate_s(model_dirs, models, prompt_ids, monkeypa
     reqs = engine.generate(prompts, SamplingParams(max_tokens=32))
     assert [r.output_ids for r in reqs] == alone
     assert len(calls) > 32
+
+
+def test_it_runs_where_the_fused_products_would_differ(model_dirs, models, prompt_ids, monkeypatch):
+    """Where products over the concatenated projections differ in the last bits (MKL on an AMD EPYC, AVX2),
+    only the whole lean pass reads the concatenations: it runs, and greedy output is HF generate()'s."""
+    monkeypatch.setattr(fused_projections, "_same_products", lambda *a: False)
+    monkeypatch.setenv(lean_pass.ENV, "1")
+    target = load_model(model_dirs["llama"])
+    assert not target.lean_target.exact
+    calls = _spy(monkeypatch)
+    prompts = prompt_ids[:4]
+    alone = [hf_greedy(target, p, 24) for p in prompts]
+    engine = colocated_engine(target, models["draft"], 3, 1)
+    assert [r.output_ids for r in engine.generate(prompts, SamplingParams(max_tokens=24))] == alone
+    assert len(calls) > 8
 
 
 def test_off_it_never_runs_and_forced_on_it_runs_every_chain_pass(models, prompt_ids, monkeypatch):

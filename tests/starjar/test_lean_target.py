@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from exact_fusion import needs_exact_fusion
 
 from controller.colocated import colocated_engine
 from starjar.cpu import kernels, skinny_linear
@@ -53,7 +54,8 @@ def _passes(model, prompts: list[list[int]]) -> list[torch.Tensor]:
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_lean_logits_equal_hf_bitwise(models, prompt_ids, monkeypatch, family):
     model = models[family]
-    assert model.lean_target is not None and model.lean_target.fused is not None  # steps take the fused layers
+    needs_exact_fusion(model)
+    assert model.lean_target.fused is not None  # steps take the fused layers
     calls = _spy(model, monkeypatch)
     monkeypatch.setenv(ENV, "0")
     hf = _passes(model, prompt_ids[:5])
@@ -72,7 +74,8 @@ def test_fused_projections_change_no_bit(model_dirs, prompt_ids, monkeypatch, fa
     projections are views of the concatenations (no second copy)."""
     monkeypatch.setattr(fused_projections, "_same_products", lambda *a: False)  # as on a machine where they differ
     apart = load_model(model_dirs[family])
-    assert apart.lean_target.fused is None
+    assert not apart.lean_target.exact and not apart.lean_target.takes_fused(1)
+    assert apart.lean_target.fused is None  # no copies kept: the whole lean pass is off (tests/conftest.py)
     attn = apart.model.model.layers[0].self_attn
     assert _storage(attn.q_proj.weight) != _storage(attn.k_proj.weight)  # left as loaded
     monkeypatch.setenv(ENV, "0")
@@ -82,6 +85,7 @@ def test_fused_projections_change_no_bit(model_dirs, prompt_ids, monkeypatch, fa
     monkeypatch.undo()
     monkeypatch.setenv(ENV, "1")
     fused = load_model(model_dirs[family])
+    needs_exact_fusion(fused)
     layer = fused.model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     assert _storage(attn.q_proj.weight) == _storage(attn.k_proj.weight) == _storage(attn.v_proj.weight)
@@ -95,6 +99,7 @@ def test_rows_passes_fused_or_apart_equal_hf(model_dirs, prompt_ids, monkeypatch
     monkeypatch.setenv("STARJAR_HOME", str(tmp_path))
     monkeypatch.setattr(kernels, "_entries", {})
     model = load_model(model_dirs["qwen2"])  # biased q/k/v: the fused bias too
+    needs_exact_fusion(model)
     lean = model.lean_target
     assert len(lean.fused_rows) == len(skinny_linear.BUCKETS)  # measured at load
     assert (tmp_path / "kernels.json").read_text().count(lean_choices.FUSED_KIND) == 1
@@ -116,6 +121,7 @@ def test_lean_takes_each_few_rows_product(model_dirs, prompt_ids, monkeypatch, p
     monkeypatch.setenv(skinny_linear.ENV, path)
     monkeypatch.setenv(ENV, "0")
     model = load_model(model_dirs["llama"])
+    needs_exact_fusion(model)
     attn = model.model.model.layers[0].self_attn
     # Packed at load: the whole qkv where a bucket runs it fused, the three apart where one runs them apart.
     lean = model.lean_target

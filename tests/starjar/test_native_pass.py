@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from exact_fusion import needs_exact_fusion
 
 from controller.colocated import colocated_engine
 from starjar.cpu import kernels, skinny_linear
@@ -64,6 +65,7 @@ def test_native_passes_equal_hf_and_scripted_bitwise(models, prompt_ids, monkeyp
     q/k/v), and each forced way is the one that ran."""
     model = models[family]
     assert native_pass.available(), native_pass.unavailable_reason()
+    needs_exact_fusion(model)
     calls = _count_native(monkeypatch)
     monkeypatch.setenv(native_pass.ENV, "0")
     monkeypatch.setenv(lean_target.ENV, "1")
@@ -84,6 +86,7 @@ def test_native_chain_passes_equal_hf_bitwise(model_dirs, prompt_ids, monkeypatc
     monkeypatch.setenv(skinny_linear.ENV, path)
     monkeypatch.setenv(lean_target.ENV, "1")
     model = load_model(model_dirs[family])
+    needs_exact_fusion(model)
     model.lean_target.fused_rows = [True] * len(skinny_linear.BUCKETS)  # every bucket fused: where it runs
     calls = _count_native(monkeypatch)
     hf, native = _hf_then_native(model, prompt_ids[:4], _chain_passes, monkeypatch)

@@ -18,6 +18,7 @@
 
 #include "../../cpu/native/int8_tiles.h"
 #include "../../cpu/native/tiles.h"
+#include "lean_avx2.h"
 
 #include <cmath>
 #include <limits>
@@ -278,6 +279,11 @@ void attend(const Kernels& k, const Pass& p, const Layer& L, int tid, int n) {
                                                         p.scaling, sc, out);
       continue;
     }
+    if (k.isa == 1 && (d == 64 || d == 128)) {
+      (d == 64 ? starjar_lean_avx2::attend_head256<8> : starjar_lean_avx2::attend_head256<16>)(
+          q, keys, L.ks[2], vals, L.vs[2], m, p.mask_s[3], p.kv_len, p.scaling, sc, out);
+      continue;
+    }
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t s = 0; s < p.kv_len; ++s) {
       const float add = m != nullptr ? m[s * p.mask_s[3]] : 0.0f;
@@ -302,22 +308,13 @@ void attend(const Kernels& k, const Pass& p, const Layer& L, int tid, int n) {
 void gated(const Kernels& k, const Pass& p, const Layer& L, int tid, int n) {
   int64_t i0, i1;
   split(p.R * L.inner, tid, n, &i0, &i1);
-  if (k.isa == 2) {  // row by row, each row's share in one run
-    for (int64_t i = i0; i < i1;) {
-      const int64_t r = i / L.inner, e = i % L.inner, len = std::min(i1 - i, L.inner - e);
-      const float* g = p.gu + r * 2 * L.inner + e;
-      silu_mul512(g, g + L.inner, p.act + i, len);
-      i += len;
-    }
-    return;
-  }
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t r = i / L.inner, e = i % L.inner;
-    const float gate = p.gu[r * 2 * L.inner + e];
-    p.act[i] = (gate / (1.0f + std::exp(-gate))) * p.gu[r * 2 * L.inner + L.inner + e];
+  for (int64_t i = i0; i < i1;) {  // row by row, each row's share in one run
+    const int64_t r = i / L.inner, e = i % L.inner, len = std::min(i1 - i, L.inner - e);
+    const float* g = p.gu + r * 2 * L.inner + e;
+    (k.isa == 2 ? silu_mul512 : starjar_lean_avx2::silu_mul256)(g, g + L.inner, p.act + i, len);
+    i += len;
   }
 }
-
 // One layer, by one thread of the region: x [R, H] in, out [R, H] written.
 void layer(const Kernels& k, const Pass& p, const Layer& L, const float* x, float* out, int tid, int n) {
   float* h = p.h + tid * p.R * p.H;
