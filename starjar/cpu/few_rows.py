@@ -75,9 +75,9 @@ def product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
 
 
 def int8_available() -> bool:
-    """Whether starjar's own int8 product runs here: the library loaded, AVX-512 VNNI, and ATen not held to
-    AVX2."""
-    return available() and bool(torch.ops.starjar.int8_rows_available()) and not _held_to_avx2()
+    """Whether starjar's own int8 product runs here: the library loaded, and AVX-512 VNNI or AVX2 (whose
+    kernel gives the same sums; it runs where STARJAR_FEW_ROWS_ISA or ATen held to AVX2 asks for it)."""
+    return available() and bool(torch.ops.starjar.int8_rows_available())
 
 
 def _held_to_avx2() -> bool:
@@ -101,4 +101,5 @@ def int8_layout(packed) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def int8_product(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """x [R, K] float32, quantized per row, times int8_layout's weights, plus b: [R, N]."""
+    use_forced_isa()
     return torch.ops.starjar.int8_rows(x, w, meta, b)

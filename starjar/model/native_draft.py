@@ -10,7 +10,7 @@ its hidden states are the scripted layers' bit for bit. A one-token step went fr
 at batch 1 gained 1.06-1.26x over the scripted draft at gamma 2-4 (python -m benchmarks.probes.native_draft_speed,
 same machine, in turns). STARJAR_NATIVE_PASS forces it as it does the target's (1 required, 0 off).
 
-Where the CPU has AVX-512 VNNI, the native pass may take starjar's own int8 product instead of torch's
+Where the CPU has AVX-512 VNNI or AVX2, the native pass may take starjar's own int8 product instead of torch's
 (starjar.cpu.few_rows: rows quantized each by its own peak, weights streamed once for a few rows), chosen per
 pass class by measurement; STARJAR_DRAFT_INT8=own|torch forces it. The draft's values then differ from the
 scripted layers' (a draft only proposes: verification keeps the output the target's own).
@@ -142,7 +142,8 @@ class NativeDraftPass:
             if all(w is not None for w in laid):
                 self._own = ([w for w, _ in laid], [m for _, m in laid])
         if self._own is None and own_forced():
-            raise RuntimeError(f"{OWN_ENV}=own, but the own int8 product cannot run here (it needs AVX-512 VNNI)")
+            raise RuntimeError(f"{OWN_ENV}=own, but the own int8 product cannot run here "
+                               "(it needs AVX-512 VNNI or AVX2)")
         return self._own
 
     def _own_measured(self, probe: Probe) -> dict[str, bool]:

@@ -12,7 +12,7 @@ from starjar.model import lean_pass, native_draft
 from starjar.model.loading import load_model
 from starjar.spec.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(not few_rows.int8_available(), reason="no AVX-512 VNNI here, or no build")
+pytestmark = pytest.mark.skipif(not few_rows.int8_available(), reason="no AVX-512 VNNI or AVX2 here, or no build")
 
 
 def _draft(monkeypatch, tmp_path, model_dirs, whole: str):

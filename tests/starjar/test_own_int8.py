@@ -15,7 +15,22 @@ from starjar.model import native_draft
 from starjar.model.loading import load_model
 from starjar.spec.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(not few_rows.int8_available(), reason="no AVX-512 VNNI here, or no build")
+pytestmark = pytest.mark.skipif(not few_rows.int8_available(), reason="no AVX-512 VNNI or AVX2 here, or no build")
+HAS_VNNI = few_rows.int8_available() and torch.ops.starjar.int8_rows_vnni()
+
+
+def _isas() -> list[str]:
+    best = torch.ops.starjar.few_rows_isa() if few_rows.available() else 0
+    return [name for name, code in few_rows.ISAS.items() if code <= best]
+
+
+@pytest.fixture(params=_isas())
+def isa(request, monkeypatch):
+    """Each kernel this CPU has, forced: AVX-512 takes VNNI's tiles where the CPU has it, AVX2 its own."""
+    monkeypatch.setenv(few_rows.ISA_ENV, request.param)
+    yield request.param
+    monkeypatch.delenv(few_rows.ISA_ENV)
+    few_rows.use_forced_isa()  # the best kernel again for later tests
 
 
 def _exact(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -30,7 +45,7 @@ def _exact(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor, b: torch.Tensor
 
 
 @pytest.mark.parametrize("k", [64, 100, 576])
-def test_the_sums_are_exact_and_each_rows_own(k):
+def test_the_sums_are_exact_and_each_rows_own(k, isa):
     torch.manual_seed(k)
     layer = torch.nn.Linear(k, 300)
     w, meta = few_rows.int8_layout(dynamic_int8(layer)._packed_params._packed_params)
@@ -49,6 +64,23 @@ def test_the_sums_are_exact_and_each_rows_own(k):
     symmetric = F.linear(torch.round(positive / peak * 127) * peak / 127, wq)
     own = few_rows.int8_product(positive, w, meta, None)
     assert (own - exact).abs().mean() < 0.75 * (symmetric - exact).abs().mean()
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="no AVX-512 VNNI here: nothing to compare the AVX2 kernel with")
+def test_the_avx2_kernel_gives_vnnis_bits(monkeypatch):
+    """Without VNNI the sums are widened to 16 bits and multiplied in pairs: the same int32 sums, so the same
+    outputs, for rows of every size a tile takes and K with padding."""
+    torch.manual_seed(5)
+    layer = torch.nn.Linear(100, 37)
+    w, meta = few_rows.int8_layout(dynamic_int8(layer)._packed_params._packed_params)
+    x = torch.randn(9, 100) * torch.logspace(-2, 2, 9).unsqueeze(1)
+    vnni = few_rows.int8_product(x, w, meta, layer.bias.detach())
+    monkeypatch.setenv(few_rows.ISA_ENV, "avx2")
+    try:
+        assert torch.equal(few_rows.int8_product(x, w, meta, layer.bias.detach()), vnni)
+    finally:
+        monkeypatch.delenv(few_rows.ISA_ENV)
+        few_rows.use_forced_isa()
 
 
 def _forced(monkeypatch, tmp_path, model_dirs, way: str):

@@ -74,6 +74,9 @@ int64_t few_rows_use(int64_t isa) {
 
 }  // namespace
 
+// The kernel forced for the library's products (0: the best), read by the int8 product (int8_rows.cpp).
+int64_t starjar_few_rows_forced_isa() { return forced_isa.load(); }
+
 // A fragment: the native passes' library defines the rest of the namespace.
 TORCH_LIBRARY_FRAGMENT(starjar, m) {
   m.def("few_rows(Tensor x, Tensor w, Tensor? b=None) -> Tensor");

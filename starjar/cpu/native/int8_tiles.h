@@ -1,5 +1,6 @@
 // The own int8 product's tiles and row quantization (int8_rows.cpp tells why they are shaped so), shared by the
-// product and by the native lean pass (starjar/model/native/lean_pass.cpp), which calls them inside its threads.
+// product and by the native lean pass (starjar/model/native/lean_pass.cpp), which calls them inside its threads:
+// AVX-512 VNNI's, and AVX2's for CPUs without it (the same int32 sums, so the same outputs).
 #pragma once
 
 #include <immintrin.h>
@@ -21,6 +22,11 @@ inline bool has_vnni() {
          __builtin_cpu_supports("avx512vnni");
 }
 
+inline bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
 struct Job {
   const uint8_t* xq;     // [R, Kp], each row quantized over its own range
   const float* scale_x;  // [R]
@@ -32,6 +38,13 @@ struct Job {
   float* y;              // [R, N]
   int64_t Kp, N;
 };
+
+// One output of a tile: the int32 sum back to float with the row's zero point, scales and bias.
+inline void store(const Job& j, int64_t r, int64_t n, int32_t sum) {
+  const float v = static_cast<float>(sum) - j.zero_x[r] * j.sum_w[n];
+  const float out = v * j.scale_x[r] * j.scale_w[n];
+  j.y[r * j.N + n] = j.b != nullptr ? out + j.b[n] : out;
+}
 
 // Outputs [n0, n0 + nb) for input rows [r0, r0 + RB).
 template <int RB>
@@ -55,19 +68,49 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile(const Job& j, i
   int32_t sums[RB][NB];
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < NB; ++i) sums[r][i] = _mm512_reduce_add_epi32(acc[r][i]);
-  for (int r = 0; r < RB; ++r) {
-    const float sx = j.scale_x[r0 + r], zx = j.zero_x[r0 + r];
-    for (int64_t i = 0; i < nb; ++i) {
-      const int64_t n = n0 + i;
-      const float v = static_cast<float>(sums[r][i]) - zx * j.sum_w[n];
-      const float out = v * sx * j.scale_w[n];
-      j.y[(r0 + r) * j.N + n] = j.b != nullptr ? out + j.b[n] : out;
-    }
-  }
+  for (int r = 0; r < RB; ++r)
+    for (int64_t i = 0; i < nb; ++i) store(j, r0 + r, n0 + i, sums[r][i]);
 }
 
 using Tile = void (*)(const Job&, int64_t, int64_t, int64_t);
 constexpr Tile TILES[RMAX] = {tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+
+// The AVX2 tile (no VNNI): 16 bytes at a time widened to 16 bits and multiplied in pairs into int32 (madd),
+// which never saturates, so each sum is the exact int32 VNNI's dpbusd gives and the outputs are its bits.
+// 2 rows x 4 outputs: 8 accumulators, 4 weights and one input in AVX2's 16 registers.
+constexpr int RMAX2 = 2;
+
+__attribute__((target("avx2,fma"))) inline int32_t reduce_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+template <int RB>
+__attribute__((target("avx2,fma"))) void tile_avx2(const Job& j, int64_t r0, int64_t n0, int64_t nb) {
+  __m256i acc[RB][NB];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < NB; ++i) acc[r][i] = _mm256_setzero_si256();
+  const int8_t* wr[NB];
+  for (int i = 0; i < NB; ++i) wr[i] = j.w + (n0 + std::min<int64_t>(i, nb - 1)) * j.Kp;
+  for (int64_t k = 0; k < j.Kp; k += 16) {
+    __m256i wv[NB];
+    for (int i = 0; i < NB; ++i) {
+      wv[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wr[i] + k)));
+      if (r0 == 0 && k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[i] + NB * j.Kp + k), _MM_HINT_T0);
+    }
+    for (int r = 0; r < RB; ++r) {
+      const __m256i xv = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+          j.xq + (r0 + r) * j.Kp + k)));
+      for (int i = 0; i < NB; ++i) acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(xv, wv[i]));
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int64_t i = 0; i < nb; ++i) store(j, r0 + r, n0 + i, reduce_epi32(acc[r][i]));
+}
+
+constexpr Tile TILES_AVX2[RMAX2] = {tile_avx2<1>, tile_avx2<2>};
 
 // Row r of x [R, K] quantized into xq [R, Kp] over its own range [min(x, 0), max(x, 0)] in 255 steps, as
 // torch's dynamic kernel quantizes one tensor (a mostly positive row, as SiLU gives the down projection, keeps
@@ -101,12 +144,52 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline std::pair<float, i
   return {scale, zero};
 }
 
-// Tiles [t0, t1) of the job for every input row.
-inline void int8_range(const Job& j, int64_t R, int64_t t0, int64_t t1) {
+// quantize_row with AVX2: the same range, scale, rounding and clamping, so the same bytes.
+__attribute__((target("avx2,fma"))) inline std::pair<float, int32_t> quantize_row_avx2(const float* x, int64_t K,
+                                                                                       int64_t Kp, uint8_t* xq) {
+  __m256 lo8 = _mm256_setzero_ps(), hi8 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= K; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    lo8 = _mm256_min_ps(lo8, v);
+    hi8 = _mm256_max_ps(hi8, v);
+  }
+  alignas(32) float los[8], his[8];
+  _mm256_store_ps(los, lo8);
+  _mm256_store_ps(his, hi8);
+  float lo = *std::min_element(los, los + 8), hi = *std::max_element(his, his + 8);
+  for (; i < K; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+  const float scale = hi > lo ? (hi - lo) / 255.0f : 1.0f;
+  const int32_t zero = static_cast<int32_t>(std::min(255.0f, std::max(0.0f, std::nearbyint(-lo / scale))));
+  const __m256 inv8 = _mm256_set1_ps(1.0f / scale);
+  const __m256i zero8 = _mm256_set1_epi32(zero), top = _mm256_set1_epi32(255), bottom = _mm256_setzero_si256();
+  alignas(32) int32_t q8[8];
+  for (i = 0; i + 8 <= K; i += 8) {
+    __m256i q = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv8)), zero8);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q8), _mm256_min_epi32(_mm256_max_epi32(q, bottom), top));
+    for (int e = 0; e < 8; ++e) xq[i + e] = static_cast<uint8_t>(q8[e]);
+  }
+  for (; i < K; ++i) {
+    const int32_t q = static_cast<int32_t>(std::nearbyint(x[i] * (1.0f / scale))) + zero;
+    xq[i] = static_cast<uint8_t>(std::min(255, std::max(0, q)));
+  }
+  std::fill(xq + K, xq + Kp, static_cast<uint8_t>(zero));
+  return {scale, zero};
+}
+
+// Tiles [t0, t1) of the job for every input row, with VNNI's tiles or (vnni false) AVX2's.
+inline void int8_range(const Job& j, int64_t R, int64_t t0, int64_t t1, bool vnni = true) {
+  const Tile* tiles = vnni ? TILES : TILES_AVX2;
+  const int rmax = vnni ? RMAX : RMAX2;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n0 = t * NB, nb = std::min<int64_t>(NB, j.N - n0);
-    for (int64_t r0 = 0; r0 < R; r0 += RMAX) TILES[std::min<int64_t>(RMAX, R - r0) - 1](j, r0, n0, nb);
+    for (int64_t r0 = 0; r0 < R; r0 += rmax) tiles[std::min<int64_t>(rmax, R - r0) - 1](j, r0, n0, nb);
   }
+}
+
+// A row quantized by the kernels the job runs: the same bytes either way.
+inline std::pair<float, int32_t> quantize(const float* x, int64_t K, int64_t Kp, uint8_t* xq, bool vnni) {
+  return vnni ? quantize_row(x, K, Kp, xq) : quantize_row_avx2(x, K, Kp, xq);
 }
 
 }  // namespace starjar_int8

@@ -145,14 +145,15 @@ __attribute__((target("avx512f"))) void silu_mul512(const float* g, const float*
 
 struct Kernels {
   int64_t isa;
+  bool vnni;  // int8 products on VNNI's tiles (AVX-512 asked for and present), else AVX2's
   Isa tiles;
   float (*dot)(const float*, const float*, int64_t);
   void (*axpy)(float*, float, const float*, int64_t);
 };
 
 Kernels kernels_of(int64_t isa) {
-  if (isa == 2) return {2, starjar_tiles::isa_of(2), dot512, axpy512};
-  return {1, starjar_tiles::isa_of(1), dot256, axpy256};
+  if (isa == 2) return {2, starjar_int8::has_vnni(), starjar_tiles::isa_of(2), dot512, axpy512};
+  return {1, false, starjar_tiles::isa_of(1), dot256, axpy256};
 }
 
 // One product's weights: float32 W [N, K], or the own int8 layout (W [N, Kp] int8, meta [2, N]: each output's
@@ -216,11 +217,11 @@ void product(const Kernels& k, const Pass& p, const Weight& wt, const float* x, 
     uint8_t* xq = p.xq + tid * p.R * p.kq;
     float* sx = p.xscale + tid * 2 * p.R;
     for (int64_t r = 0; r < R; ++r) {
-      const auto [scale, zero] = starjar_int8::quantize_row(x + r * K, K, wt.kp, xq + r * wt.kp);
+      const auto [scale, zero] = starjar_int8::quantize(x + r * K, K, wt.kp, xq + r * wt.kp, k.vnni);
       sx[r] = scale, sx[R + r] = static_cast<float>(zero);
     }
     const starjar_int8::Job job{xq, sx, sx + R, wt.q, wt.meta, wt.meta + N, wt.b, y, wt.kp, N};
-    starjar_int8::int8_range(job, R, t0, t1);
+    starjar_int8::int8_range(job, R, t0, t1, k.vnni);
   } else {
     starjar_tiles::tiles_range(k.tiles, x, wt.w, wt.b, y, R, K, N, t0, t1);
   }
@@ -420,7 +421,7 @@ at::Tensor positions(const std::optional<at::Tensor>& write, int64_t start, int6
 
 // Every layer of a pass: x [B, Q, H]; ws six weights a layer (input norm, qkv, o, post norm, gate-up, down),
 // or two (the norms) where q8 and meta give the products in the own int8 layout (four a layer: qkv, o,
-// gate-up, down; AVX-512 VNNI); bs four biases a layer; cos and sin_signed each token's [d]; mask additive
+// gate-up, down; AVX-512 VNNI, or AVX2); bs four biases a layer; cos and sin_signed each token's [d]; mask additive
 // [B, 1, Q, >= kv_len] or None (every key visible); keys and values the rows' buffers, written as one span
 // from `start` or each token at write [B, Q]; isa 0 the best this CPU has, 1 AVX2, 2 AVX-512. Returns the
 // hidden states after the last layer [B, Q, H].
@@ -435,8 +436,7 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   TORCH_CHECK(which >= 1 && which <= best, "lean_pass: this CPU lacks the instructions asked for (", isa, ")");
   const int64_t B = x.size(0), Q = x.size(1), H = x.size(2), R = B * Q;
   const bool int8 = q8.has_value();
-  TORCH_CHECK(!int8 || (meta.has_value() && which == 2 && starjar_int8::has_vnni()),
-              "lean_pass: int8 products need their meta and AVX-512 VNNI");
+  TORCH_CHECK(!int8 || meta.has_value(), "lean_pass: int8 products need their meta");
   const std::vector<Layer> lw = layers_of(ws, bs, int8 ? &*q8 : nullptr, int8 ? &*meta : nullptr, keys, values, nq,
                                           nk, B, H, d);
   const at::Tensor c = cos.contiguous(), s = sin_signed.contiguous();
