@@ -23,5 +23,5 @@ def fp32_few_rows() -> dict:
     not chosen yet when empty."""
     if skinny_linear.forced():
         return {"forced": skinny_linear.forced()}
-    return {name.rsplit("|", 1)[-1]: {k: e["paths"][k] for k in ("body", "head")}
+    return {name.rsplit("|", 1)[-1]: {k: e["paths"][k] for k in ("body", "head", "head_one") if k in e["paths"]}
             for name, e in cached_entries().items() if f"|{skinny_linear.KIND}|" in name and "paths" in e}
