@@ -2,6 +2,7 @@
 (starjar.model.native_draft): exact sums of per-row quantized activations, chosen by measurement or forced, and
 lossless through the engine."""
 
+import kernel_isas
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,21 +17,8 @@ from starjar.model.loading import load_model
 from starjar.spec.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not few_rows.int8_available(), reason="no AVX-512 VNNI or AVX2 here, or no build")
+isa = kernel_isas.isa  # each kernel this CPU has, forced (a fixture)
 HAS_VNNI = few_rows.int8_available() and torch.ops.starjar.int8_rows_vnni()
-
-
-def _isas() -> list[str]:
-    best = torch.ops.starjar.few_rows_isa() if few_rows.available() else 0
-    return [name for name, code in few_rows.ISAS.items() if code <= best]
-
-
-@pytest.fixture(params=_isas())
-def isa(request, monkeypatch):
-    """Each kernel this CPU has, forced: AVX-512 takes VNNI's tiles where the CPU has it, AVX2 its own."""
-    monkeypatch.setenv(few_rows.ISA_ENV, request.param)
-    yield request.param
-    monkeypatch.delenv(few_rows.ISA_ENV)
-    few_rows.use_forced_isa()  # the best kernel again for later tests
 
 
 def _exact(x: torch.Tensor, w: torch.Tensor, meta: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -1,25 +1,14 @@
 """starjar's own few-rows product (starjar.cpu.few_rows), each kernel this CPU has forced in turn: F.linear's
 values, and each output's sum independent of the rows, outputs and threads beside it."""
 
+import kernel_isas
 import pytest
 import torch
 
 from starjar.cpu import few_rows
 
 pytestmark = pytest.mark.skipif(not few_rows.available(), reason="starjar's few-rows product could not be built")
-
-
-def _isas() -> list[str]:
-    best = torch.ops.starjar.few_rows_isa() if few_rows.available() else 0
-    return [name for name, code in few_rows.ISAS.items() if code <= best]
-
-
-@pytest.fixture(params=_isas())
-def isa(request, monkeypatch):
-    monkeypatch.setenv(few_rows.ISA_ENV, request.param)
-    yield request.param
-    monkeypatch.delenv(few_rows.ISA_ENV)
-    few_rows.use_forced_isa()  # the best kernel again for later tests
+isa = kernel_isas.isa  # each kernel this CPU has, forced (a fixture)
 
 
 @pytest.mark.parametrize("k", [1, 7, 15, 16, 17, 37, 576])
