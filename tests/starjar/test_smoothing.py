@@ -7,6 +7,7 @@ from int8_drafts import int8_draft_dir
 from transformers import AutoModelForCausalLM
 
 from controller.colocated import colocated_engine
+from starjar.cpu import few_rows
 from starjar.cpu.quantized import RowInt8Linear, dynamic_int8
 from starjar.errors import InvalidArgument
 from starjar.model import smoothing
@@ -59,7 +60,16 @@ def test_smoothing_brings_the_int8_copy_closer_to_float(tmp_path, outlier_target
     assert errors["smoothed"] < 0.8 * errors["plain"], errors  # 0.11 against 0.18 when written
 
 
-def test_full_range_activations_are_closer_to_float_and_torchs_own_op():
+def _fbgemm_keeps_full_range_sums() -> bool:
+    """fbgemm multiplies u8 activations by s8 weights with VNNI where the CPU has it (exact int32 sums); without
+    it (AVX2) pairs of products are summed into int16 first, which full-range activations saturate."""
+    return few_rows.available() and bool(torch.ops.starjar.int8_rows_vnni())
+
+
+def test_full_range_activations_are_closer_to_float_where_the_sums_are_kept():
+    """8-bit activations have twice 7-bit's levels: closer to float through torch's op where fbgemm keeps the
+    sums (VNNI), and through starjar's own int8 product everywhere (exact sums on AVX2 too); where fbgemm
+    saturates, a draft's act_bits is left to `models build`'s measured agreement."""
     torch.manual_seed(3)
     lin = torch.nn.Linear(96, 40)
     x = torch.randn(6, 96)
@@ -70,7 +80,12 @@ def test_full_range_activations_are_closer_to_float_and_torchs_own_op():
         err[bits] = (q(x) - lin(x)).abs().mean().item()
         row = x[:1]  # the one-row path is torch's op with that range
         assert torch.equal(q(row), torch.ops.quantized.linear_dynamic(row, q._packed, bits == 7))
-    assert err[8] < 0.75 * err[7], err
+    if _fbgemm_keeps_full_range_sums():
+        assert err[8] < 0.75 * err[7], err
+    if few_rows.int8_available():
+        w, meta = few_rows.int8_layout(q._packed)
+        own = (few_rows.int8_product(x, w, meta, lin.bias.detach()) - lin(x)).abs().mean().item()
+        assert own < 0.75 * err[7], (own, err)  # 0.0032 against 0.0053 on a 2-core AMD EPYC (AVX2)
 
 
 @pytest.mark.parametrize("path", ["fused", "int_mm"])

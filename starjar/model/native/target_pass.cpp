@@ -131,12 +131,25 @@ at::Tensor layer(const at::Tensor& x, const Pass& p, const std::optional<at::Ten
   const at::Tensor gate_up = product(h, ws.get(w + 4), bs.get(o + 2), paths[o + 2], packs.get(o + 2));
   const int64_t inner = gate_up.size(-1) / 2;
   const at::Tensor act = at::silu(gate_up.narrow(-1, 0, inner));  // [B, Q, inner], contiguous
-  at::Tensor prod = at::empty_like(act);
+  // Where the down product is W @ x.T, HF's forward got gate and up from W @ x.T too, transposed, so the down
+  // product's input lies there as [inner, rows] in memory; MKL's sums depend on that layout (a 2-core AMD
+  // EPYC, AVX2), so it is written so here.
+  const bool columns = paths[o + 3] == 1;
+  const int64_t rows = B * Q;
+  at::Tensor prod = columns ? at::empty({inner, rows}, x.options()) : at::empty_like(act);
   const float* ap = act.data_ptr<float>();
   const float* gp = gate_up.data_ptr<float>();
   float* pp = prod.data_ptr<float>();
-  for (int64_t r = 0; r < B * Q; ++r) {
-    for (int64_t e = 0; e < inner; ++e) pp[r * inner + e] = ap[r * inner + e] * gp[r * 2 * inner + inner + e];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t e = 0; e < inner; ++e) {
+      pp[columns ? e * rows + r : r * inner + e] = ap[r * inner + e] * gp[r * 2 * inner + inner + e];
+    }
+  }
+  if (columns) {
+    const std::optional<at::Tensor>& b = bs.get(o + 3);
+    at::Tensor down = at::mm(ws.get(w + 5), prod).t();
+    if (b.has_value() && b->defined()) down = down + *b;
+    return residual(y, down.reshape({B, Q, x.size(2)}).contiguous());
   }
   return residual(y, product(prod, ws.get(w + 5), bs.get(o + 3), paths[o + 3], packs.get(o + 3)));
 }
