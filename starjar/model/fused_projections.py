@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from starjar.cpu import skinny_linear
+from starjar.cpu import huge_pages, skinny_linear
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +29,15 @@ ROWS = (1, 1, 2, 3, 4, 6, 8, 16, 32, 64, 65, 70, 128)  # row counts checked (ran
 
 
 def _concat(linears: list[torch.nn.Linear]) -> tuple[Tensor, Tensor | None]:
-    """The linears' weights (and biases) stacked by output row."""
-    weight = torch.cat([lin.weight.detach() for lin in linears]).contiguous()
-    bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears]).contiguous()
-    return weight, bias
+    """The linears' weights (and biases) stacked by output row: a view where they already lie back to back
+    (starjar.cpu.huge_pages lays them so), else a copy."""
+    return _stacked([lin.weight.detach() for lin in linears]), \
+        None if linears[0].bias is None else _stacked([lin.bias.detach() for lin in linears])
+
+
+def _stacked(parts: list[Tensor]) -> Tensor:
+    whole = huge_pages.adjacent(parts)
+    return whole if whole is not None else torch.cat(parts).contiguous()
 
 
 def _products(x: Tensor, weight: Tensor, bias: Tensor | None) -> list[Tensor]:

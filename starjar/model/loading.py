@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from starjar.cpu import quantized, skinny_linear
+from starjar.cpu import huge_pages, quantized, skinny_linear
 from starjar.cpu.kernels import forced_path
 from starjar.errors import InvalidArgument, ModelMismatch
 from starjar.model import attention, kv_precision, smoothing
@@ -196,8 +196,8 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
             raise InvalidArgument(what, "kv_dtype other than float32 needs a Llama-family draft (the lean forward)",
                                   str(p))
         INT8_DRAFTS_LOADED[str(p)]["kv_dtype"] = str(kv_dtype or dt).removeprefix("torch.")
-    elif dev.type == "cpu" and dt == torch.float32 and skinny_linear.install(model):
-        skinny_linear.choose(model)  # this machine's fastest few-row products (measured once, cached)
+    elif dev.type == "cpu":
+        _place_float_weights(model, dt)
     attention.install(model)  # grouped-query heads folded onto their KV head: no K/V copies per pass
     lean_target, graphs = _float_passes(model, dev) if recipe.get("kind") != quantized.KIND else (None, None)
     cfg = model.config
@@ -214,6 +214,14 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     return LoadedModel(str(p), model, tokenizer, dev, dt, vocab, int(max_ctx), eos_ids,
                        tokenizer_fingerprint(tokenizer), lean, prompt_window=window, kv_dtype=kv_dtype,
                        lean_target=lean_target, graphs=graphs)
+
+
+def _place_float_weights(model: torch.nn.Module, dt: torch.dtype) -> None:
+    """A float model on the CPU: its weights in huge pages (the same values), and this machine's fastest
+    few-row products for them (measured once, cached)."""
+    huge_pages.rehome(model)
+    if dt == torch.float32 and skinny_linear.install(model):
+        skinny_linear.choose(model)
 
 
 def _float_passes(model: torch.nn.Module, dev: torch.device) -> tuple[LeanTarget | None, GraphedDecoder | None]:

@@ -5,7 +5,7 @@ import torch
 from exact_fusion import needs_exact_fusion
 
 from controller.colocated import colocated_engine
-from starjar.cpu import kernels, skinny_linear
+from starjar.cpu import huge_pages, kernels, skinny_linear
 from starjar.model import fused_projections, lean_choices, lean_target
 from starjar.model.lean_target import ENV, LeanTarget
 from starjar.model.loading import load_model
@@ -77,7 +77,8 @@ def test_fused_projections_change_no_bit(model_dirs, prompt_ids, monkeypatch, fa
     assert not apart.lean_target.exact and not apart.lean_target.takes_fused(1)
     assert apart.lean_target.fused is None  # no copies kept: the whole lean pass is off (tests/conftest.py)
     attn = apart.model.model.layers[0].self_attn
-    assert _storage(attn.q_proj.weight) != _storage(attn.k_proj.weight)  # left as loaded
+    assert "weight" in attn.q_proj._parameters  # left as loaded: a Parameter, back to back with k and v's
+    assert huge_pages.adjacent([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]) is not None
     monkeypatch.setenv(ENV, "0")
     hf = _passes(apart, prompt_ids[:5])
     monkeypatch.setenv(ENV, "1")
@@ -88,6 +89,8 @@ def test_fused_projections_change_no_bit(model_dirs, prompt_ids, monkeypatch, fa
     needs_exact_fusion(fused)
     layer = fused.model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
+    _, qkv, _, _, gate_up, _ = fused.lean_target.fused[0][0]  # views of the loaded weights: no copy
+    assert qkv.data_ptr() == attn.q_proj.weight.data_ptr() and gate_up.data_ptr() == mlp.gate_proj.weight.data_ptr()
     assert _storage(attn.q_proj.weight) == _storage(attn.k_proj.weight) == _storage(attn.v_proj.weight)
     assert _storage(mlp.gate_proj.weight) == _storage(mlp.up_proj.weight)
     assert [torch.equal(a, b) for a, b in zip(hf, _passes(fused, prompt_ids[:5]), strict=True)] == [True] * len(hf)
