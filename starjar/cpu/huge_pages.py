@@ -85,21 +85,43 @@ def rehome(model: torch.nn.Module) -> int:
             layout.append(grp)
             placed.update(id(t) for t in grp)
     layout += [[p] for key, p in params.items() if key not in placed]
-    total = sum(-(-sum(t.numel() * t.element_size() for t in grp) // ALIGN) * ALIGN for grp in layout)
-    mem = block(total)
-    offset = 0
     with torch.no_grad():
-        for grp in layout:
-            for p in grp:
-                n = p.numel() * p.element_size()
-                view = mem[offset:offset + n].view(p.dtype).view(p.shape)
-                view.copy_(p.data)
+        for grp, views in zip(layout, _laid(layout), strict=True):
+            for p, view in zip(grp, views, strict=True):
                 p.data = view
-                offset += n
-            offset = -(-offset // ALIGN) * ALIGN
+    total = sum(_span(grp) for grp in layout)
     log.info("weights moved into %.0f MB of memory advised for huge pages (system mode: %s)", total / 1e6,
              system_mode())
     return total
+
+
+def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of the tensors in one huge-page block (each on a page of its own), where wanted(); else the
+    tensors themselves."""
+    if not wanted() or not tensors:
+        return list(tensors)
+    return [views[0] for views in _laid([[t] for t in tensors])]
+
+
+def _span(grp: list[torch.Tensor]) -> int:
+    return -(-sum(t.numel() * t.element_size() for t in grp) // ALIGN) * ALIGN
+
+
+def _laid(layout: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """Each group's tensors copied back to back into one block, each group from a page boundary."""
+    mem = block(sum(_span(grp) for grp in layout))
+    laid, offset = [], 0
+    with torch.no_grad():
+        for grp in layout:
+            views = []
+            for t in grp:
+                n = t.numel() * t.element_size()
+                views.append(mem[offset:offset + n].view(t.dtype).view(t.shape))
+                views[-1].copy_(t.detach())
+                offset += n
+            laid.append(views)
+            offset = -(-offset // ALIGN) * ALIGN
+    return laid
 
 
 def adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:

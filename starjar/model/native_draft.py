@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from starjar.cpu import few_rows, kernels
+from starjar.cpu import few_rows, huge_pages, kernels
 from starjar.model import lean_pass, native_pass
 from starjar.model.attention import fold_mask
 
@@ -140,7 +140,7 @@ class NativeDraftPass:
         if self._own is None and few_rows.int8_available():
             laid = [few_rows.int8_layout(p) for p in self.packs]
             if all(w is not None for w in laid):
-                self._own = ([w for w, _ in laid], [m for _, m in laid])
+                self._own = (huge_pages.gather([w for w, _ in laid]), [m for _, m in laid])  # streamed each step
         if self._own is None and own_forced():
             raise RuntimeError(f"{OWN_ENV}=own, but the own int8 product cannot run here "
                                "(it needs AVX-512 VNNI or AVX2)")

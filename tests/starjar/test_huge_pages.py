@@ -91,3 +91,16 @@ def test_the_block_is_advised_for_huge_pages_and_the_switch_leaves_weights_loade
     monkeypatch.setenv(huge_pages.ENV, "0")
     loaded = load_model(model_dirs["llama"]).model.model.layers[0].mlp.down_proj.weight
     assert _mapping_flags(loaded.data_ptr()).get("THPeligible") == "0"  # still in the file's mapping
+
+
+def test_gathered_tensors_are_equal_copies_in_the_block(monkeypatch):
+    """What an int8 draft's whole pass streams (its own int8 layout), gathered into the block."""
+    parts = [torch.randint(-128, 128, (n, 1024), dtype=torch.int8) for n in (3, 4200, 7)]  # a huge page and more
+    monkeypatch.setenv(huge_pages.ENV, "0")
+    assert all(a is b for a, b in zip(huge_pages.gather(parts), parts, strict=True))
+    monkeypatch.setenv(huge_pages.ENV, "1")
+    copies = huge_pages.gather(parts)
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(copies, parts, strict=True))
+    assert all(c.data_ptr() % huge_pages.ALIGN == 0 for c in copies)
+    if huge_pages.system_mode() in ("always", "madvise"):
+        assert _mapping_flags(copies[0].data_ptr()).get("THPeligible") == "1"
