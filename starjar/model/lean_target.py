@@ -30,6 +30,7 @@ import torch
 from starjar.cpu import few_rows, kernels, skinny_linear
 from starjar.model import attention, fused_projections, lean_choices, lean_pass, native_pass, target_step
 from starjar.model.kv_cache import RaggedKVCache
+from starjar.model.rope_table import RopeTable
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class LeanTarget:
         self._native_override: bool | None = None  # set while that is measured
         self.whole: dict[str, bool] | None = None  # one-row steps, other passes: run the whole lean pass?
         self._whole_override: bool | None = None  # set while that is measured
+        self._rope_table = RopeTable(base.rotary_emb, self.head_dim)
         half = self.head_dim // 2
         self.perm = torch.cat((torch.arange(half, self.head_dim), torch.arange(half)))  # rotate_half as a gather
 
@@ -225,19 +227,18 @@ class LeanTarget:
         keys, values, rows, write, start, kv_len = views
         base = self.base
         x = base.embed_tokens(input_ids)
-        cos, sin = base.rotary_emb(x, position_ids=position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, Q, D], as apply_rotary_pos_emb unsqueezes them
+        cos, sin, signed = self._rope(x, position_ids)
         b, q = input_ids.shape
         d, eps, scaling = self.head_dim, self.eps, self.scaling
         if rows is None and self.takes_whole(x, b * q):
-            return base.norm(lean_pass.run(x, cos, _signed_sin(sin), mask, *self.flat, keys, values, start, kv_len,
+            return base.norm(lean_pass.run(x, cos, signed, mask, *self.flat, keys, values, start, kv_len,
                                            *self.fused[2:], d, eps, scaling, write))
         if b == 1 and q == 1 and rows is None and write is None and self.takes_fused(1):
             ws, bs, nqs, nks = self.fused
             if native_pass.takes(x) and self.takes_native(1):
-                return base.norm(native_pass.run(x, cos, _signed_sin(sin), mask, *self.flat, *self._step_codes,
+                return base.norm(native_pass.run(x, cos, signed, mask, *self.flat, *self._step_codes,
                                                  keys, values, start, kv_len, nqs, nks, d, eps, scaling))
-            return base.norm(self.fused_step(x, cos, _signed_sin(sin), self.perm.to(x.device), mask, ws, bs, keys,
+            return base.norm(self.fused_step(x, cos, signed, self.perm.to(x.device), mask, ws, bs, keys,
                                              values, start, kv_len, nqs, nks, d, eps, scaling))
         if b == 1 and q == 1 and rows is None and write is None:
             for (ws, bs, _, nq, nk), k, v in zip(self.plan, keys, values, strict=True):
@@ -259,6 +260,16 @@ class LeanTarget:
             x = self.rows_layer(x, cos, sin, folded[g], ws, bs, packs, c, k, v, rows, write, start, kv_len,
                                 nq, nk, d, eps, scaling)
         return base.norm(x)
+
+    def _rope(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos, sin and signed sin [B, 1, Q, D] (as apply_rotary_pos_emb unsqueezes them): the table's rows where
+        they are the rotary module's bits, else the module's."""
+        held = self._rope_table.lookup(x, position_ids)
+        if held is not None:
+            return held
+        cos, sin = self.base.rotary_emb(x, position_ids=position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return cos, sin, _signed_sin(sin)
 
     def _fused_rows_pass(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                          codes: list[list[int]], views: tuple, q: int) -> torch.Tensor:
