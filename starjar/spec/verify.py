@@ -18,6 +18,7 @@ up to the first rejection: a row the target alone would never compute cannot fai
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,10 @@ def choose(logits: torch.Tensor, params: SamplingParams, draws: PositionDraws | 
     """The target's token at `position` from its logits [V] there: the argmax (torch's would pick a NaN, hence
     finite_logits) when greedy, else the request's draw at that position."""
     if params.greedy:
-        return int(finite_logits(logits).argmax())
+        best = int(logits.argmax())
+        # A finite maximum means no NaN and no +inf (argmax would have picked either): finite_logits would change
+        # nothing that decides the argmax, and its full pass over the vocabulary (0.3 ms a step at 49k) is spared.
+        return best if math.isfinite(float(logits[best])) else int(finite_logits(logits).argmax())
     assert draws is not None, "a sampled request has its draws"
     return draws.sample(logits_to_probs(logits, params), position)
 

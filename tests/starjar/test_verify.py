@@ -5,8 +5,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from starjar.spec.sampling import PositionDraws, SamplingParams, logits_to_probs
-from starjar.spec.verify import verify
+from starjar.spec.sampling import BadLogits, PositionDraws, SamplingParams, finite_logits, logits_to_probs
+from starjar.spec.verify import choose, verify
 
 N_SAMPLES = 20_000
 
@@ -180,3 +180,14 @@ def test_a_row_after_the_first_rejection_cannot_fail_the_round():
     p = logits_to_probs(inf_row[0], SamplingParams(temperature=0.5))
     assert not p.isnan().any() and p[0] == 1.0
     assert verify(inf_row, [2], SamplingParams(temperature=0.5), PositionDraws(3), 0).tokens == [0]
+
+
+def test_greedy_choice_over_non_finite_logits_is_finite_logits_argmax():
+    """A NaN never wins, +inf does, -inf never does; a row with nothing finite fails as BadLogits."""
+    nan, inf = float("nan"), float("inf")
+    greedy = SamplingParams()
+    for row, want in (([0.0, nan, 1.0], 2), ([nan, 0.5, nan], 1), ([1.0, inf, 9.0], 1), ([-inf, 2.0, -inf], 1),
+                      ([3.0, 1.0, 3.0], 0)):
+        assert choose(torch.tensor(row), greedy, None, 0) == want == int(finite_logits(torch.tensor(row)).argmax())
+    with pytest.raises(BadLogits):
+        choose(torch.tensor([nan, -inf, nan]), greedy, None, 0)
