@@ -44,8 +44,10 @@ def system_mode() -> str:
 
 
 def block(nbytes: int) -> torch.Tensor:
-    """nbytes of zeroed memory (uint8) starting on a 2 MB boundary, advised for huge pages."""
-    region = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    """nbytes of zeroed memory (uint8) starting on a 2 MB boundary, advised for huge pages. The mapping spans
+    whole huge pages past that boundary, so even a block under 2 MB lies in one the kernel can back."""
+    whole = -(-nbytes // HUGE) * HUGE
+    region = mmap.mmap(-1, whole + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive as long as a view of it lives
     skip = -raw.data_ptr() % HUGE
     try:
@@ -56,8 +58,8 @@ def block(nbytes: int) -> torch.Tensor:
 
 
 def _groups(model: torch.nn.Module) -> list[list[torch.Tensor]]:
-    """The tensors laid next to each other: per decoder layer q/k/v weights, their biases, gate/up weights and
-    theirs (each group only where its members are alike), then every other parameter alone."""
+    """The tensors to lay back to back: per decoder layer the q/k/v weights, their biases, the gate/up weights
+    and theirs (rehome takes a group where its members are alike and not placed yet)."""
     groups: list[list[torch.Tensor]] = []
     base = getattr(model, "model", None)
     for layer in getattr(base, "layers", []):
