@@ -9,6 +9,7 @@
 // prefetched while this one is summed (a 4-row product of that target's gate/up weights: 381 -> 254 us, one row
 // 231; MKL's packed sgemm 315 and 246 in the same turns), and past 6 rows the one after it into L2 while the
 // later rows are summed from L1 (12 rows: 578 -> 450 us; MKL packed 782).
+// AVX2's kernel (AMD EPYC) streams a tile's weight rows one after another instead: tiles.h says why.
 //
 // Each output y[r, n] is summed in one fixed order, lanes of 16 (8 with AVX2) over k, then the lanes reduced,
 // then the bias: it does not depend on R, on which other rows or outputs share the call, or on the thread
