@@ -4,7 +4,8 @@ A kernel that is fast on one instruction set can be a cliff on another: `torch._
 VNNI/AMX kernel where the CPU has them, and a generic loop about 20-70x slower than fp32 where it does not
 (AVX2-only AMD EPYC: 24 ms for a 32 x 576 x 1536 product that fbgemm's fused dynamic kernel does in 0.3 ms).
 So the path is not assumed: both candidates are timed once per machine on the model's own shapes, the
-fastest is kept in a small JSON cache (keyed by CPU model, capability, torch version and threads), and
+fastest is kept in a small JSON cache (keyed by CPU model, capability, torch version, threads and starjar's
+own kernels' sources), and
 `STARJAR_INT8_KERNEL=int_mm|fused` forces one (tests force each; `auto` is the default).
 
 Both paths give every row (token) its own activation scale, so a row's output does not depend on the rest
@@ -17,6 +18,7 @@ of its pass:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -168,7 +170,15 @@ def interleaved_medians(fns: list[Callable[[], object]], reps: int) -> list[floa
 def _machine_key() -> str:
     limits = "".join(f"|{k}={v}" for k, v in isa_limits().items())
     return f"{cpu_model()}|{torch.backends.cpu.get_cpu_capability()}|torch {torch.__version__}|" \
-           f"{compute_threads()} threads|{torch.backends.quantized.engine}{limits}"
+           f"{compute_threads()} threads|{torch.backends.quantized.engine}{limits}|native {native_digest()}"
+
+
+@lru_cache(maxsize=1)
+def native_digest() -> str:
+    """A digest of starjar's own kernels' sources: a choice measured against other kernels is measured again."""
+    root = Path(__file__).resolve().parent.parent
+    files = sorted(f for d in (root / "cpu" / "native", root / "model" / "native") for f in d.glob("*.[ch]*"))
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
 
 
 def _entry_name(key: tuple) -> str:

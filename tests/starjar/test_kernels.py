@@ -235,3 +235,20 @@ def test_the_loading_thread_hands_its_openmp_team_to_the_compute_threads():
     assert released == "True" and int(gone) == 1  # the team's one worker thread exited
     assert (main_threads, compute_threads, reported) == ("1", "2", "2")
     assert int(regrown) == 0
+
+
+def test_other_native_kernels_measure_again(fresh_choice, monkeypatch, tmp_path):
+    """A choice measured against starjar's kernels as they were is not reused once their sources change."""
+    monkeypatch.setattr(kernels, "_entries", {})
+    assert kernels.cached_entry("probe", ((8, 8),), lambda: {"x": 1})["x"] == 1
+    assert kernels.cached_entry("probe", ((8, 8),), lambda: pytest.fail("measured twice"))["x"] == 1
+    monkeypatch.setattr(kernels, "_entries", {})
+    monkeypatch.setattr(kernels, "native_digest", lambda: "changed")
+    assert kernels.cached_entry("probe", ((8, 8),), lambda: {"x": 2})["x"] == 2
+    assert len(json.loads(fresh_choice.read_text())) == 2
+
+
+def test_the_machine_key_names_the_native_kernels():
+    digest = kernels.native_digest()
+    assert len(digest) == 12 and digest == kernels.native_digest()
+    assert kernels._machine_key().endswith(f"|native {digest}")
