@@ -69,6 +69,18 @@ def test_every_pass_is_hf_within_rounding_on_each_kernel(model_dirs, prompt_ids,
     _close(hf, lean)
 
 
+def test_an_mlp_width_off_the_tiles_takes_the_two_phase_gate(model_dirs, prompt_ids, monkeypatch, tmp_path):
+    """An MLP 70 wide (not whole tiles of 4): the gate-up product and SiLU meet at a barrier instead of one thread
+    gating its own tiles, and every pass is still HF's within rounding."""
+    from benchmarks.fixtures.tiny_models import make_tiny_model
+    model = load_model(make_tiny_model(tmp_path / "odd", "llama", seed=4, intermediate=70,
+                                       tokenizer_from=model_dirs["llama"]))
+    calls = _spy(monkeypatch)
+    hf, lean = _hf_then_lean(model, prompt_ids[:3], monkeypatch)
+    assert calls == [(1, 1)] * 3 + [(1, 4), (3, 4), (3, 2), (1, 4)]
+    _close(hf, lean)
+
+
 def test_the_cache_holds_hf_keys_and_values_within_rounding(models, prompt_ids, monkeypatch):
     model = models["llama"]
     buffers = {}

@@ -29,6 +29,8 @@ namespace {
 using starjar_tiles::Isa;
 using starjar_tiles::NB;
 
+static_assert(starjar_tiles::NB == starjar_int8::NB, "the float and int8 tiles hold as many weight rows");
+
 constexpr int64_t MAX_D = 512;  // the largest head dimension taken (a rotated head sits on the stack)
 
 // Attention's two vector steps over a head of d floats: q . k, and y += a v.
@@ -207,20 +209,24 @@ void rms_norm(const float* x, const float* w, float* out, int64_t R, int64_t H, 
   }
 }
 
-// The product's tiles this thread owns: y = x W^T (+ b), and where `residual` is given y += residual there.
-// An int8 product quantizes x's rows first, each thread its own copy (no barrier).
-void product(const Kernels& k, const Pass& p, const Weight& wt, const float* x, float* y, int64_t R, int64_t K,
-             int64_t N, int tid, int n, const float* residual) {
-  int64_t t0, t1;
-  split((N + NB - 1) / NB, tid, n, &t0, &t1);
+// x's rows quantized for an int8 product, into this thread's own copy (no barrier); nothing for a float one.
+void quantized(const Kernels& k, const Pass& p, const Weight& wt, const float* x, int64_t R, int64_t K, int tid) {
+  if (wt.q == nullptr) return;
+  uint8_t* xq = p.xq + tid * p.R * p.kq;
+  float* sx = p.xscale + tid * 2 * p.R;
+  for (int64_t r = 0; r < R; ++r) {
+    const auto [scale, zero] = starjar_int8::quantize(x + r * K, K, wt.kp, xq + r * wt.kp, k.vnni);
+    sx[r] = scale, sx[R + r] = static_cast<float>(zero);
+  }
+}
+
+// Tiles [t0, t1) of y = x W^T (+ b) (x already quantized where the product is int8), and where `residual` is
+// given y += residual there.
+void tiles(const Kernels& k, const Pass& p, const Weight& wt, const float* x, float* y, int64_t R, int64_t K,
+           int64_t N, int tid, int64_t t0, int64_t t1, const float* residual) {
   if (wt.q != nullptr) {
-    uint8_t* xq = p.xq + tid * p.R * p.kq;
     float* sx = p.xscale + tid * 2 * p.R;
-    for (int64_t r = 0; r < R; ++r) {
-      const auto [scale, zero] = starjar_int8::quantize(x + r * K, K, wt.kp, xq + r * wt.kp, k.vnni);
-      sx[r] = scale, sx[R + r] = static_cast<float>(zero);
-    }
-    const starjar_int8::Job job{xq, sx, sx + R, wt.q, wt.meta, wt.meta + N, wt.b, y, wt.kp, N};
+    const starjar_int8::Job job{p.xq + tid * p.R * p.kq, sx, sx + R, wt.q, wt.meta, wt.meta + N, wt.b, y, wt.kp, N};
     starjar_int8::int8_range(job, R, t0, t1, k.vnni);
   } else {
     starjar_tiles::tiles_range(k.tiles, x, wt.w, wt.b, y, R, K, N, t0, t1);
@@ -229,6 +235,15 @@ void product(const Kernels& k, const Pass& p, const Weight& wt, const float* x, 
   const int64_t n0 = t0 * NB, n1 = std::min<int64_t>(t1 * NB, N);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i = n0; i < n1; ++i) y[r * N + i] = residual[r * N + i] + y[r * N + i];
+}
+
+// The product's tiles this thread owns.
+void product(const Kernels& k, const Pass& p, const Weight& wt, const float* x, float* y, int64_t R, int64_t K,
+             int64_t N, int tid, int n, const float* residual) {
+  int64_t t0, t1;
+  split((N + NB - 1) / NB, tid, n, &t0, &t1);
+  quantized(k, p, wt, x, R, K, tid);
+  tiles(k, p, wt, x, y, R, K, N, tid, t0, t1, residual);
 }
 
 // q or k of token r rotated: src [d] -> dst [d].
@@ -316,6 +331,29 @@ void gated(const Kernels& k, const Pass& p, const Layer& L, int tid, int n) {
     i += len;
   }
 }
+
+// The gate-up product and SiLU without a barrier between: where the gate's outputs fill whole tiles, this thread
+// takes the same tiles of the gate and of the up half, then gates those elements itself.
+void gate_up(const Kernels& k, const Pass& p, const Layer& L, const float* h, int tid, int n) {
+  const int64_t N = 2 * L.inner, half = L.inner / NB;
+  if (L.inner % NB != 0) {
+    product(k, p, L.wt[2], h, p.gu, p.R, p.H, N, tid, n, nullptr);
+#pragma omp barrier
+    gated(k, p, L, tid, n);
+    return;
+  }
+  int64_t t0, t1;
+  split(half, tid, n, &t0, &t1);
+  quantized(k, p, L.wt[2], h, p.R, p.H, tid);
+  tiles(k, p, L.wt[2], h, p.gu, p.R, p.H, N, tid, t0, t1, nullptr);
+  tiles(k, p, L.wt[2], h, p.gu, p.R, p.H, N, tid, half + t0, half + t1, nullptr);
+  const int64_t e0 = t0 * NB, len = (t1 - t0) * NB;
+  for (int64_t r = 0; r < p.R && len > 0; ++r) {
+    const float* g = p.gu + r * N + e0;
+    (k.isa == 2 ? silu_mul512 : starjar_lean_avx2::silu_mul256)(g, g + L.inner, p.act + r * L.inner + e0, len);
+  }
+}
+
 // One layer, by one thread of the region: x [R, H] in, out [R, H] written.
 void layer(const Kernels& k, const Pass& p, const Layer& L, const float* x, float* out, int tid, int n) {
   float* h = p.h + tid * p.R * p.H;
@@ -330,9 +368,7 @@ void layer(const Kernels& k, const Pass& p, const Layer& L, const float* x, floa
   product(k, p, L.wt[1], p.att, p.y, p.R, L.nq * p.d, p.H, tid, n, x);
 #pragma omp barrier
   rms_norm(p.y, L.norm2, h, p.R, p.H, p.eps);
-  product(k, p, L.wt[2], h, p.gu, p.R, p.H, 2 * L.inner, tid, n, nullptr);
-#pragma omp barrier
-  gated(k, p, L, tid, n);
+  gate_up(k, p, L, h, tid, n);
 #pragma omp barrier
   product(k, p, L.wt[3], p.act, out, p.R, L.inner, p.H, tid, n, p.y);
 #pragma omp barrier
