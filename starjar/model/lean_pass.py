@@ -60,10 +60,12 @@ def available() -> bool:
 def run(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, mask: torch.Tensor | None,
         flat_ws: list[torch.Tensor], flat_bs: list[torch.Tensor | None], keys: list[torch.Tensor],
         values: list[torch.Tensor], start: int, kv_len: int, nq: list[int], nk: list[int], d: int, eps: float,
-        scaling: float, write: torch.Tensor | None = None, int8: tuple[list, list] | None = None) -> torch.Tensor:
+        scaling: float, write: torch.Tensor | None = None, int8: tuple[list, list] | None = None,
+        norm: torch.Tensor | None = None) -> torch.Tensor:
     """The hidden states after every layer for x [B, Q, H] on consecutive slots, as native_pass.run takes them
     (six weights and four biases a layer over the fused projections; mask the pass's additive [B, 1, Q, K],
     not folded, or None where every key is visible). int8: the products in the own int8 layout
-    (starjar.cpu.few_rows.int8_layout's weights and meta, four a layer), flat_ws then the two norms a layer."""
+    (starjar.cpu.few_rows.int8_layout's weights and meta, four a layer), flat_ws then the two norms a layer.
+    norm: the model's final RMSNorm weight (same epsilon), applied in the pass; None returns the last layer's."""
     return torch.ops.starjar.lean_pass(x, cos, sin_signed, mask, flat_ws, flat_bs, keys, values, start, kv_len,
-                                       nq, nk, d, eps, scaling, write, few_rows.isa(), *(int8 or (None, None)))
+                                       nq, nk, d, eps, scaling, write, few_rows.isa(), *(int8 or (None, None)), norm)

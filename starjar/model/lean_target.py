@@ -100,6 +100,16 @@ class LeanTarget:
         half = self.head_dim // 2
         self.perm = torch.cat((torch.arange(half, self.head_dim), torch.arange(half)))  # rotate_half as a gather
 
+    def _final_norm(self) -> torch.Tensor | None:
+        """The model's final RMSNorm weight where the whole lean pass can apply it (float32, the layers'
+        epsilon), else None: base.norm runs after the pass."""
+        norm = self.base.norm
+        weight = getattr(norm, "weight", None)
+        if weight is None or weight.dtype != torch.float32 or not weight.is_contiguous() or \
+                float(getattr(norm, "variance_epsilon", -1.0)) != self.eps:
+            return None
+        return weight
+
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
         """A float Llama-family model whose decoder this forward reproduces: SiLU MLPs, plain linears, one
@@ -231,8 +241,10 @@ class LeanTarget:
         b, q = input_ids.shape
         d, eps, scaling = self.head_dim, self.eps, self.scaling
         if rows is None and self.takes_whole(x, b * q):
-            return base.norm(lean_pass.run(x, cos, signed, mask, *self.flat, keys, values, start, kv_len,
-                                           *self.fused[2:], d, eps, scaling, write))
+            final = self._final_norm()
+            out = lean_pass.run(x, cos, signed, mask, *self.flat, keys, values, start, kv_len, *self.fused[2:], d,
+                                eps, scaling, write, norm=final)
+            return out if final is not None else base.norm(out)
         if b == 1 and q == 1 and rows is None and write is None and self.takes_fused(1):
             ws, bs, nqs, nks = self.fused
             if native_pass.takes(x) and self.takes_native(1):

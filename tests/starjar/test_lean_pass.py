@@ -19,7 +19,7 @@ TOLERANCE = 1e-4  # the largest logit difference taken from HF's (rounding; seen
 def _spy(monkeypatch) -> list:
     calls = []
     run = lean_pass.run
-    monkeypatch.setattr(lean_pass, "run", lambda *a: calls.append(tuple(a[0].shape[:2])) or run(*a))
+    monkeypatch.setattr(lean_pass, "run", lambda *a, **k: calls.append(tuple(a[0].shape[:2])) or run(*a, **k))
     return calls
 
 
@@ -180,6 +180,7 @@ def test_the_choice_is_measured_once_at_load_and_cached(model_dirs, monkeypatch,
 
 def test_bad_inputs_are_refused_with_the_reason(models):
     """The op checks what it is handed: a write position outside the buffers, a missing layer's weights."""
+    assert lean_pass.available()
     lt = models["llama"].lean_target
     _, _, nqs, nks = lt.fused
     d, layers = lt.head_dim, len(lt.plan)
@@ -195,3 +196,24 @@ def test_bad_inputs_are_refused_with_the_reason(models):
     with pytest.raises(RuntimeError, match="six weights .two norms with int8 products. and four biases a layer"):
         lean_pass.run(x, cos, sin, None, lt.flat[0][:-1], *args[5:])
     assert lean_pass.run(*args).shape == x.shape
+    with pytest.raises(RuntimeError, match="final norm weight"):
+        lean_pass.run(*args, norm=torch.ones(3))
+
+
+def test_the_final_norm_in_the_pass_is_the_model_s_within_rounding(models):
+    """The model's final RMSNorm applied inside the pass gives what base.norm gives after it."""
+    assert lean_pass.available()
+    lt = models["llama"].lean_target
+    _, _, nqs, nks = lt.fused
+    d, layers, hidden = lt.head_dim, len(lt.plan), lt.base.embed_tokens.weight.shape[1]
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, hidden)
+    cos, sin = torch.ones(2, 3, d), torch.zeros(2, 3, d)
+    keys = [torch.zeros(2, nks[0], 8, d) for _ in range(layers)]
+    values = [torch.zeros(2, nks[0], 8, d) for _ in range(layers)]
+    args = (x, cos, sin, None, *lt.flat, keys, values, 0, 3, nqs, nks, d, lt.eps, lt.scaling)
+    assert lt._final_norm() is lt.base.norm.weight
+    plain, normed = lean_pass.run(*args), lean_pass.run(*args, norm=lt._final_norm())
+    with torch.no_grad():
+        assert (normed - lt.base.norm(plain)).abs().max() < 1e-5
+    assert not torch.allclose(normed, plain)

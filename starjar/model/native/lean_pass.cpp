@@ -460,13 +460,14 @@ at::Tensor positions(const std::optional<at::Tensor>& write, int64_t start, int6
 // gate-up, down; AVX-512 VNNI, or AVX2); bs four biases a layer; cos and sin_signed each token's [d]; mask additive
 // [B, 1, Q, >= kv_len] or None (every key visible); keys and values the rows' buffers, written as one span
 // from `start` or each token at write [B, Q]; isa 0 the best this CPU has, 1 AVX2, 2 AVX-512. Returns the
-// hidden states after the last layer [B, Q, H].
+// hidden states after the last layer [B, Q, H], through the model's final RMSNorm where its weight `norm` is given.
 at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed,
                      const std::optional<at::Tensor>& mask, const c10::List<at::Tensor>& ws,
                      const c10::List<std::optional<at::Tensor>>& bs, const c10::List<at::Tensor>& keys,
                      const c10::List<at::Tensor>& values, int64_t start, int64_t kv_len, at::IntArrayRef nq,
                      at::IntArrayRef nk, int64_t d, double eps, double scaling, const std::optional<at::Tensor>& write,
-                     int64_t isa, const std::optional<Tensors>& q8, const std::optional<Tensors>& meta) {
+                     int64_t isa, const std::optional<Tensors>& q8, const std::optional<Tensors>& meta,
+                     const std::optional<at::Tensor>& norm) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 3, "lean_pass takes float32 [B, Q, H]");
   const int64_t best = starjar_tiles::best_isa(), which = isa == 0 ? best : isa;
   TORCH_CHECK(which >= 1 && which <= best, "lean_pass: this CPU lacks the instructions asked for (", isa, ")");
@@ -519,6 +520,9 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   p.xq = quantized.data_ptr<uint8_t>();
   p.xscale = row_scales.data_ptr<float>();
   p.kq = kq;
+  const bool normed = norm.has_value() && norm->defined();
+  TORCH_CHECK(!normed || (norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == H),
+              "lean_pass: a float32 final norm weight [H]");
   at::Tensor bufs[2] = {at::empty_like(x), at::empty_like(x)};
   const Kernels k = kernels_of(which);
   const int64_t layers = static_cast<int64_t>(lw.size());
@@ -531,7 +535,13 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
       layer(k, p, lw[i], cur, out, tid, n);
       cur = out;
     }
+    if (normed) {  // the model's final RMSNorm, each thread its share of the rows, into the other buffer
+      int64_t r0, r1;
+      split(R, tid, n, &r0, &r1);
+      rms_norm(cur + r0 * H, norm->data_ptr<float>(), bufs[layers % 2].data_ptr<float>() + r0 * H, r1 - r0, H, p.eps);
+    }
   }
+  if (normed) return bufs[layers % 2];
   return layers == 0 ? x.clone() : bufs[(layers - 1) % 2];
 }
 
@@ -542,7 +552,7 @@ int64_t lean_pass_isa() { return starjar_tiles::best_isa(); }
 TORCH_LIBRARY_FRAGMENT(starjar, m) {
   m.def("lean_pass(Tensor x, Tensor cos, Tensor sin_signed, Tensor? mask, Tensor[] ws, Tensor?[] bs, "
         "Tensor[] keys, Tensor[] values, int start, int kv_len, int[] nq, int[] nk, int d, float eps, "
-        "float scaling, Tensor? write, int isa, Tensor[]? q8=None, Tensor[]? meta=None) -> Tensor");
+        "float scaling, Tensor? write, int isa, Tensor[]? q8=None, Tensor[]? meta=None, Tensor? norm=None) -> Tensor");
   m.def("lean_pass_isa() -> int", lean_pass_isa);
 }
 
