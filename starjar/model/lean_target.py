@@ -94,7 +94,7 @@ class LeanTarget:
         self._step_codes = ([None] * 4 * len(self.plan), [0] * 4 * len(self.plan))  # one row: F.linear's GEMVs
         self.native: dict[str, bool] | None = None  # one-row steps ("step"), other passes ("rows"): run natively?
         self._native_override: bool | None = None  # set while that is measured
-        self.whole: dict[str, bool] | None = None  # one-row steps, other passes: run the whole lean pass?
+        self.whole: dict[str, bool] | None = None  # steps, passes, wide passes: run the whole lean pass?
         self._whole_override: bool | None = None  # set while that is measured
         self._rope_table = RopeTable(base.rotary_emb, self.head_dim)
         half = self.head_dim // 2
@@ -205,8 +205,9 @@ class LeanTarget:
         if self.fused is None:  # dropped copies, the pass forced on since
             self._hold_fused(fused_projections.fuse(self._layers)[0])
         if self.whole is None:
-            self.whole = lean_choices.whole_classes(self) if force is None else {"step": True, "rows": True}
-        return bool(force) or self.whole["step" if rows == 1 else "rows"]
+            self.whole = lean_choices.whole_classes(self) if force is None else \
+                dict.fromkeys(lean_choices.WHOLE_CLASSES, True)
+        return bool(force) or self.whole["step" if rows == 1 else "rows" if rows <= lean_choices.WIDE_FROM else "wide"]
 
     def wants(self, b: int, q: int) -> bool:
         """Whether a chain pass of b rows of q tokens runs lean: its class measured so, or the whole lean pass

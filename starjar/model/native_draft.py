@@ -36,6 +36,10 @@ OWN_ENV = "STARJAR_DRAFT_INT8"
 CONTEXT = 128  # the probe's cached positions, a typical short context
 # The passes timed, (rows, tokens): a one-token step, a catch-up, batched drafting.
 PROBES = {"step": (1, 1), "span": (1, 3), "rows": (4, 1)}
+# The whole lean pass is chosen on these few-token probes; past this many rows (a prompt's prefill) its own int8
+# tiles run out of the memory-bound regime they were measured in (AVX2 EPYC: a 181-token prefill took 0.5 s
+# there), so the native pass over torch's kernel takes it unless the lean pass is forced.
+WHOLE_MAX_ROWS = 64
 Probe = Callable[[int, int, bool], Callable[[], object]]  # (rows, tokens, native) -> a function running one pass
 
 
@@ -133,7 +137,7 @@ class NativeDraftPass:
         force = lean_pass.forced()
         if force is not None:
             return force and self._own_weights() is not None
-        return bool(self.whole_chosen and self.whole_chosen[pass_class(b, q)])
+        return b * q <= WHOLE_MAX_ROWS and bool(self.whole_chosen and self.whole_chosen[pass_class(b, q)])
 
     def _own_weights(self) -> tuple[list, list] | None:
         """The products' weights laid out for the own int8 product (once), or None where it cannot run."""

@@ -168,7 +168,7 @@ def test_the_choice_is_measured_once_at_load_and_cached(model_dirs, monkeypatch,
     monkeypatch.delenv(lean_target.ENV, raising=False)
     monkeypatch.setattr(kernels, "_entries", {})
     model = load_model(model_dirs["llama"])
-    assert set(model.lean_target.whole) == {"step", "rows"}  # settled at load
+    assert set(model.lean_target.whole) == {"step", "rows", "wide"}  # settled at load
     stored = json.loads((tmp_path / "kernels.json").read_text())
     entries = [e for name, e in stored.items() if f"|{lean_choices.WHOLE_KIND}-" in name]
     assert len(entries) == 1 and entries[0]["whole"] == model.lean_target.whole
@@ -217,3 +217,17 @@ def test_the_final_norm_in_the_pass_is_the_model_s_within_rounding(models):
     with torch.no_grad():
         assert (normed - lt.base.norm(plain)).abs().max() < 1e-5
     assert not torch.allclose(normed, plain)
+
+
+def test_wide_passes_follow_their_own_measured_class(models, monkeypatch):
+    """Passes past WIDE_FROM rows (short prompts' prefill) take the whole pass by the wide probe's measurement."""
+    monkeypatch.delenv(lean_pass.ENV, raising=False)
+    lt = models["llama"].lean_target
+    assert lean_pass.available()
+    param = next(lt.model.parameters())
+    lt.takes_whole(param, 1)  # settled as measured
+    monkeypatch.setattr(lt, "whole", {"step": True, "rows": True, "wide": False})
+    assert lt.takes_whole(param, 1) and lt.takes_whole(param, lean_choices.WIDE_FROM)
+    assert not lt.takes_whole(param, lean_choices.WIDE_FROM + 1)
+    monkeypatch.setattr(lt, "whole", {"step": False, "rows": False, "wide": True})
+    assert lt.takes_whole(param, lean_choices.WIDE_FROM + 1) and not lt.takes_whole(param, 2)

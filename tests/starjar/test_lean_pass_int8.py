@@ -77,3 +77,16 @@ def test_the_choice_is_measured_once_and_cached(tmp_path, model_dirs, monkeypatc
     entry = next(e for name, e in kernels.cached_entries().items() if native_draft.WHOLE_KIND in name)
     assert entry["whole"] == draft.lean.native.whole_chosen
     assert all(set(ms) == {"native", "whole"} for ms in entry["ms"].values())
+
+
+def test_a_prefill_past_the_whole_pass_s_rows_keeps_the_native_pass(tmp_path, model_dirs, monkeypatch):
+    """The whole pass is chosen on few-token probes: a prompt's prefill past WHOLE_MAX_ROWS takes the native pass
+    unless the lean pass is forced."""
+    draft = _draft(monkeypatch, tmp_path, model_dirs, "1")
+    monkeypatch.delenv(lean_pass.ENV)
+    nd = draft.lean.native
+    monkeypatch.setattr(nd, "whole_chosen", dict.fromkeys(native_draft.PROBES, True))
+    assert nd._takes_whole(1, 3) and nd._takes_whole(1, native_draft.WHOLE_MAX_ROWS)
+    assert not nd._takes_whole(1, native_draft.WHOLE_MAX_ROWS + 1)
+    monkeypatch.setenv(lean_pass.ENV, "1")
+    assert nd._takes_whole(1, native_draft.WHOLE_MAX_ROWS + 1)
