@@ -87,8 +87,7 @@ def native_classes(lt) -> dict[str, bool]:
 def whole_classes(lt) -> dict[str, bool]:
     """Whether one-row steps, other chain passes up to WIDE_FROM rows and wider ones (short prompts' prefill)
     run the whole lean pass: a pass of each (PROBES, WIDE_PROBE) timed with it and as the other choices run it,
-    in turns. (On the 2-core AVX2 EPYC its tiles took 268 ms over 64 rows against 178 the other way, 48 against
-    60 over 8.)"""
+    in turns. (On the 2-core AVX2 EPYC its tiles took 268 ms over 64 rows against 178 the other way.)"""
     return _two_ways(lt, WHOLE_KIND, "whole", "other", lambda b, q, on: probe(lt, b, q, True, whole=on),
                      classes=WHOLE_CLASSES)
 
