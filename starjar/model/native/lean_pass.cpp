@@ -210,7 +210,7 @@ void rms_norm(const float* x, const float* w, float* out, int64_t R, int64_t H, 
 }
 
 // x's rows quantized for an int8 product, into this thread's own copy (no barrier); nothing for a float one.
-void quantized(const Kernels& k, const Pass& p, const Weight& wt, const float* x, int64_t R, int64_t K, int tid) {
+void quantize_rows(const Kernels& k, const Pass& p, const Weight& wt, const float* x, int64_t R, int64_t K, int tid) {
   if (wt.q == nullptr) return;
   uint8_t* xq = p.xq + tid * p.R * p.kq;
   float* sx = p.xscale + tid * 2 * p.R;
@@ -242,7 +242,7 @@ void product(const Kernels& k, const Pass& p, const Weight& wt, const float* x, 
              int64_t N, int tid, int n, const float* residual) {
   int64_t t0, t1;
   split((N + NB - 1) / NB, tid, n, &t0, &t1);
-  quantized(k, p, wt, x, R, K, tid);
+  quantize_rows(k, p, wt, x, R, K, tid);
   tiles(k, p, wt, x, y, R, K, N, tid, t0, t1, residual);
 }
 
@@ -344,7 +344,7 @@ void gate_up(const Kernels& k, const Pass& p, const Layer& L, const float* h, in
   }
   int64_t t0, t1;
   split(half, tid, n, &t0, &t1);
-  quantized(k, p, L.wt[2], h, p.R, p.H, tid);
+  quantize_rows(k, p, L.wt[2], h, p.R, p.H, tid);
   tiles(k, p, L.wt[2], h, p.gu, p.R, p.H, N, tid, t0, t1, nullptr);
   tiles(k, p, L.wt[2], h, p.gu, p.R, p.H, N, tid, half + t0, half + t1, nullptr);
   const int64_t e0 = t0 * NB, len = (t1 - t0) * NB;
