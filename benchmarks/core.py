@@ -6,16 +6,22 @@ Measures, on starjar's own prompts (no chat template; --dataset for another set)
     mean accepted length, and how many outputs equal the reference token for token;
   - HF assisted generation at batch 1 (constant and heuristic schedules) as the peer;
   - the draft's catch-up prefill (Nightjar's switching cost) by catch-up length and batch.
+Every run's tokens/s counts its prefill; its decode tokens/s leaves the target's prefill out (the draft's work,
+prefill included, stays in), as llama.cpp's tg leaves prefill out. Given --llama-bench and --gguf, llama.cpp's
+tg128 on the same weights and threads runs before and after starjar's runs, and the best speculative decode
+at batch 1 is given over it.
 All speeds are ratios within this run; absolute numbers hold only for this machine.
 """
 
 from __future__ import annotations
 
 import hashlib
+import statistics
 import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from benchmarks.common import pair_dirs, prompt_texts
@@ -47,6 +53,7 @@ def run(args) -> dict:
         hf_s += time.perf_counter() - t0
     hf_tokens = sum(len(r) for r in ref)
 
+    llama = _llama_cpp(args)
     runs = []
     bar = tqdm(total=len(batch_sizes) * len(gammas), desc="starjar runs", file=sys.stderr)
     for bs in batch_sizes:
@@ -58,6 +65,8 @@ def run(args) -> dict:
             tokens = sum(len(r.output_ids) for r in reqs)
             s = engine.stats
             runs.append({"batch_size": bs, "gamma": g, "tokens_per_s": round(tokens / wall, 3),
+                         "decode_tokens_per_s": round(tokens / (wall - engine.stats.prefill_s), 3),
+                         "target_prefill_s": round(engine.stats.prefill_s, 2),
                          "acceptance_rate": round(s.acceptance_rate, 4),
                          "mean_accepted_len": round(s.mean_accepted_len, 4) if g else 1.0,
                          "tokens": tokens, "wall_s": round(wall, 2),
@@ -68,6 +77,7 @@ def run(args) -> dict:
             bar.set_postfix(bs=bs, g=g, tok_s=runs[-1]["tokens_per_s"], eq=runs[-1]["greedy_equal"])
             bar.update()
     bar.close()
+    llama = llama + _llama_cpp(args)
 
     alone1 = next(r["tokens_per_s"] for r in runs if r["batch_size"] == 1 and r["gamma"] == 0)
     spec1 = [r for r in runs if r["batch_size"] == 1 and r["gamma"] > 0]
@@ -102,6 +112,7 @@ def run(args) -> dict:
         "speedup_batch1": {"starjar_best_gamma": best1["gamma"],
                            "starjar": round(best1["tokens_per_s"] / alone1, 3),
                            "hf_assisted_best": round(max(h["tokens_per_s"] for h in hf_assisted) / hf_alone, 3)},
+        "decode_batch1": _decode_batch1(runs, llama),
         "batching_ratio": {f"{bs}_vs_1": round(by[(bs, 0)]["tokens_per_s"] / alone1, 3)
                            for bs in batch_sizes if bs > 1},
         # Best gamma over gamma 0 at every batch size: where speculation pays on this machine.
@@ -120,7 +131,36 @@ def run(args) -> dict:
     print(f"target alone at batch 1: {floor['decode_batch1_tokens_per_s']} tokens/s decoding, "
           f"{floor['fraction_of_floor']:.0%} of the memory floor ({floor['bytes_per_token'] / 1e6:.0f} MB a token at "
           f"{floor['read_bandwidth_gb_per_s']} GB/s read: {floor['floor_tokens_per_s']} tokens/s)", file=sys.stderr)
+    dec = result["decode_batch1"]
+    print(f"batch 1, target prefill left out: best speculation (gamma {dec['best_gamma']}) {dec['best_tokens_per_s']} "
+          f"tokens/s, {dec['best_over_target_alone']}x the target alone"
+          + (f", {dec['best_over_llama_cpp']}x llama.cpp's tg128" if "best_over_llama_cpp" in dec else ""),
+          file=sys.stderr)
     return result
+
+
+def _llama_cpp(args) -> list[float]:
+    """llama.cpp's tg128 tokens/s on this run's threads, when --llama-bench and --gguf are given."""
+    if not (getattr(args, "llama_bench", None) and getattr(args, "gguf", None)):
+        return []
+    from benchmarks.probes.llama_cpp_reference import llama_bench
+
+    return [round(llama_bench(args.llama_bench, args.gguf, torch.get_num_threads(), 128, 3), 2)]
+
+
+def _decode_batch1(runs: list[dict], llama: list[float]) -> dict:
+    """Batch 1 with the target's prefill left out: the best gamma over gamma 0, and over llama.cpp's tg128."""
+    b1 = [r for r in runs if r["batch_size"] == 1]
+    alone = next(r["decode_tokens_per_s"] for r in b1 if r["gamma"] == 0)
+    best = max((r for r in b1 if r["gamma"]), key=lambda r: r["decode_tokens_per_s"])
+    out = {"target_alone_tokens_per_s": alone, "best_gamma": best["gamma"],
+           "best_tokens_per_s": best["decode_tokens_per_s"],
+           "best_over_target_alone": round(best["decode_tokens_per_s"] / alone, 3)}
+    if llama:
+        ref = statistics.mean(llama)
+        out.update(llama_cpp_tg128_tokens_per_s=llama, best_over_llama_cpp=round(best["decode_tokens_per_s"] / ref, 3),
+                   target_alone_over_llama_cpp=round(alone / ref, 3))
+    return out
 
 
 def outputs_digest(outputs) -> str:

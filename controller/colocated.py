@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from draft_server.engine import DraftEngine
 from starjar.model.loading import LoadedModel, check_pair, load_model
+from starjar.model.prompt_kv import prompt_kv_shared, seeder
 from starjar.spec.policy import FixedGamma, SpeculationPolicy
 from target_worker.config import engine_config
 from target_worker.engine import TargetEngine
@@ -30,7 +31,10 @@ def colocated_engine(target: LoadedModel, draft: LoadedModel | None, gamma: int 
         policy = FixedGamma(gamma if draft is not None else 0)
     cfg = engine_config(max_batch_size, gamma, kv_budget_tokens)
     proposer = DraftEngine(draft, max_sequences=max_batch_size * 4) if draft is not None else None
-    return TargetEngine(target, proposer, policy, cfg)
+    engine = TargetEngine(target, proposer, policy, cfg)
+    if draft is not None and prompt_kv_shared(target, draft):
+        engine.seed_draft = seeder(draft, proposer.seed)  # each prompt's KV from the target's prefill
+    return engine
 
 
 def remote_engine(target: LoadedModel, draft_address: str, gamma: int, max_batch_size: int = 16,

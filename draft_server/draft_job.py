@@ -51,6 +51,7 @@ class DraftStats:
     drafted_tokens: int = 0
     catchup_tokens: int = 0  # tokens prefilled before drafting (>= 1 per drafting sequence)
     catchup_s: float = 0.0  # time of those catch-up passes
+    seeded_tokens: int = 0  # prompt tokens taken with the target's KV instead (DraftEngine.seed)
     step_s: float = 0.0  # time of the one-token draft steps
     steps: int = 0
     resyncs: int = 0

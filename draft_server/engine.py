@@ -257,6 +257,30 @@ class DraftEngine:
         self.stats.lookahead_drafted += drafted
         return drafted
 
+    def seed(self, seq_id: Hashable, tokens: Sequence[int], layers: list) -> bool:
+        """Take a new sequence's prompt with its KV already computed (starjar.model.prompt_kv: the target's, per
+        layer (K, V) [heads, len(tokens), dim]) instead of prefilling it. Whether it did: not for a sequence it
+        holds, past its limits or budgets, while offloaded, or with a hidden-state tap (TIDE trains on the
+        draft's own passes)."""
+        n = len(tokens)
+        if (seq_id in self._seqs or self._offloaded or self.model.hidden_tap is not None or n == 0
+                or len(self._seqs) >= self.max_sequences or n >= self.model.max_context):
+            return False
+        if not self._fits(DraftRequest(seq_id, 0, tokens, 1), None, n):
+            return False
+        seq = DraftSeq(slot=-1, seq_id=seq_id)
+        self.cache.allocate(seq)
+        if not self.cache.load_prefix(seq.slot, layers):
+            self.cache.free(seq.slot)
+            return False
+        self._seqs[seq_id] = seq
+        seq.verified.extend(int(t) for t in tokens)
+        seq.cached.extend(seq.verified)
+        self._count(seq_id, n)
+        self._longest = max(self._longest, n)
+        self.stats.seeded_tokens += n
+        return True
+
     def release(self, seq_ids: Sequence[Hashable]) -> None:
         for sid in seq_ids:
             self.ahead.drop(sid)

@@ -35,7 +35,7 @@ from starjar.spec.verify import sample_next, verify
 from target_worker.catch_up_meter import catch_up_meter, report_catch_up
 from target_worker.decode_plan import DecodePlan, SeqRound
 from target_worker.elastic_kv import ElasticKV
-from target_worker.prompt_ahead import SendAhead, send_prompts_ahead
+from target_worker.prompt_ahead import SeedDraft, SendAhead, seed_prompts, send_prompts_ahead
 from target_worker.prompt_check import check_prompt
 from target_worker.request import Request, Status
 from target_worker.scheduler import Scheduler
@@ -88,6 +88,7 @@ class TargetEngine:
         self.stats = EngineStats()
         self.step_listener: Callable[[int, int], None] | None = None  # (batch size, gamma) per decode step
         self.send_ahead: SendAhead | None = None  # a remote proposer's: new prompts to the draft first
+        self.seed_draft: SeedDraft | None = None  # a co-located draft's: new prompts with the target's KV
         self.elastic = elastic
         self.trees = TreeSelector(self.config.tree) if self.config.tree is not None else None
         self._outputs: dict[int, StepOutput] = {}  # the step in flight's, by request id
@@ -200,6 +201,7 @@ class TargetEngine:
                     self._emit(req, [sample_next(lg[0], req.params, req.draws, req.num_tokens)], outputs)
         elapsed = time.perf_counter() - t0
         self.stats.prefill_s += elapsed
+        seed_prompts(self.seed_draft, self.cache, joined, feeds)
         if self.proposer is not None:  # a catch-up's prior
             self.policy.observe_target_prefill(sum(map(len, feeds.values())), elapsed)
 

@@ -1,19 +1,23 @@
-"""New prompts sent to the draft before the target prefills them, so that the two prefills run side by side.
+"""New prompts to the draft without a round of their own: sent before the target prefills them (a remote
+draft), or handed over with the KV the target's prefill wrote (a co-located int8 copy of the target).
 
 A remote draft server with lookahead on feeds tokens it is sent with gamma 0 in its idle time
 (draft_server.lookahead); the target's own prefill of the prompt then hides the draft's. A sequence whose
-prompt went ahead starts its first real round past it.
+prompt went ahead starts its first real round past it. A co-located draft that shares the target's attention
+shapes (starjar.model.prompt_kv) takes the prompt's KV from the target's cache instead of prefilling it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from starjar.spec.proposer import DraftRequest
 from target_worker.request import Request
 
 # (the prompts as rounds with gamma 0) -> whether each went
 SendAhead = Callable[[Sequence[DraftRequest]], list[bool]]
+# (the draft's key for a sequence, its prompt, per layer (K, V) of the prompt) -> whether the draft took them
+SeedDraft = Callable[[Hashable, Sequence[int], list], bool]
 
 
 def send_prompts_ahead(send: SendAhead | None, joined: Sequence[Request]) -> None:
@@ -26,3 +30,16 @@ def send_prompts_ahead(send: SendAhead | None, joined: Sequence[Request]) -> Non
     for r, ok in zip(new, went, strict=True):
         if ok:
             r.draft_synced = len(r.prompt_ids)
+
+
+def seed_prompts(seed: SeedDraft | None, cache, joined: Sequence[Request], fed: dict[int, list[int]]) -> None:
+    """After the target prefilled `joined` (fed: what each was fed, by id): the new ones' prompts to a
+    co-located draft with the KV the target wrote. A request capped at no drafts is left out."""
+    if seed is None:
+        return
+    for r in joined:
+        tokens = fed[id(r)]
+        if r.finished or r.draft_synced or r.max_draft_tokens == 0 or not tokens:  # finished: its KV is gone
+            continue
+        if seed(r.draft_key, tokens, cache.prefix(r.slot, len(tokens))):
+            r.draft_synced = len(tokens)

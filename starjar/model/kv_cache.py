@@ -107,6 +107,28 @@ class RaggedKVCache(Cache):
         for buf in self._keys + self._values:
             buf[slot, :, d] = buf[slot, :, s]
 
+    def prefix(self, slot: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, views of (K, V) [heads, n, dim] at a slot's first n positions (none before a first pass)."""
+        assert n <= self.lengths[slot], (n, self.lengths[slot])
+        return [(k[slot, :, :n], v[slot, :, :n]) for k, v in zip(self._keys, self._values, strict=True)]
+
+    def load_prefix(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Fill an empty slot with another cache's prefix (prefix()'s layers, the same heads and dims): the slot
+        then holds its n tokens, converted to this cache's dtype. False (nothing written) when the cache has
+        no room for n positions within max_cells."""
+        assert self.lengths[slot] == 0 and layers, (self.lengths[slot], len(layers))
+        k0, v0 = layers[0]
+        n = k0.shape[1]
+        self.reserve(n)
+        self.make_buffers(len(layers), k0.shape[0], k0.shape[2], v0.shape[2])
+        if n > self._len_cap:
+            return False
+        for (k, v), kbuf, vbuf in zip(layers, self._keys, self._values, strict=True):
+            kbuf[slot, :, :n] = k
+            vbuf[slot, :, :n] = v
+        self.lengths[slot] = n
+        return True
+
     def tokens_used(self) -> int:
         return sum(self.lengths)
 

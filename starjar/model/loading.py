@@ -81,6 +81,9 @@ class LoadedModel:
     # what the draft reads changes its acceptance, never the output.
     prompt_window: int | None = None
     kv_dtype: torch.dtype | None = None  # an int8 draft's KV precision (starjar.model.kv_precision); None: dtype
+    weights_from: str | None = None  # an int8 copy's float weights, resolved (recipe key weights_from)
+    # A smoothed int8 copy's per-layer divisors of its values [kv_heads, head_dim] (starjar.model.smoothing).
+    value_scales: list[torch.Tensor] | None = None
     # A float Llama-family model's scripted layers (a target's, or a float draft's): HF's forward to the last bit.
     lean_target: LeanTarget | None = None
     # The same float model's chain and tree passes as CUDA graphs (starjar.model.cuda_graphs).
@@ -176,12 +179,12 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
     tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(weights, local_files_only=True, dtype=dt).to(dev).eval()
     vocab = model.get_output_embeddings().weight.shape[0]
-    lean, kv_dtype = None, None
+    lean, kv_dtype, value_scales = None, None, None
     if recipe.get("kind") == quantized.KIND:
         leaner = LeanDecoder.supports(model)  # a draft's proposals may differ in the last bits; a target's may not
         act_bits = _act_bits(recipe, what, p)  # checked before smoothing's calibration passes
         kv_choice = kv_precision.recipe_choice(recipe.get("kv_dtype"), what, str(p))  # likewise
-        _smooth(model, tokenizer, recipe, what, p)
+        value_scales = _smooth(model, tokenizer, recipe, what, p)
         if leaner:
             LeanDecoder.attach_fused(model, recipe.get("head_vocab"))
         model = quantized.quantize_int8(model, recipe.get("int8_kernel"), act_bits)
@@ -213,6 +216,7 @@ def load_model(path: str | os.PathLike, device: str = "cpu", dtype: str | torch.
         raise InvalidArgument(what, "prompt_window in starjar.json must be a positive integer", window)
     return LoadedModel(str(p), model, tokenizer, dev, dt, vocab, int(max_ctx), eos_ids,
                        tokenizer_fingerprint(tokenizer), lean, prompt_window=window, kv_dtype=kv_dtype,
+                       weights_from=str(weights) if weights != p else None, value_scales=value_scales,
                        lean_target=lean_target, graphs=graphs)
 
 
@@ -264,14 +268,15 @@ def _act_bits(recipe: dict, what: str, p: Path) -> int:
     return bits
 
 
-def _smooth(model, tokenizer, recipe: dict, what: str, p: Path) -> None:
-    """The recipe's smooth_alpha, checked and folded into the float weights before they are quantized."""
+def _smooth(model, tokenizer, recipe: dict, what: str, p: Path) -> list | None:
+    """The recipe's smooth_alpha, checked and folded into the float weights before they are quantized; the
+    per-layer divisors of the values (smoothing.smooth), None unsmoothed."""
     if recipe.get("smooth_alpha") is None:
-        return
+        return None
     alpha = smoothing.check_alpha(recipe["smooth_alpha"], what, p)
     if not smoothing.supports(model):
         raise InvalidArgument(what, "smooth_alpha needs a Llama-family draft (llama, qwen2, mistral)", str(p))
-    smoothing.smooth(model, tokenizer, alpha)
+    return smoothing.smooth(model, tokenizer, alpha)
 
 
 def _recipe(p: Path) -> dict:

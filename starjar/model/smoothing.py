@@ -81,12 +81,14 @@ def _scales(peak: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> to
 
 
 @torch.no_grad()
-def smooth(model: torch.nn.Module, tokenizer, alpha: float) -> None:
-    """Fold smoothing scales into a float Llama-family model in place (before it is quantized)."""
+def smooth(model: torch.nn.Module, tokenizer, alpha: float) -> list[torch.Tensor]:
+    """Fold smoothing scales into a float Llama-family model in place (before it is quantized). Returns, per
+    layer, what its values are divided by [kv_heads, head_dim]: the KV it caches is the float model's so scaled."""
     peaks = {name.removeprefix(f"{model.base_model_prefix}."): p
              for name, p in activation_peaks(model, tokenizer).items()}
     cfg = model.config
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    value_scales = []
     for i, layer in enumerate(model.base_model.layers):
         att, mlp, name = layer.self_attn, layer.mlp, f"layers.{i}."
         s = _scales(peaks[name + "self_attn.q_proj"], [att.q_proj.weight, att.k_proj.weight, att.v_proj.weight], alpha)
@@ -96,6 +98,7 @@ def smooth(model: torch.nn.Module, tokenizer, alpha: float) -> None:
         s = _scales(peaks[name + "self_attn.o_proj"], [att.o_proj.weight], alpha)
         s = s.view(nkv, nq // nkv, -1).amax(1)  # one scale per KV-head channel: v_proj's rows are shared
         _rows_div(att.v_proj, s.reshape(-1))
+        value_scales.append(s.clone())
         att.o_proj.weight.mul_(s[:, None, :].expand(nkv, nq // nkv, s.shape[-1]).reshape(1, -1))
         s = _scales(peaks[name + "mlp.gate_proj"], [mlp.gate_proj.weight, mlp.up_proj.weight], alpha)
         layer.post_attention_layernorm.weight.div_(s)
@@ -104,6 +107,7 @@ def smooth(model: torch.nn.Module, tokenizer, alpha: float) -> None:
         s = _scales(peaks[name + "mlp.down_proj"], [mlp.down_proj.weight], alpha)
         _rows_div(mlp.up_proj, s)
         mlp.down_proj.weight.mul_(s)
+    return value_scales
 
 
 def _rows_div(linear: torch.nn.Linear, s: torch.Tensor) -> None:
