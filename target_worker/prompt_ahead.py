@@ -9,10 +9,13 @@ shapes (starjar.model.prompt_kv) takes the prompt's KV from the target's cache i
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable, Sequence
 
 from starjar.spec.proposer import DraftRequest
 from target_worker.request import Request
+
+log = logging.getLogger(__name__)
 
 # (the prompts as rounds with gamma 0) -> whether each went
 SendAhead = Callable[[Sequence[DraftRequest]], list[bool]]
@@ -41,5 +44,10 @@ def seed_prompts(seed: SeedDraft | None, cache, joined: Sequence[Request], fed: 
         tokens = fed[id(r)]
         if r.finished or r.draft_synced or r.max_draft_tokens == 0 or not tokens:  # finished: its KV is gone
             continue
-        if seed(r.draft_key, tokens, cache.prefix(r.slot, len(tokens))):
+        try:
+            took = seed(r.draft_key, tokens, cache.prefix(r.slot, len(tokens)))
+        except Exception as exc:  # the draft is an optimisation: its first round prefills the prompt instead
+            log.warning("handing a prompt's KV to the draft failed: %s", exc)
+            continue
+        if took:
             r.draft_synced = len(tokens)
