@@ -2,7 +2,8 @@
 
 One target, batch 1 (`--batch-size`), greedy, the same prompts; two `starjar serve draft` processes on
 loopback, one per mode, and the target alone (no drafts), alternated twice so drift on the machine hits all
-alike. Reports tokens/s of each, their ratios (chain over off, each over the target alone), the
+alike. Reports tokens/s of each, and decode tokens/s (the target's prefill, the same in every mode, left out),
+their ratios (chain over off, each over the target alone), the
 chain server's hit rate (hits / (hits + misses)) and tokens drafted ahead and wasted, and whether the
 outputs are identical. On a machine where the draft server shares the target's cores, lookahead competes
 with verification for them: the ratio then measures that too; `--pin` gives the draft servers the last core
@@ -28,10 +29,13 @@ from starjar.v1 import draft_pb2_grpc as pb_grpc
 MODES = ("off", "chain")
 
 
-def _timed(engine, prompts, params) -> tuple[list, float]:
+def _timed(engine, prompts, params) -> tuple[list, float, float]:
+    """(requests, tokens/s, decode tokens/s): the second leaves the target's prefill out, the same in every
+    mode, so it is what drafting (ahead or not) can change."""
     t0 = time.perf_counter()
     reqs = engine.generate(prompts, params)
-    return reqs, sum(len(r.output_ids) for r in reqs) / (time.perf_counter() - t0)
+    wall, tokens = time.perf_counter() - t0, sum(len(r.output_ids) for r in reqs)
+    return reqs, tokens / wall, tokens / (wall - engine.stats.prefill_s)
 
 
 def _start_servers(draft_dir: str, threads: int, pin: bool, device: str = "cpu") -> dict[str, ServerProcess]:
@@ -93,12 +97,12 @@ def run(args) -> dict:
             if eng.proposer is not None:
                 eng.proposer.close()
         before = _stats(servers["chain"].address)
-        rates, outs, rounds, phases = ({w: [] for w in ways}, {}, {m: [] for m in MODES},
-                                       {w: {} for w in ways})
+        rates, decode, outs, rounds, phases = ({w: [] for w in ways}, {w: [] for w in ways}, {},
+                                               {m: [] for m in MODES}, {w: {} for w in ways})
         for _rep in range(2):
             for way in ways:
                 eng = engine(way)
-                reqs, rate = _timed(eng, prompts, params)
+                reqs, rate, decode_rate = _timed(eng, prompts, params)
                 for k in ("prefill_s", "propose_s", "verify_s"):
                     phases[way][k] = phases[way].get(k, 0.0) + getattr(eng.stats, k)
                 if way != "alone":
@@ -107,6 +111,7 @@ def run(args) -> dict:
                     rounds[way] += [(r, q, c) for r, q, c in zip(cs.round_s, cs.server_queue_s, cs.server_compute_s,
                                                                   strict=True)]
                 rates[way].append(rate)
+                decode[way].append(decode_rate)
                 outs[way] = [r.output_ids for r in reqs]
         after = _stats(servers["chain"].address)
     finally:
@@ -115,6 +120,7 @@ def run(args) -> dict:
     hits = after.lookahead_hits - before.lookahead_hits
     misses = after.lookahead_misses - before.lookahead_misses
     alone, off, chain = (sum(rates[w]) / len(rates[w]) for w in ways)
+    d_alone, d_off, d_chain = (sum(decode[w]) / len(decode[w]) for w in ways)
     return {"pair": {"target": target_dir, "draft": draft_dir, "note": note},
             "workload": {"prompts": n_prompts, "max_new_tokens": max_new, "gamma": gamma, "batch_size": batch,
                          "draft_threads": args.draft_threads, "pinned": getattr(args, "pin", False),
@@ -123,6 +129,11 @@ def run(args) -> dict:
             "ratio": round(chain / off, 4), "alone_tokens_per_s": round(alone, 3),
             "chain_over_alone": round(chain / alone, 4), "off_over_alone": round(off / alone, 4),
             "runs_tokens_per_s": {w: [round(r, 3) for r in rates[w]] for w in ways},
+            # The same with the target's prefill left out (identical in every mode): the decoding drafts speed.
+            "decode_tokens_per_s": {"alone": round(d_alone, 3), "off": round(d_off, 3), "chain": round(d_chain, 3)},
+            "decode_ratio": round(d_chain / d_off, 4), "decode_chain_over_alone": round(d_chain / d_alone, 4),
+            "decode_off_over_alone": round(d_off / d_alone, 4),
+            "runs_decode_tokens_per_s": {w: [round(r, 3) for r in decode[w]] for w in ways},
             "lookahead_hits": hits, "lookahead_misses": misses,
             "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
             "lookahead_drafted_tokens": after.lookahead_drafted_tokens - before.lookahead_drafted_tokens,

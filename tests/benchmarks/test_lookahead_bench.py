@@ -60,6 +60,11 @@ def test_a_quick_run_at_batch_2_compares_with_the_target_alone(tmp_path):
     assert all(len(runs) == 2 and min(runs) > 0 for runs in result["runs_tokens_per_s"].values())
     assert result["chain_over_alone"] == round(result["chain_tokens_per_s"] / result["alone_tokens_per_s"], 4)
     assert result["target_phases_s"]["alone"]["propose_s"] == 0
+    # Decode rates leave the target's prefill out, so each is above its mode's tokens/s.
+    for way, runs in result["runs_decode_tokens_per_s"].items():
+        assert all(d > r for d, r in zip(runs, result["runs_tokens_per_s"][way], strict=True))
+    decode = result["decode_tokens_per_s"]
+    assert result["decode_ratio"] == round(decode["chain"] / decode["off"], 4)
 
 
 def test_batch_size_must_be_positive():
