@@ -125,6 +125,9 @@ class RemoteProposer:
         with self._lock:
             stream, limits = self._stream, self.limits
         went = [False] * len(requests)
+        # Answers already read off the stream are no longer outstanding: a request that ended without a real
+        # round leaves its send-ahead's answer unread, and two of them kept every later prompt from going ahead.
+        self._drop_late_replies()
         if (stream is None or limits is None or not limits.prefills_ahead or not self.breaker.allow()
                 or self._prefills.in_flight or len(self._outstanding) >= MAX_OUTSTANDING):
             return went

@@ -244,6 +244,27 @@ def test_a_server_without_lookahead_is_sent_no_prompt_ahead(models, prompt_ids, 
     assert outs == reference("llama", 48)[:4] and rounds > 0
 
 
+def test_prompts_of_requests_that_ended_at_prefill_do_not_hold_later_ones_back(models, prompt_ids):
+    # A request that ends with its first token never has a real round, so its send-ahead's answer is read by
+    # nobody's round: later prompts must go ahead all the same (before, the third one of a run was not sent
+    # and its draft prefilled on the first round's critical path).
+    with BackgroundDraftServer(models["draft"], DraftServerConfig(lookahead="chain")) as srv:
+        eng, rp = engine_for(models, srv.address, "t", gamma=3, batch=1)
+        assert rp.wait_attached(10)
+        went = []
+
+        def send_ahead(requests):
+            went.extend(rp.send_ahead(requests))
+            time.sleep(0.05)  # the server's answer arrives before the next prompt
+            return went[-len(requests):]
+
+        eng.send_ahead = send_ahead
+        for ids in prompt_ids[:5]:
+            eng.generate([ids], SamplingParams(max_tokens=1))
+        rp.close()
+    assert went == [True] * 5
+
+
 def test_seeded_sampling_through_lookahead_repeats_the_target_alone(models, prompt_ids):
     # A seeded draw depends on its position alone, so whatever was drafted ahead, hit or missed, the tokens are
     # the target's own: the same as the target decoding alone with the same seeds.
