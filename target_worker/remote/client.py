@@ -111,12 +111,12 @@ class RemoteProposer:
         try:
             replies = self._propose(requests)
             kind = "drafts" if any(r is not None for r in replies) else None
-            return replies
         except DraftUnavailable as exc:
             kind = "alone" if exc.reason == "draft_prefill" else None
             raise
         finally:
             self._prefills.call_ended(requests, kind)
+        return replies
 
     def send_ahead(self, requests: Sequence[DraftRequest]) -> list[bool]:
         """Prompts this worker is about to prefill, sent first to a server that feeds them in its idle time
@@ -125,9 +125,7 @@ class RemoteProposer:
         with self._lock:
             stream, limits = self._stream, self.limits
         went = [False] * len(requests)
-        # Answers already read off the stream are no longer outstanding: a request that ended without a real
-        # round leaves its send-ahead's answer unread, and two of them kept every later prompt from going ahead.
-        self._drop_late_replies()
+        self._drop_late_replies()  # a request that ended at prefill leaves its send-ahead's answer to nobody
         if (stream is None or limits is None or not limits.prefills_ahead or not self.breaker.allow()
                 or self._prefills.in_flight or len(self._outstanding) >= MAX_OUTSTANDING):
             return went
@@ -266,8 +264,7 @@ class RemoteProposer:
         return DraftUnavailable(reason, detail)
 
     def _drop_late_replies(self) -> None:
-        """Answers to rounds given up on are no longer outstanding (read only by _await_reply before, they kept
-        every breaker probe failing as a backlog: the stream never drafted again)."""
+        """Answers to rounds given up on (or sent ahead) are no longer outstanding: unread, they held rounds back."""
         while True:
             try:
                 resp = self._replies.get_nowait()
