@@ -48,7 +48,7 @@ def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
     ap.add_argument("--lookahead", choices=("off", "chain"), default="off",
                     help="bench tax, star: the draft server's --lookahead (default off)")
     ap.add_argument("--pin", action="store_true",
-                    help="bench lookahead: the draft servers on the last core, the target (one thread) on the others")
+                    help="bench lookahead, tax: draft servers on the last core, the target (1 thread) on the others")
     ap.add_argument("--batch-size", type=int, default=None, help="bench lookahead: the target's batch size (default 1)")
     ap.add_argument("--device", default="cpu",
                     help="bench lookahead: where the target and the draft servers run (cpu, cuda[:N])")

@@ -63,3 +63,34 @@ class ServerProcess:
     def terminate(self) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=30)
+
+
+def start_draft_servers(draft_dir: str, modes: tuple[str, ...], threads: int, pin: bool,
+                        device: str = "cpu") -> dict[str, ServerProcess]:
+    """One `starjar serve draft` per lookahead mode. pin: the servers on the last core and this process (the
+    target, one torch thread) on the others: the draft on cores of its own, as on a machine with a draft device."""
+    cores = sorted(os.sched_getaffinity(0))
+    if pin:
+        if len(cores) < 2:
+            raise SystemExit("--pin needs two cores")
+        import torch
+
+        torch.set_num_threads(1)
+        os.sched_setaffinity(0, cores[-1:])  # the servers are started with this affinity and keep it
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for m in modes:
+            servers[m] = ServerProcess("draft", "--model", draft_dir, "--port", "0", "--lookahead", m,
+                                       "--device", device, threads=threads)
+        return servers
+    except BaseException:  # one failed to start: stop those already running rather than leave them behind
+        for server in servers.values():
+            server.terminate()
+        raise
+    finally:
+        for tid in os.listdir("/proc/self/task") if pin else ():  # every thread of this process: the target's
+            try:
+                os.sched_setaffinity(int(tid), cores[:-1])
+            except ProcessLookupError:  # a thread that ended since the listing
+                pass
+        os.sched_setaffinity(0, cores[:-1] if pin else cores)

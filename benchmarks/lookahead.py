@@ -12,14 +12,12 @@ and the target the others (one torch thread), as where the draft has hardware of
 
 from __future__ import annotations
 
-import os
 import time
 
 import grpc
-import torch
 
 from benchmarks.common import p50, pair_dirs, prompt_ids
-from benchmarks.launch import ServerProcess
+from benchmarks.launch import start_draft_servers
 from controller.colocated import colocated_engine, load_pair, remote_engine
 from starjar.errors import InvalidArgument
 from starjar.spec.sampling import SamplingParams
@@ -38,34 +36,6 @@ def _timed(engine, prompts, params) -> tuple[list, float, float]:
     return reqs, tokens / wall, tokens / (wall - engine.stats.prefill_s)
 
 
-def _start_servers(draft_dir: str, threads: int, pin: bool, device: str = "cpu") -> dict[str, ServerProcess]:
-    """One draft server per mode. pin: the servers on the last core and this process (the target, one torch
-    thread) on the others: the draft on cores of its own, as on a machine with a draft device."""
-    cores = sorted(os.sched_getaffinity(0))
-    if pin:
-        if len(cores) < 2:
-            raise SystemExit("--pin needs two cores")
-        torch.set_num_threads(1)
-        os.sched_setaffinity(0, cores[-1:])  # the servers are started with this affinity and keep it
-    servers: dict[str, ServerProcess] = {}
-    try:
-        for m in MODES:
-            servers[m] = ServerProcess("draft", "--model", draft_dir, "--port", "0", "--lookahead", m,
-                                       "--device", device, threads=threads)
-        return servers
-    except BaseException:  # one failed to start: stop those already running rather than leave them behind
-        for server in servers.values():
-            server.terminate()
-        raise
-    finally:
-        for tid in os.listdir("/proc/self/task") if pin else ():  # every thread of this process: the target's
-            try:
-                os.sched_setaffinity(int(tid), cores[:-1])
-            except ProcessLookupError:  # a thread that ended since the listing
-                pass
-        os.sched_setaffinity(0, cores[:-1] if pin else cores)
-
-
 def _stats(address: str) -> pb.DraftStats:
     with grpc.insecure_channel(address) as ch:
         return pb_grpc.DraftServiceStub(ch).GetStats(pb.GetStatsRequest(), timeout=10)
@@ -82,7 +52,7 @@ def run(args) -> dict:
     target, _ = load_pair(target_dir, draft_dir, device)
     prompts = prompt_ids(target.tokenizer, n_prompts, args)
     params = SamplingParams(max_tokens=max_new)
-    servers = _start_servers(draft_dir, args.draft_threads, getattr(args, "pin", False), device)
+    servers = start_draft_servers(draft_dir, MODES, args.draft_threads, getattr(args, "pin", False), device)
     ways = ("alone", *MODES)  # alone: the target with no drafts, on the same cores and threads
 
     def engine(way: str):

@@ -4,8 +4,9 @@ start-up: a draft server that fails to start leaves none running."""
 import os
 
 import pytest
+import torch
 
-from benchmarks import lookahead
+from benchmarks import launch, lookahead
 from benchmarks.cli import parser
 from starjar.errors import InvalidArgument
 
@@ -32,11 +33,11 @@ def test_a_failed_start_stops_the_servers_already_running(monkeypatch, pin):
         pytest.skip("--pin needs two cores")
     cores = os.sched_getaffinity(0)
     _Server.started = []
-    monkeypatch.setattr(lookahead, "ServerProcess", _Server)
-    monkeypatch.setattr(lookahead.torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(launch, "ServerProcess", _Server)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     try:
         with pytest.raises(RuntimeError, match="before it was ready"):
-            lookahead._start_servers("unused", 1, pin)
+            launch.start_draft_servers("unused", lookahead.MODES, 1, pin)
     finally:  # --pin narrows every thread of this process: give them all their cores back
         for tid in os.listdir("/proc/self/task"):
             try:
