@@ -65,7 +65,7 @@ def test_a_quick_run_at_batch_2_compares_with_the_target_alone(tmp_path):
     for way, runs in result["runs_decode_tokens_per_s"].items():
         assert all(d > r for d, r in zip(runs, result["runs_tokens_per_s"][way], strict=True))
     decode = result["decode_tokens_per_s"]
-    assert result["decode_ratio"] == round(decode["chain"] / decode["off"], 4)
+    assert result["decode_ratio"] == pytest.approx(decode["chain"] / decode["off"], rel=1e-3)  # of unrounded rates
 
 
 def test_batch_size_must_be_positive():
