@@ -9,6 +9,7 @@ import torch
 from benchmarks import launch, lookahead
 from benchmarks.cli import parser
 from starjar.errors import InvalidArgument
+from tests.helpers.affinity import restore_cores
 
 
 class _Server:
@@ -39,11 +40,7 @@ def test_a_failed_start_stops_the_servers_already_running(monkeypatch, pin):
         with pytest.raises(RuntimeError, match="before it was ready"):
             launch.start_draft_servers("unused", lookahead.MODES, 1, pin)
     finally:  # --pin narrows every thread of this process: give them all their cores back
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), cores)
-            except ProcessLookupError:
-                pass
+        restore_cores(cores)
     assert len(_Server.started) == 1 and _Server.started[0].terminated
 
 

@@ -7,6 +7,7 @@ import torch
 
 from benchmarks import tax
 from benchmarks.cli import parser
+from tests.helpers.affinity import restore_cores
 
 
 @pytest.mark.parametrize("pin", [False, True])
@@ -24,11 +25,7 @@ def test_a_quick_run_compares_remote_with_colocated(tmp_path, pin):
         result = tax.run(parser().parse_args(flags + (["--pin"] if pin else [])))
     finally:  # --pin narrows every thread of this process to one core and torch to one thread: undo both
         torch.set_num_threads(threads)
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), cores)
-            except ProcessLookupError:
-                pass
+        restore_cores(cores)
     assert result["outputs_identical"] and result["workload"]["pinned"] == pin
     # The ratios are of the unrounded rates: equal to the printed rates' within their rounding.
     assert result["ratio"] == pytest.approx(result["remote_tokens_per_s"] / result["colocated_tokens_per_s"], rel=1e-3)
