@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from draft_server import fair_share
 from draft_server.config import DraftServerConfig
 from draft_server.engine import MAX_FEED, DraftEngine, DraftJob
+from draft_server.fanout import BRANCHES
 from draft_server.faults import FaultPlan, Faults
 from draft_server.stats import ServerStats
 from draft_server.work_queue import ReleaseWork, RoundWork, WorkQueue
@@ -62,7 +63,8 @@ class ComputeLoop(threading.Thread):
         flight (continuous batching, at most max_batch_rounds at once); fifo: one round at a time.
         tide: draft_server.tide.adaptation.Tide (online adaptation: sees each answered round, trains when idle).
         lookahead: "chain" drafts ahead for each answered round's full acceptance while no round waits
-        (draft_server.lookahead); "off" does not."""
+        (draft_server.lookahead), "fanout" also for its likeliest rejections (draft_server.fanout); "off" does
+        not."""
         super().__init__(name="draft-compute", daemon=True)
         self.engine = engine
         self.queue = queue
@@ -72,7 +74,8 @@ class ComputeLoop(threading.Thread):
         self.faults = faults or Faults(FaultPlan())
         self.tide = tide
         self.pass_catchup_tokens = pass_catchup_tokens
-        self.lookahead = lookahead == "chain"
+        self.lookahead = lookahead != "off"
+        self.engine.ahead.branches = BRANCHES if lookahead == "fanout" else 0
         self.recent_load = 0.0  # busy / (busy + idle) since each wake-up by a round, as an EMA
         self._busy_since_wake = 0.0
         self.engine.prefill_ahead = self.lookahead
@@ -309,4 +312,4 @@ def _pusher(work: RoundWork):
     """How a complete stage of this round's sequences reaches its target: pushed on the round's stream."""
     if work.push is None:
         return None
-    return lambda st: work.push(st.job.seq_id[1], st.base, st.sent + [st.guess], st.job.drafts[1:])
+    return lambda st, assumed, drafts: work.push(st.job.seq_id[1], st.base, assumed, drafts)

@@ -56,7 +56,8 @@ class DraftServerConfig:
     # verified tokens in the compute loop's idle time (draft_server/tide/adaptation.py).
     tide: TideConfig | None = None
     # Lookahead (draft_server.lookahead): "chain" drafts each answered round's likeliest next round (all drafts
-    # accepted, the bonus token guessed) while no round waits; "off" leaves the idle time idle.
+    # accepted, the bonus token guessed) while no round waits; "fanout" also its likeliest rejections
+    # (draft_server.fanout); "off" leaves the idle time idle.
     lookahead: str = "off"
 
     def __post_init__(self) -> None:

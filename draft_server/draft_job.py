@@ -36,6 +36,9 @@ class DraftJob:
     # Catch-up tokens its next pass may feed, at least 1 (the compute loop's fair share, draft_server.fair_share);
     # None: a whole chunk.
     allow: int | None = None
+    # With fanout lookahead: per draft, (its probability, the runner-up, the runner-up's) (draft_server.fanout).
+    tops: list[tuple[float, int, float]] = field(default_factory=list)
+    branch: object | None = None  # the draft_server.fanout.Branch this job drafts for, if any
 
     @property
     def done(self) -> bool:
@@ -66,10 +69,13 @@ class DraftStats:
     lookahead_drafted: int = 0
     lookahead_wasted: int = 0
     lookahead_prefilled: int = 0  # prompt tokens fed ahead of their first round (rounds with gamma 0)
+    lookahead_branch_hits: int = 0  # hits on a fanout branch (a rejection foreseen), also in lookahead_hits
 
 
 def tree_row(job: DraftJob):
-    """The cache layout of a tree job's beam pass (None for chains and catch-ups)."""
+    """The cache layout of a tree job's beam pass or a fanout branch's pass (None for chains and catch-ups)."""
+    if job.branch is not None:
+        return job.branch.layout()
     return job.beam.layout() if job.beam is not None and job.passes else None
 
 

@@ -23,11 +23,12 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 
 from draft_server.draft_job import DraftJob, DraftSeq, DraftStats, logit_rows, tree_row
-from draft_server.kv_pool import MIN_LENGTH, MIN_SLOTS, DraftKVCache
-from draft_server.lookahead import Lookahead, Stage
+from draft_server.fanout import top_two
+from draft_server.kv_pool import MIN_LENGTH, MIN_SLOTS, DraftKVCache, pass_tokens
+from draft_server.lookahead import Lookahead
 from draft_server.tree_draft import BeamTree, fit_width
 from starjar.model.grouped_forward import grouped_forward
-from starjar.model.loading import LoadedModel, kv_bytes_per_token
+from starjar.model.loading import LoadedModel
 from starjar.spec.proposer import DraftReply, DraftRequest
 from starjar.spec.token_ids import common_prefix, first_out_of_range
 
@@ -35,7 +36,6 @@ SHORT_FEED = 8  # feeds up to this many tokens share one pass whatever their pad
 # A long catch-up (a new sequence's prompt) is fed in chunks, and a pass holds at most this many fed tokens:
 # a pass's masks and attention scores grow with its tokens x its context, and must stay bounded.
 MAX_FEED = 512
-MAX_PASS_TOKENS = 2048
 
 
 class DraftEngine:
@@ -51,7 +51,7 @@ class DraftEngine:
         self.model = model
         self.max_kv_tokens = max_kv_tokens
         self.max_kv_tokens_per_owner = max_kv_tokens_per_owner
-        self.max_pass_tokens = _pass_tokens(model, max_kv_tokens)
+        self.max_pass_tokens = pass_tokens(model, max_kv_tokens, SHORT_FEED)
         # K and V copied per layer by a pass over scattered slots: a fortieth of the budget's (all layers') bytes.
         self.max_gather_cells = None if max_kv_tokens is None else max(
             1, max_kv_tokens * model.model.config.num_hidden_layers // 40)
@@ -205,15 +205,21 @@ class DraftEngine:
                 if j.beam is not None and j.passes:
                     self._grow_tree(j, lg)
                     continue
-                j.seq.cached.extend(f)
+                if j.branch is None:  # a branch's KV lies past the sequence's own (draft_server.fanout)
+                    j.seq.cached.extend(f)
                 if len(f) < len(j.feed):  # a chunk of a long catch-up: no draft until it is all in
                     j.feed = j.feed[len(f):]
                     continue
                 if j.beam is not None:
                     self._grow_tree(j, lg)
                     continue
-                j.drafts.append(int(lg[0].argmax()))
-                j.feed = [j.drafts[-1]]
+                if self.ahead.branches:  # fanout: the drafts' probabilities choose the rejections to branch on
+                    token, top = top_two(lg[0])
+                    j.tops.append(top)
+                else:
+                    token = int(lg[0].argmax())
+                j.drafts.append(token)
+                j.feed = [token]
                 j.passes += 1
                 self.stats.drafted_tokens += 1
 
@@ -232,7 +238,7 @@ class DraftEngine:
 
     # ---- lookahead (draft_server.lookahead) ---------------------------------------------------
 
-    def stage(self, job: DraftJob, push: Callable[[Stage], None] | None = None) -> bool:
+    def stage(self, job: DraftJob, push: Callable | None = None) -> bool:
         """Start drafting ahead for a finished chain job whose drafts were just answered; whether it did (a
         sequence gone, a tree, or no room in the context or the KV budgets: no)."""
         seq = self._seqs.get(job.seq_id)
@@ -242,7 +248,11 @@ class DraftEngine:
         if len(seq.verified) + 2 * g + 1 > self.model.max_context or not self._fits(
                 DraftRequest(job.seq_id, len(seq.verified), [], g), seq, len(seq.verified) + g + 1):
             return False
-        self.ahead.stage(job, push)
+        branches = self.ahead.branches
+        if branches and not self._fits(DraftRequest(job.seq_id, len(seq.verified), [], g), seq,
+                                       len(seq.verified) + (g + 1) * (branches + 1)):
+            branches = 0  # the KV budgets hold the chain but not its branches
+        self.ahead.stage(job, self.cache, push, branches)
         return True
 
     def advance_lookahead(self, jobs: Sequence[DraftJob]) -> int:
@@ -383,14 +393,3 @@ def _power_of_two(n: int) -> int:
 
 def _owner(seq_id: Hashable) -> Hashable:
     return seq_id[0] if isinstance(seq_id, tuple) else None
-
-
-def _pass_tokens(model: LoadedModel, max_kv_tokens: int | None) -> int:
-    """Tokens one pass may feed: MAX_PASS_TOKENS, or fewer where a pass's scratch (mask, attention scores and
-    probabilities in fp32, per query token over the longest context) would pass a tenth of the KV budget."""
-    if max_kv_tokens is None:
-        return MAX_PASS_TOKENS
-    heads = model.model.config.num_attention_heads
-    per_query = 3 * model.max_context * heads * model.cache_dtype.itemsize  # scratch in the cache's precision
-    return max(SHORT_FEED, min(MAX_PASS_TOKENS, max_kv_tokens * kv_bytes_per_token(model) // 10 // per_query))
-

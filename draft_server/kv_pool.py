@@ -12,10 +12,12 @@ from __future__ import annotations
 import torch
 
 from starjar.model.kv_cache import RaggedKVCache
+from starjar.model.loading import LoadedModel, kv_bytes_per_token
 
 # A new cache's size (RaggedKVCache's defaults): a shrink never goes below it.
 MIN_SLOTS = 4
 MIN_LENGTH = 256
+MAX_PASS_TOKENS = 2048  # tokens one draft pass feeds at most
 
 
 class DraftKVCache(RaggedKVCache):
@@ -43,3 +45,14 @@ class DraftKVCache(RaggedKVCache):
                 bufs[i] = new  # the old buffer goes now: at most one layer's old and new are held at once
         self._slot_cap, self._len_cap = slots, length
         return True
+
+
+def pass_tokens(model: LoadedModel, max_kv_tokens: int | None, floor: int) -> int:
+    """Tokens one pass may feed: MAX_PASS_TOKENS, or fewer where a pass's scratch (mask, attention scores and
+    probabilities in fp32, per query token over the longest context) would pass a tenth of the KV budget."""
+    if max_kv_tokens is None:
+        return MAX_PASS_TOKENS
+    heads = model.model.config.num_attention_heads
+    per_query = 3 * model.max_context * heads * model.cache_dtype.itemsize  # scratch in the cache's precision
+    return max(floor, min(MAX_PASS_TOKENS, max_kv_tokens * kv_bytes_per_token(model) // 10 // per_query))
+

@@ -20,6 +20,9 @@ When a stage is complete the server pushes its drafts on the sequence's stream, 
 and tokens they assume (target_worker.remote.staged): a target whose round turns out to be exactly that one
 uses them without waiting for the reply.
 
+With `--lookahead fanout` a stage whose chain is complete also drafts for the round's likeliest rejections,
+one branch each (draft_server.fanout), pushed the same way.
+
 A hit's drafts come from one-token passes where a server without lookahead feeds [dg, b] in one pass; they
 may differ in the last bits of the logits, so rarely in a token. What a request outputs never depends on its
 drafts (verification decides; seeded draws depend on the position alone, starjar.spec.sampling).
@@ -28,13 +31,14 @@ drafts (verification decides; seeded draws depend on the position alone, starjar
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from draft_server.draft_job import DraftJob, DraftSeq, DraftStats
+from draft_server.fanout import Branch, cut_to, likeliest_rejections
 from draft_server.kv_pool import DraftKVCache
 from starjar.spec.proposer import DraftRequest
 
-MODES = ("off", "chain")
+MODES = ("off", "chain", "fanout")
 PREFILL_CHUNK = 64  # prompt tokens an ingest pass feeds at most: a real round arriving meanwhile waits on little
 
 
@@ -45,14 +49,25 @@ class Stage:
     base_cached: int  # len(seq.cached) then: the KV a server without lookahead holds
     sent: list[int]  # the drafts that round answered (d1..dg)
     job: DraftJob  # fed [dg]: its first draft is the guess, the rest the next round's
-    push: Callable[[Stage], None] | None = None  # told once when the job is done (the drafts go to the target)
+    push: Callable[[Stage, list[int], list[int]], None] | None = None  # (stage, assumed, drafts): to the target
+    branches: list[Branch] = field(default_factory=list)  # fanout: the likeliest rejections, likeliest first
+    hit: Branch | None = None  # the branch a claimed round turned out to be
+    pushed: bool = False
 
     @classmethod
-    def after(cls, job: DraftJob) -> Stage:
-        """The stage for a finished chain job (its drafts were just answered)."""
+    def after(cls, job: DraftJob, cache: DraftKVCache, branches: int = 0) -> Stage:
+        """The stage for a finished chain job (its drafts were just answered), with up to `branches`
+        branches when the job's draft probabilities are known."""
         seq, g = job.seq, len(job.drafts)
         ahead = DraftJob(job.seq_id, seq, g + 1, [job.drafts[-1]], passes=1)  # passes: steps, not a catch-up
-        return cls(seq, len(seq.verified), len(seq.cached), list(job.drafts), ahead)
+        stage = cls(seq, len(seq.verified), len(seq.cached), list(job.drafts), ahead)
+        if branches and len(job.tops) == g:
+            read = stage.base_cached - (g - 1)  # the verified tokens the KV holds: the drafts' positions follow
+            for likelihood, point, token in likeliest_rejections(job.tops, branches):
+                b = DraftJob(job.seq_id, seq, g, [token], passes=1)
+                b.branch = Branch(point, token, likelihood, read + point - 1, b, cache)
+                stage.branches.append(b.branch)
+        return stage
 
     @property
     def guess(self) -> int | None:
@@ -60,46 +75,66 @@ class Stage:
 
     @property
     def drafted(self) -> int:
-        """Tokens this stage has drafted: the guess and the next round's drafts."""
-        return len(self.job.drafts)
+        """Tokens this stage has drafted: the guess and the next round's drafts, and its branches'."""
+        return len(self.job.drafts) + sum(len(b.job.drafts) for b in self.branches)
+
+    def next_job(self) -> DraftJob | None:
+        """What to draft next for this stage: the chain, then each branch in turn."""
+        if not self.job.done:
+            return self.job
+        return next((b.job for b in self.branches if not b.job.done), None)
 
     def matches(self, req: DraftRequest) -> bool:
-        """Whether the round (not yet applied) makes the verified tokens exactly verified[:base] + assumed."""
-        if self.guess is None or req.tree_width > 1 or req.start > self.base:
+        """Whether the round (not yet applied) makes the verified tokens exactly verified[:base] + assumed,
+        assumed being the chain's or a drafted branch's (then remembered in `hit`)."""
+        if req.tree_width > 1 or req.start > self.base:
             return False
-        assumed = self.sent + [self.guess]
         tokens = [int(t) for t in req.tokens]
         cut = self.base - req.start
-        return (req.start + len(tokens) == self.base + len(assumed)
-                and tokens[:cut] == self.seq.verified[req.start:self.base] and tokens[cut:] == assumed)
+        if tokens[:cut] != self.seq.verified[req.start:self.base]:
+            return False
+        if self.guess is not None and tokens[cut:] == self.sent + [self.guess]:
+            return True
+        self.hit = next((b for b in self.branches if b.job.drafts and tokens[cut:] == b.assumed(self.sent)), None)
+        return self.hit is not None
 
     def take(self, gamma: int, cache: DraftKVCache) -> DraftJob:
-        """A hit (the round already applied): the stage's drafts past the guess become the round's own job,
-        asking gamma drafts. One that has them already is done (no draft pass), its KV cut to what a real
-        round would leave: the verified tokens and the first gamma - 1 drafts."""
+        """A hit (the round already applied): the stage's drafts past the guess, or the branch's, become the
+        round's own job, asking gamma drafts. One that has them already is done (no draft pass)."""
+        if self.hit is not None:
+            return self.hit.take(gamma)
         ahead = self.job
+        if cache.lengths[self.seq.slot] > len(self.seq.cached):  # branches' KV past the chain's
+            cache.truncate(self.seq.slot, len(self.seq.cached))
         job = DraftJob(ahead.seq_id, self.seq, gamma, list(ahead.feed), drafts=ahead.drafts[1:],
-                       passes=ahead.passes)
-        if len(job.drafts) >= gamma:
-            keep = len(self.seq.read) + gamma - 1
-            cache.truncate(self.seq.slot, keep)
-            del self.seq.cached[keep:]
-            del job.drafts[gamma:]
-            job.feed = [job.drafts[-1]]
-        return job
+                       passes=ahead.passes, tops=ahead.tops[1:])
+        return cut_to(job, gamma, cache)
 
     def undo(self, cache: DraftKVCache) -> None:
         """The KV back to what the answered round left."""
-        if len(self.seq.cached) > self.base_cached:
+        if cache.lengths[self.seq.slot] > self.base_cached:
             cache.truncate(self.seq.slot, self.base_cached)
-            del self.seq.cached[self.base_cached:]
+        del self.seq.cached[self.base_cached:]
+
+    def push_done(self) -> None:
+        """Send what is complete and not yet sent: the chain's drafts, each branch's."""
+        if self.push is None:
+            return
+        if not self.pushed and self.job.done:
+            self.pushed = True
+            self.push(self, self.sent + [self.guess], self.job.drafts[1:])
+        for b in self.branches:
+            if not b.pushed and b.job.done:
+                b.pushed = True
+                self.push(self, b.assumed(self.sent), list(b.job.drafts))
 
 
 class Lookahead:
     """A draft engine's work ahead: at most one stage or ingest job per sequence."""
 
-    def __init__(self, stats: DraftStats):
+    def __init__(self, stats: DraftStats, branches: int = 0):
         self.stats = stats
+        self.branches = branches  # fanout: rejections drafted for per stage (0: chain only)
         self.stages: dict[Hashable, Stage] = {}
         self.ingests: dict[Hashable, DraftJob] = {}
 
@@ -115,20 +150,20 @@ class Lookahead:
         return list(self.stages) + list(self.ingests)
 
     def jobs(self) -> list[DraftJob]:
-        """The unfinished jobs ahead, oldest first: prompts to ingest, then stages."""
-        return [j for j in self.ingests.values() if not j.done] + [s.job for s in self.stages.values()
-                                                                   if not s.job.done]
+        """The unfinished jobs ahead, at most one per sequence: prompts to ingest, then the stages' chains, then
+        their branches."""
+        chains = [s.job for s in self.stages.values() if not s.job.done]
+        branches = [j for s in self.stages.values() if s.job.done and (j := s.next_job()) is not None]
+        return [j for j in self.ingests.values() if not j.done] + chains + branches
 
-    def stage(self, job: DraftJob, push: Callable[[Stage], None] | None = None) -> None:
-        self.stages[job.seq_id] = stage = Stage.after(job)
+    def stage(self, job: DraftJob, cache: DraftKVCache, push: Callable | None = None, branches: int = 0) -> None:
+        self.stages[job.seq_id] = stage = Stage.after(job, cache, branches)
         stage.push = push
 
     def push_done(self) -> None:
-        """Tell each stage whose drafts are complete, once (a push sends them to the target)."""
+        """Send each stage's complete drafts to its target, once each (draft_server.speculate_stream)."""
         for stage in self.stages.values():
-            if stage.push is not None and stage.job.done:
-                push, stage.push = stage.push, None
-                push(stage)
+            stage.push_done()
 
     def ingest(self, req: DraftRequest, seq: DraftSeq) -> None:
         """A round that only records tokens (gamma 0): feed the ones the KV lacks, ahead of the next round."""
@@ -159,7 +194,9 @@ class Lookahead:
             self.stats.lookahead_misses += 1
             self.stats.lookahead_wasted += stage.drafted
             return None
-        ready = len(stage.job.drafts) - 1  # past the guess
+        used = stage.hit.job if stage.hit is not None else stage.job
+        ready = len(used.drafts) - (used is stage.job)  # past the chain's guess
         self.stats.lookahead_hits += 1
-        self.stats.lookahead_wasted += max(0, ready - gamma)
+        self.stats.lookahead_branch_hits += stage.hit is not None
+        self.stats.lookahead_wasted += stage.drafted - len(used.drafts) + max(0, ready - gamma)
         return stage.take(gamma, cache)

@@ -144,6 +144,7 @@ LOOKAHEAD_COUNTERS = (
     ("lookahead_drafted_tokens", "tokens drafted ahead in idle time (bonus-token guesses included)"),
     ("lookahead_wasted_tokens", "tokens drafted ahead that no reply used"),
     ("lookahead_prefilled_tokens", "prompt tokens fed ahead of their sequence's first round"),
+    ("lookahead_branch_hits", "lookahead hits on a fanout branch (a rejection and its correction foreseen)"),
 )
 
 

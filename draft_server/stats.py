@@ -40,7 +40,8 @@ class ServerStats:
         self.bad_sequences = 0  # sequences answered resync for breaking a limit (the stream went on)
         self.trees = [0, 0, 0.0]  # candidate trees built: sequence-rounds, nodes, bookkeeping seconds
         self.lookahead = {"lookahead_hits": 0, "lookahead_misses": 0, "lookahead_drafted_tokens": 0,
-                          "lookahead_wasted_tokens": 0, "lookahead_prefilled_tokens": 0}
+                          "lookahead_wasted_tokens": 0, "lookahead_prefilled_tokens": 0,
+                          "lookahead_branch_hits": 0}
         self.observer = observer
 
     def record_idle(self, gap_s: float) -> None:
@@ -63,7 +64,8 @@ class ServerStats:
             self.lookahead = {"lookahead_hits": e.lookahead_hits, "lookahead_misses": e.lookahead_misses,
                               "lookahead_drafted_tokens": e.lookahead_drafted,
                               "lookahead_wasted_tokens": e.lookahead_wasted,
-                              "lookahead_prefilled_tokens": e.lookahead_prefilled}
+                              "lookahead_prefilled_tokens": e.lookahead_prefilled,
+                              "lookahead_branch_hits": e.lookahead_branch_hits}
 
     def record_busy(self, busy_s: float) -> None:
         with self._lock:

@@ -26,7 +26,9 @@ DRAFT_SERVER_FLAGS = {
                                  "how long one target's prompts may keep another's drafts waiting"),
     "lookahead": (LOOKAHEAD_MODES, "chain: while no round waits, draft each answered round's likeliest next round "
                                    "(every draft accepted, the bonus token guessed); a round that matches is "
-                                   "answered from it. Real rounds always go first"),
+                                   "answered from it. fanout: with the idle time left, also its likeliest "
+                                   "rejections (the draft's runner-up as the correction). Real rounds always go "
+                                   "first"),
 }
 HTTP_FLAGS = {
     "header_timeout_s": (float, "OpenAI port: seconds to the end of a request's headers (idle keep-alive "

@@ -21,6 +21,7 @@ import time
 import pytest
 from fault_proxy import FaultProxy
 
+from draft_server import fanout
 from draft_server.background import BackgroundDraftServer
 from draft_server.config import DraftServerConfig
 from draft_server.faults import FaultPlan
@@ -53,11 +54,16 @@ CI_CELLS = {("blackhole", "mid_round"), ("reset", "between"), ("hang", "mid_roun
             ("latency_over", "between"), ("refuse", "attach")}
 
 
+FANOUT_CI_CELLS = {("hang", "mid_round"), ("reset", "between")}
+
+
 def cells():
-    for lookahead in ("off", "chain"):  # chain: the server drafts ahead and is sent prompts ahead
+    # chain: the server drafts ahead and is sent prompts ahead; fanout: it also drafts for likely rejections
+    for lookahead in ("off", "chain", "fanout"):
         for kind in FAULTS:
             for point in POINTS:
-                marks = () if (kind, point) in CI_CELLS else (pytest.mark.chaos,)
+                ci = FANOUT_CI_CELLS if lookahead == "fanout" else CI_CELLS
+                marks = () if (kind, point) in ci else (pytest.mark.chaos,)
                 yield pytest.param(kind, point, lookahead, id=f"{kind}-{point}-{lookahead}", marks=marks)
 
 
@@ -151,6 +157,7 @@ def test_fault_matrix(models, prompt_ids, reference, monkeypatch, kind, point, l
     if point == "attach" and spec[0] == "switch":
         plan = ",".join(f"{k}={v}" for k, v in spec[1].items())
         monkeypatch.setenv("STARJAR_DRAFT_FAULTS", plan)  # read when the DraftServer is built
+    monkeypatch.setattr(fanout, "MIN_LIKELIHOOD", 0.0)  # fanout: the tiny draft's flat probabilities branch too
     srv = BackgroundDraftServer(models["draft"], DraftServerConfig(lookahead=lookahead)).start()
     monkeypatch.delenv("STARJAR_DRAFT_FAULTS", raising=False)
     proxy = FaultProxy(srv.address)

@@ -1,17 +1,19 @@
 """Sampling through a draft server that drafts ahead keeps the target's distribution.
 
-Many unseeded requests for one prompt sampled through a real draft server with `--lookahead chain` (the
-target's own weights as the draft, so staged rounds are hit) against the target decoding alone (seeded, which
-fixes its sample; seeded draws through the drafts would repeat it whatever was drafted, so those are
-unseeded). Top-k 2 keeps each position's support small; the eighth token's marginal (after a round that
-lookahead may have answered) must not tell the two apart (chi-square test of homogeneity); a sample biased
-towards the likeliest token is caught by the same test.
+Many unseeded requests for one prompt sampled through a real draft server with `--lookahead chain` or
+`fanout` (the target's own weights as the draft, so staged rounds and branches are hit) against the target
+decoding alone (seeded, which fixes its sample; seeded draws through the drafts would repeat it whatever was
+drafted, so those are unseeded). Top-k 2 keeps each position's support small; the eighth token's marginal
+(after a round that lookahead may have answered) must not tell the two apart (chi-square test of homogeneity);
+a sample biased towards the likeliest token is caught by the same test.
 """
 
 from collections import Counter
 
+import pytest
 from scipy.stats import chi2_contingency
 
+from draft_server import fanout
 from draft_server.background import BackgroundDraftServer
 from draft_server.config import DraftServerConfig
 from starjar.spec.policy import FixedGamma
@@ -46,10 +48,12 @@ def _alone(models, prompt, params) -> Counter:
     return Counter(r.output_ids[POSITION] for r in eng.generate([prompt] * N, params))
 
 
-def test_the_eighth_tokens_distribution_through_lookahead_is_the_targets(models, prompt_ids):
+@pytest.mark.parametrize("lookahead", ["chain", "fanout"])
+def test_the_eighth_tokens_distribution_through_lookahead_is_the_targets(models, prompt_ids, lookahead, monkeypatch):
+    monkeypatch.setattr(fanout, "MIN_LIKELIHOOD", 0.0)  # fanout: a tiny random draft's flat probabilities branch
     prompt = prompt_ids[3]
     alone = _alone(models, prompt, _params(10_000))
-    with BackgroundDraftServer(models["llama"], DraftServerConfig(lookahead="chain")) as srv:
+    with BackgroundDraftServer(models["llama"], DraftServerConfig(lookahead=lookahead)) as srv:
         rp = RemoteProposer(srv.address, models["llama"].fingerprint, "chi", 2.0, backoff_s=(0.02, 0.2))
         eng = TargetEngine(models["llama"], rp, FixedGamma(3), EngineConfig(max_batch_size=16))
         eng.send_ahead = rp.send_ahead
@@ -58,6 +62,7 @@ def test_the_eighth_tokens_distribution_through_lookahead_is_the_targets(models,
         rp.close()
         stats = srv.server.stats.snapshot()
     assert stats["lookahead_hits"] > 0 and eng.stats.accepted_tokens > 0  # the path under test ran
+    assert (stats["lookahead_branch_hits"] > 0) == (lookahead == "fanout")
     assert _pvalue(alone, through) > 0.001, (alone, through)  # unseeded: a false alarm once in 1000 runs
 
 

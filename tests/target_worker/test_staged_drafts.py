@@ -42,3 +42,20 @@ def test_pushes_are_bounded_and_dropped_with_their_sequences(monkeypatch):
     box.drop([4])
     box.clear()
     assert box.replies([DraftRequest("a", 0, [1], 1)], [5]) is None
+
+
+def test_a_sequence_keeps_one_push_per_outcome_of_one_start(monkeypatch):
+    monkeypatch.setattr(staged, "MAX_OUTCOMES", 3)
+    box = StagedDrafts()
+    box.take_push(_push(7, 10, [4, 5, 6], [8, 9]))  # the chain: full acceptance
+    box.take_push(_push(7, 10, [4, 2], [3, 3]))  # fanout: a rejection at the second draft
+    box.take_push(_push(7, 10, [4, 2], [3, 1]))  # the same outcome again: replaces its first push
+    assert box.replies([DraftRequest("a", 10, [4, 2], 2)], [7]) == [[3, 1]]
+    box.take_push(_push(7, 10, [4, 5, 6], [8, 9]))
+    for k in range(5):  # a faulty server's many outcomes: the latest few are kept
+        box.take_push(_push(7, 10, [k], [k]))
+    assert len(box._by_wire[7]) == 3
+    assert box.replies([DraftRequest("a", 10, [4], 1)], [7]) == [[4]]
+    box.take_push(_push(7, 12, [1], [1]))  # a later start: the earlier start's pushes are stale
+    assert box.replies([DraftRequest("a", 10, [3], 1)], [7]) is None
+    assert box.replies([DraftRequest("a", 12, [1], 1)], [7]) == [[1]]
