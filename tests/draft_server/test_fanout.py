@@ -5,17 +5,14 @@ branch's KV was moved where it belongs)."""
 
 import random
 
-import grpc
 import pytest
 import torch
-from draft_stream import Stream, attach, wait_until
+from draft_stream import served, wait_until
 
 from benchmarks.fixtures.reference import hf_greedy
 from draft_server import fanout
-from draft_server.background import BackgroundDraftServer
 from draft_server.config import DraftServerConfig
 from starjar.v1 import draft_pb2 as pb
-from starjar.v1 import draft_pb2_grpc as pb_grpc
 
 GAMMA = 4
 PROMPT = [5, 17, 42, 99, 3, 250, 8, 61]
@@ -28,16 +25,8 @@ def pair(models, monkeypatch):
     model's probabilities are flat), and a raw stream on each."""
     monkeypatch.setattr(fanout, "MIN_LIKELIHOOD", 0.0)
     cfg = dict(max_targets=4, max_gamma=8, max_tokens_per_sequence=512)
-    servers = [BackgroundDraftServer(models["llama"], DraftServerConfig(lookahead=m, **cfg)).start()
-               for m in ("off", "fanout")]
-    channels = [grpc.insecure_channel(s.address) for s in servers]
-    stubs = [pb_grpc.DraftServiceStub(ch) for ch in channels]
-    streams = [Stream(stub, attach(stub, models).tag) for stub in stubs]
-    yield servers, streams, stubs
-    for s, ch, srv in zip(streams, channels, servers, strict=True):
-        s.close()
-        ch.close()
-        srv.stop(grace=0.5)
+    with served(models, models["llama"], [DraftServerConfig(lookahead=m, **cfg) for m in ("off", "fanout")]) as pair:
+        yield pair
 
 
 def _both(streams, gamma=GAMMA, **seq) -> list[int]:

@@ -6,7 +6,7 @@ import time
 
 import grpc
 import pytest
-from draft_stream import Stream, attach, wait_until
+from draft_stream import Stream, attach, served, wait_until
 
 from benchmarks.fixtures.reference import hf_greedy
 from draft_server.background import BackgroundDraftServer
@@ -26,15 +26,8 @@ def _config(lookahead: str, **kw) -> DraftServerConfig:
 @pytest.fixture()
 def pair(models):
     """A lookahead-off server and a chain one, and a raw stream on each."""
-    servers = [BackgroundDraftServer(models["draft"], _config(m)).start() for m in ("off", "chain")]
-    channels = [grpc.insecure_channel(s.address) for s in servers]
-    stubs = [pb_grpc.DraftServiceStub(ch) for ch in channels]
-    streams = [Stream(stub, attach(stub, models).tag) for stub in stubs]
-    yield servers, streams, stubs
-    for s, ch, srv in zip(streams, channels, servers, strict=True):
-        s.close()
-        ch.close()
-        srv.stop(grace=0.5)
+    with served(models, models["draft"], [_config(m) for m in ("off", "chain")]) as pair:
+        yield pair
 
 
 def _both(streams, **seq) -> list[int]:

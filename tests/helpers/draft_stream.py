@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 
+import grpc
+
 from starjar.v1 import draft_pb2 as pb
+from starjar.v1 import draft_pb2_grpc as pb_grpc
 
 
 def fingerprint(model) -> pb.ModelFingerprint:
@@ -47,3 +51,22 @@ def wait_until(cond, timeout=3.0):
             return
         time.sleep(0.02)
     assert cond()
+
+
+@contextlib.contextmanager
+def served(models, draft, configs):
+    """One BackgroundDraftServer per config serving `draft`, each with a raw stream attached: (servers,
+    streams, stubs)."""
+    from draft_server.background import BackgroundDraftServer
+
+    servers = [BackgroundDraftServer(draft, c).start() for c in configs]
+    channels = [grpc.insecure_channel(s.address) for s in servers]
+    stubs = [pb_grpc.DraftServiceStub(ch) for ch in channels]
+    streams = [Stream(stub, attach(stub, models).tag) for stub in stubs]
+    try:
+        yield servers, streams, stubs
+    finally:
+        for s, ch, srv in zip(streams, channels, servers, strict=True):
+            s.close()
+            ch.close()
+            srv.stop(grace=0.5)
