@@ -45,8 +45,9 @@ def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
                     help="bench tide: the adapting draft server's --adapt-train (e.g. rank=64,lr=0.003)")
     ap.add_argument("--gamma", type=int, default=None,
                     help="bench breakdown: the gamma of the runs with drafts (default: the measured one)")
-    ap.add_argument("--lookahead", choices=("off", "chain"), default="off",
-                    help="bench tax, star: the draft server's --lookahead (default off)")
+    ap.add_argument("--lookahead", choices=("off", "chain", "fanout"), default="off",
+                    help="bench tax, star: the draft server's --lookahead (default off); bench lookahead: fanout "
+                         "adds a fanout server to off and chain")
     ap.add_argument("--pin", action="store_true",
                     help="bench lookahead, tax: draft servers on the last core, the target (1 thread) on the others")
     ap.add_argument("--batch-size", type=int, default=None, help="bench lookahead: the target's batch size (default 1)")

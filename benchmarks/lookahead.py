@@ -1,4 +1,5 @@
-"""`starjar bench lookahead`: the draft server drafting ahead (`--lookahead chain`) against not (`off`).
+"""`starjar bench lookahead`: the draft server drafting ahead (`--lookahead chain`) against not (`off`);
+with `--lookahead fanout` a third server drafting for likely rejections too, against both.
 
 One target, batch 1 (`--batch-size`), greedy, the same prompts; two `starjar serve draft` processes on
 loopback, one per mode, and the target alone (no drafts), alternated twice so drift on the machine hits all
@@ -27,6 +28,15 @@ from starjar.v1 import draft_pb2_grpc as pb_grpc
 MODES = ("off", "chain")
 
 
+def _ahead_figures(before: pb.DraftStats, after: pb.DraftStats) -> dict:
+    """A lookahead server's hits, misses, hit rate and tokens drafted ahead and wasted over the timed runs."""
+    d = {k: getattr(after, k) - getattr(before, k) for k in ("lookahead_hits", "lookahead_misses",
+                                                             "lookahead_branch_hits", "lookahead_drafted_tokens",
+                                                             "lookahead_wasted_tokens")}
+    hits, misses = d["lookahead_hits"], d["lookahead_misses"]
+    return {**d, "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None}
+
+
 def _timed(engine, prompts, params) -> tuple[list, float, float]:
     """(requests, tokens/s, decode tokens/s): the second leaves the target's prefill out, the same in every
     mode, so it is what drafting (ahead or not) can change."""
@@ -52,8 +62,10 @@ def run(args) -> dict:
     target, _ = load_pair(target_dir, draft_dir, device)
     prompts = prompt_ids(target.tokenizer, n_prompts, args)
     params = SamplingParams(max_tokens=max_new)
-    servers = start_draft_servers(draft_dir, MODES, args.draft_threads, getattr(args, "pin", False), device)
-    ways = ("alone", *MODES)  # alone: the target with no drafts, on the same cores and threads
+    modes = MODES + (("fanout",) if getattr(args, "lookahead", "off") == "fanout" else ())
+    servers = start_draft_servers(draft_dir, modes, args.draft_threads, getattr(args, "pin", False), device)
+    ways = ("alone", *modes)  # alone: the target with no drafts, on the same cores and threads
+    ahead = modes[1:]
 
     def engine(way: str):
         if way == "alone":
@@ -66,9 +78,9 @@ def run(args) -> dict:
             eng.generate(prompts[:1], SamplingParams(max_tokens=8))
             if eng.proposer is not None:
                 eng.proposer.close()
-        before = _stats(servers["chain"].address)
+        before = {m: _stats(servers[m].address) for m in ahead}
         rates, decode, outs, rounds, phases = ({w: [] for w in ways}, {w: [] for w in ways}, {},
-                                               {m: [] for m in MODES}, {w: {} for w in ways})
+                                               {m: [] for m in modes}, {w: {} for w in ways})
         for _rep in range(2):
             for way in ways:
                 eng = engine(way)
@@ -83,15 +95,15 @@ def run(args) -> dict:
                 rates[way].append(rate)
                 decode[way].append(decode_rate)
                 outs[way] = [r.output_ids for r in reqs]
-        after = _stats(servers["chain"].address)
+        figures = {m: _ahead_figures(before[m], _stats(servers[m].address)) for m in ahead}
     finally:
         for s in servers.values():
             s.kill()
-    hits = after.lookahead_hits - before.lookahead_hits
-    misses = after.lookahead_misses - before.lookahead_misses
-    alone, off, chain = (sum(rates[w]) / len(rates[w]) for w in ways)
-    d_alone, d_off, d_chain = (sum(decode[w]) / len(decode[w]) for w in ways)
-    return {"pair": {"target": target_dir, "draft": draft_dir, "note": note},
+    mean = {w: sum(rates[w]) / len(rates[w]) for w in ways}
+    d_mean = {w: sum(decode[w]) / len(decode[w]) for w in ways}
+    alone, off, chain = mean["alone"], mean["off"], mean["chain"]
+    d_alone, d_off, d_chain = d_mean["alone"], d_mean["off"], d_mean["chain"]
+    out = {"pair": {"target": target_dir, "draft": draft_dir, "note": note},
             "workload": {"prompts": n_prompts, "max_new_tokens": max_new, "gamma": gamma, "batch_size": batch,
                          "draft_threads": args.draft_threads, "pinned": getattr(args, "pin", False),
                          "device": device},
@@ -100,17 +112,21 @@ def run(args) -> dict:
             "chain_over_alone": round(chain / alone, 4), "off_over_alone": round(off / alone, 4),
             "runs_tokens_per_s": {w: [round(r, 3) for r in rates[w]] for w in ways},
             # The same with the target's prefill left out (identical in every mode): the decoding drafts speed.
-            "decode_tokens_per_s": {"alone": round(d_alone, 3), "off": round(d_off, 3), "chain": round(d_chain, 3)},
+            "decode_tokens_per_s": {w: round(d_mean[w], 3) for w in ways},
             "decode_ratio": round(d_chain / d_off, 4), "decode_chain_over_alone": round(d_chain / d_alone, 4),
             "decode_off_over_alone": round(d_off / d_alone, 4),
             "runs_decode_tokens_per_s": {w: [round(r, 3) for r in decode[w]] for w in ways},
-            "lookahead_hits": hits, "lookahead_misses": misses,
-            "hit_rate": round(hits / (hits + misses), 4) if hits + misses else None,
-            "lookahead_drafted_tokens": after.lookahead_drafted_tokens - before.lookahead_drafted_tokens,
-            "lookahead_wasted_tokens": after.lookahead_wasted_tokens - before.lookahead_wasted_tokens,
-            "outputs_identical": outs["off"] == outs["chain"] == outs["alone"],
+            **{k: v for k, v in figures["chain"].items() if k != "lookahead_branch_hits"},
+            "outputs_identical": all(outs[w] == outs["alone"] for w in ways),
             # Per round as the target saw it, p50 in ms: the whole round, the server's queue wait, its compute.
-            "round_ms_p50": {m: [round(1000 * p50([x[i] for x in rounds[m]]), 3) for i in range(3)] for m in MODES},
-            "rounds": {m: len(rounds[m]) for m in MODES},
+            "round_ms_p50": {m: [round(1000 * p50([x[i] for x in rounds[m]]), 3) for i in range(3)] for m in modes},
+            "rounds": {m: len(rounds[m]) for m in modes},
             # The target's seconds in prefill, waiting for drafts and verifying (decoding, alone), both repetitions.
             "target_phases_s": {w: {k: round(v, 3) for k, v in phases[w].items()} for w in ways}}
+    if "fanout" in modes:  # fanout against chain (what its branches add), and against off and the target alone
+        fan, d_fan = mean["fanout"], d_mean["fanout"]
+        out["fanout"] = {"tokens_per_s": round(fan, 3), "over_chain": round(fan / chain, 4),
+                         "over_off": round(fan / off, 4), "over_alone": round(fan / alone, 4),
+                         "decode_over_chain": round(d_fan / d_chain, 4), "decode_over_off": round(d_fan / d_off, 4),
+                         "decode_over_alone": round(d_fan / d_alone, 4), **figures["fanout"]}
+    return out

@@ -1,4 +1,4 @@
-"""bench lookahead: a run on tiny models (the target alone, lookahead off and chain, at batch 2), and its server
+"""bench lookahead: a run on tiny models (the target alone, lookahead off, chain and fanout, at batch 2), and its server
 start-up: a draft server that fails to start leaves none running."""
 
 import os
@@ -50,11 +50,11 @@ def test_a_quick_run_at_batch_2_compares_with_the_target_alone(tmp_path):
     # The tiny tokenizer spends a token on every few bytes: a context the longest own prompt fits in.
     target = make_tiny_model(tmp_path / "target", "llama", seed=0, max_context=4096)
     draft = make_tiny_model(tmp_path / "draft", "llama", seed=0, layers=1, max_context=4096, tokenizer_from=target)
-    args = parser().parse_args(["lookahead", "--quick", "--batch-size", "2", "--dataset", "own", "--target",
-                                str(target), "--draft", str(draft), "--out", "unused.json"])
+    args = parser().parse_args(["lookahead", "--quick", "--batch-size", "2", "--dataset", "own", "--lookahead",
+                                "fanout", "--target", str(target), "--draft", str(draft), "--out", "unused.json"])
     result = lookahead.run(args)
     assert result["workload"]["batch_size"] == 2 and result["outputs_identical"]
-    assert set(result["runs_tokens_per_s"]) == {"alone", "off", "chain"}
+    assert set(result["runs_tokens_per_s"]) == {"alone", "off", "chain", "fanout"}
     assert all(len(runs) == 2 and min(runs) > 0 for runs in result["runs_tokens_per_s"].values())
     assert result["chain_over_alone"] == pytest.approx(result["chain_tokens_per_s"] / result["alone_tokens_per_s"],
                                                        rel=1e-3)  # a ratio of the unrounded rates
@@ -64,6 +64,9 @@ def test_a_quick_run_at_batch_2_compares_with_the_target_alone(tmp_path):
         assert all(d > r for d, r in zip(runs, result["runs_tokens_per_s"][way], strict=True))
     decode = result["decode_tokens_per_s"]
     assert result["decode_ratio"] == pytest.approx(decode["chain"] / decode["off"], rel=1e-3)  # of unrounded rates
+    fan = result["fanout"]
+    assert fan["decode_over_chain"] == pytest.approx(decode["fanout"] / decode["chain"], rel=1e-3)
+    assert fan["lookahead_hits"] + fan["lookahead_misses"] > 0 and fan["lookahead_branch_hits"] <= fan["lookahead_hits"]
 
 
 def test_batch_size_must_be_positive():
