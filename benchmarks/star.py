@@ -99,11 +99,14 @@ def exported_draft_metrics(metrics_address: str) -> dict:
             "t_idle_ms": round(1000 * values["starjar_draft_idle_gap_seconds_sum"] / gaps, 3) if gaps else 0.0}
 
 
+LOOKAHEAD_NS = (1, 2, 4, 8)  # idle draft time (N = 1), some (N = 2-4), none (saturated, N = 8)
+
+
 def _lookahead_vs_off(prep: dict, duration: float, lookahead: str) -> dict:
-    """Batched, at N = 1 and 8: system tokens/s with lookahead over without, run in the order on, off, off, on so
-    that drift hits both alike; the means and their ratio, and every run."""
+    """Batched, at each of LOOKAHEAD_NS: system tokens/s with lookahead over without, run in the order on, off,
+    off, on so that drift hits both alike; the means and their ratio, and every run."""
     ratios = {}
-    for n in (1, 8):
+    for n in LOOKAHEAD_NS:
         runs = {lookahead: [], "off": []}
         for m in (lookahead, "off", "off", lookahead):
             runs[m].append(_run_n(prep["draft_dir"], "batched", n, prep["scripts"], prep["verify_s"], duration,

@@ -258,9 +258,11 @@ class DraftEngine:
     def advance_lookahead(self, jobs: Sequence[DraftJob]) -> int:
         """One pass for jobs ahead (from ahead.jobs(), none started since). Returns the tokens drafted (an
         ingest's fed tokens are counted as prefilled ahead)."""
-        drafted = self.stats.drafted_tokens
+        drafted, t0 = self.stats.drafted_tokens, time.perf_counter()
         ingests = [(j, len(j.seq.cached), len(j.drafts)) for j in jobs if self.ahead.ingests.get(j.seq_id) is j]
         self.advance(jobs)
+        if any(j.branch is not None for j in jobs):
+            self.ahead.clock.passed(time.perf_counter() - t0)
         self.stats.lookahead_prefilled += sum(len(j.seq.cached) - n for j, n, _ in ingests)
         # An ingest's one draft is never sent: drafted ahead means drafts a stage may answer with.
         drafted = self.stats.drafted_tokens - drafted - sum(len(j.drafts) - d for j, _, d in ingests)

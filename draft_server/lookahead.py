@@ -30,11 +30,12 @@ drafts (verification decides; seeded draws depend on the position alone, starjar
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from draft_server.draft_job import DraftJob, DraftSeq, DraftStats
-from draft_server.fanout import Branch, cut_to, likeliest_rejections
+from draft_server.fanout import Branch, BranchClock, cut_to, likeliest_rejections
 from draft_server.kv_pool import DraftKVCache
 from starjar.spec.proposer import DraftRequest
 
@@ -53,6 +54,7 @@ class Stage:
     branches: list[Branch] = field(default_factory=list)  # fanout: the likeliest rejections, likeliest first
     hit: Branch | None = None  # the branch a claimed round turned out to be
     pushed: bool = False
+    answered_s: float = field(default_factory=time.perf_counter)  # when the round was answered
 
     @classmethod
     def after(cls, job: DraftJob, cache: DraftKVCache, branches: int = 0) -> Stage:
@@ -135,16 +137,19 @@ class Lookahead:
     def __init__(self, stats: DraftStats, branches: int = 0):
         self.stats = stats
         self.branches = branches  # fanout: rejections drafted for per stage (0: chain only)
+        self.clock = BranchClock()  # fanout: branch passes only in the time a sequence's rounds leave
         self.stages: dict[Hashable, Stage] = {}
         self.ingests: dict[Hashable, DraftJob] = {}
 
     def clear(self) -> None:
         self.stages.clear()
         self.ingests.clear()
+        self.clock = BranchClock()
 
     def drop(self, seq_id: Hashable) -> None:
         self.stages.pop(seq_id, None)
         self.ingests.pop(seq_id, None)
+        self.clock.drop(seq_id)
 
     def sequences(self) -> list[Hashable]:
         return list(self.stages) + list(self.ingests)
@@ -153,7 +158,8 @@ class Lookahead:
         """The unfinished jobs ahead, at most one per sequence: prompts to ingest, then the stages' chains, then
         their branches."""
         chains = [s.job for s in self.stages.values() if not s.job.done]
-        branches = [j for s in self.stages.values() if s.job.done and (j := s.next_job()) is not None]
+        branches = [j for s in self.stages.values() if s.job.done and (j := s.next_job()) is not None
+                    and self.clock.fits(j.seq_id, s.answered_s)]
         return [j for j in self.ingests.values() if not j.done] + chains + branches
 
     def stage(self, job: DraftJob, cache: DraftKVCache, push: Callable | None = None, branches: int = 0) -> None:
@@ -179,6 +185,8 @@ class Lookahead:
         ingest's KV is the verified prompt's: it stays for the round's catch-up."""
         self.ingests.pop(req.seq_id, None)
         stage = self.stages.pop(req.seq_id, None)
+        if stage is not None and self.branches:
+            self.clock.returned(req.seq_id, stage.answered_s)
         if stage is None or stage.matches(req):
             return stage
         stage.undo(cache)

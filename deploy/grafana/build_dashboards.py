@@ -62,6 +62,7 @@ ACCEPTED = rate("starjar_target_spec_decode_num_accepted_tokens_total")
 DRAFTS = rate("starjar_target_spec_decode_num_drafts_total")
 BUSY, IDLE = rate("starjar_draft_busy_time_seconds_total"), rate("starjar_draft_idle_time_seconds_total")
 LA_HITS, LA_MISSES = rate("starjar_draft_lookahead_hits_total"), rate("starjar_draft_lookahead_misses_total")
+LA_BRANCH_HITS = rate("starjar_draft_lookahead_branch_hits_total")
 
 OVERVIEW = [
     Panel("Requests finished per second", units.RequestsPerSecond,
@@ -134,7 +135,9 @@ DRAFT_SERVER = [
            (rate("starjar_draft_reclaimed_sequences_total"), "reclaimed sequences")]),
     Panel("Actor restarts", units.Short, [("starjar_controller_actor_restarts_total", "{{actor}}")]),
     Panel("Lookahead: hit rate and idle share", units.PercentUnit,
-          [(f"{LA_HITS} / ({LA_HITS} + {LA_MISSES})", "hit rate"), (f"{IDLE} / ({BUSY} + {IDLE})", "idle share")]),
+          [(f"{LA_HITS} / ({LA_HITS} + {LA_MISSES})", "hit rate"),
+           (f"{LA_BRANCH_HITS} / ({LA_HITS} + {LA_MISSES})", "hit rate on fanout branches"),
+           (f"{IDLE} / ({BUSY} + {IDLE})", "idle share")]),
     Panel("Lookahead tokens per second: drafted ahead, wasted, prompts fed ahead", units.Short,
           [(rate("starjar_draft_lookahead_drafted_tokens_total"), "drafted ahead"),
            (rate("starjar_draft_lookahead_wasted_tokens_total"), "wasted"),

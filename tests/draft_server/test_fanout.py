@@ -4,6 +4,7 @@ from its branch with exactly what a server without lookahead answers, and the ro
 branch's KV was moved where it belongs)."""
 
 import random
+import time
 
 import pytest
 import torch
@@ -129,3 +130,19 @@ def test_mixed_outcomes_and_gammas_answer_what_no_lookahead_answers(models, pair
     st = _stats(stubs[1])
     assert kinds == {"chain", "branch", "other"}
     assert st.lookahead_branch_hits >= 1 and st.lookahead_hits > st.lookahead_branch_hits and st.lookahead_misses
+
+
+def test_branches_wait_for_time_the_sequences_rounds_leave():
+    clock = fanout.BranchClock()
+    answered = time.perf_counter()
+    assert clock.fits("s", answered)  # nothing known yet: a branch may start
+    clock.passed(0.05)
+    clock.returned("s", time.perf_counter() - 0.02)  # its rounds come back in 20 ms: no time for a 50 ms pass
+    assert not clock.fits("s", time.perf_counter())
+    for _ in range(20):  # they come back in 300 ms from now on
+        clock.returned("t", time.perf_counter() - 0.3)
+    answered = time.perf_counter()
+    assert clock.fits("t", answered)
+    assert not clock.fits("t", answered - 0.25)  # 250 ms since the answer: two passes no longer fit
+    clock.drop("t")
+    assert clock.returns == {"s": pytest.approx(0.02, abs=0.01)}
