@@ -103,17 +103,21 @@ LOOKAHEAD_NS = (1, 2, 4, 8)  # idle draft time (N = 1), some (N = 2-4), none (sa
 
 
 def _lookahead_vs_off(prep: dict, duration: float, lookahead: str) -> dict:
-    """Batched, at each of LOOKAHEAD_NS: system tokens/s with lookahead over without, run in the order on, off,
-    off, on so that drift hits both alike; the means and their ratio, and every run."""
+    """Batched, at each of LOOKAHEAD_NS: system tokens/s with lookahead over without (fanout: chain too), run
+    in mirrored order (on, off, off, on) so that drift hits every mode alike; the means, each mode's ratio over
+    off, and every run."""
+    modes = [lookahead] + (["chain"] if lookahead == "fanout" else []) + ["off"]
     ratios = {}
     for n in LOOKAHEAD_NS:
-        runs = {lookahead: [], "off": []}
-        for m in (lookahead, "off", "off", lookahead):
+        runs = {m: [] for m in modes}
+        for m in modes + modes[::-1]:
             runs[m].append(_run_n(prep["draft_dir"], "batched", n, prep["scripts"], prep["verify_s"], duration,
                                   prep["fingerprint"], m)["system_tokens_per_s"])
         mean = {m: sum(v) / len(v) for m, v in runs.items()}
         ratios[str(n)] = {"runs": runs, **{m: round(v, 3) for m, v in mean.items()},
                           "ratio": round(mean[lookahead] / mean["off"], 4) if mean["off"] else None}
+        if lookahead == "fanout":
+            ratios[str(n)]["chain_ratio"] = round(mean["chain"] / mean["off"], 4) if mean["off"] else None
     return ratios
 
 
