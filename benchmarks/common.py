@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 
 from starjar import workloads
+from starjar.model.text import encode_prompt
 from starjar.spec.sampling import SamplingParams
 
 MAX_PROMPT_TOKENS = 1024  # serving benchmarks' usual cap on a sampled ShareGPT prompt (and at least 4 tokens)
@@ -29,14 +30,16 @@ def prompt_texts(args, n: int, default: str = "own", categories: set[str] | None
 
 
 def prompt_ids(tokenizer, n: int, args=None) -> list[list[int]]:
-    """n tokenized prompts for a serving benchmark: ShareGPT unless the flags name another workload. ShareGPT's
-    sample skips prompts under 4 or over MAX_PROMPT_TOKENS tokens, as serving benchmarks do."""
+    """n tokenized prompts for a serving benchmark: ShareGPT unless the flags name another workload, each through
+    the chat template with --chat. ShareGPT's sample skips prompts under 4 or over MAX_PROMPT_TOKENS tokens, as
+    serving benchmarks do."""
     dataset = getattr(args, "dataset", None) or "sharegpt"
+    chat = bool(getattr(args, "chat", False))
     if dataset != "sharegpt":
-        return [list(tokenizer(p.text)["input_ids"]) for p in prompt_texts(args, n, dataset)]
+        return [encode_prompt(tokenizer, p.text, chat) for p in prompt_texts(args, n, dataset)]
     out: list[list[int]] = []
     for p in workloads.load("sharegpt", 8 * n + 64, getattr(args, "dataset_path", None)):
-        ids = list(tokenizer(p.text)["input_ids"])
+        ids = encode_prompt(tokenizer, p.text, chat)
         if 4 <= len(ids) <= MAX_PROMPT_TOKENS:
             out.append(ids)
         if len(out) == n:

@@ -105,6 +105,8 @@ def run(args) -> dict:
     d_alone, d_off, d_chain = d_mean["alone"], d_mean["off"], d_mean["chain"]
     out = {"pair": {"target": target_dir, "draft": draft_dir, "note": note},
             "workload": {"prompts": n_prompts, "max_new_tokens": max_new, "gamma": gamma, "batch_size": batch,
+                         "chat_template": bool(getattr(args, "chat", False)),
+                         "output_tokens": sum(len(o) for o in outs["alone"]),
                          "draft_threads": args.draft_threads, "pinned": getattr(args, "pin", False),
                          "device": device},
             "off_tokens_per_s": round(off, 3), "chain_tokens_per_s": round(chain, 3),

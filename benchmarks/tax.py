@@ -82,7 +82,8 @@ def run(args) -> dict:
     co_decode, re_decode = sum(decode["colocated"]) / 2, sum(decode["remote"]) / 2
     return {"pair": {"target": target_dir, "draft": draft_dir, "note": note},
             "workload": {"prompts": n_prompts, "max_new_tokens": max_new, "gamma": gamma, "batch_size": 1,
-                         "lookahead": args.lookahead, "pinned": pin},
+                         "lookahead": args.lookahead, "pinned": pin,
+                         "chat_template": bool(getattr(args, "chat", False))},
             "colocated_tokens_per_s": round(colocated, 3), "remote_tokens_per_s": round(remote, 3),
             "ratio": round(remote / colocated, 4),
             "colocated_decode_tokens_per_s": round(co_decode, 3), "remote_decode_tokens_per_s": round(re_decode, 3),

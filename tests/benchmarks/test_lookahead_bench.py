@@ -73,3 +73,17 @@ def test_batch_size_must_be_positive():
     args = parser().parse_args(["lookahead", "--batch-size", "0", "--out", "unused.json"])
     with pytest.raises(InvalidArgument, match="batch-size"):
         lookahead.run(args)
+
+
+def test_chat_prompts_go_through_the_chat_template(tmp_path):
+    from benchmarks.common import prompt_ids, prompt_texts
+    from benchmarks.fixtures.tiny_models import make_tiny_model
+    from starjar.model.loading import load_model
+
+    tok = load_model(make_tiny_model(tmp_path / "m", "llama", seed=0)).tokenizer
+    raw, chat = (prompt_ids(tok, 2, parser().parse_args(["lookahead", "--dataset", "own", *flag, "--out", "x"]))
+                 for flag in ([], ["--chat"]))
+    texts = [p.text for p in prompt_texts(parser().parse_args(["lookahead", "--out", "x"]), 2, "own")]
+    assert raw == [tok(t)["input_ids"] for t in texts]
+    assert chat == [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"] for t in texts]
