@@ -67,6 +67,9 @@ class DraftServerConfig:
             raise InvalidArgument("mode", f"one of {MODES}", self.mode)
         if self.lookahead not in LOOKAHEAD_MODES:
             raise InvalidArgument("lookahead", f"one of {LOOKAHEAD_MODES}", self.lookahead)
+        # A fanout hit moves a branch's KV into place with no pass: TIDE's tap would keep stale hidden states there.
+        if self.lookahead == "fanout" and self.tide is not None:
+            raise InvalidArgument("lookahead", "fanout cannot run with online adaptation (--adapt)", self.lookahead)
         for name, lo, hi in (("max_targets", 0, 4096), ("max_sequences_per_target", 1, 65536),
                              ("max_tokens_per_sequence", 2, 1 << 20), ("max_gamma", 1, 64), ("max_tree_width", 1, 16),
                              ("max_tree_nodes", 1, 256),

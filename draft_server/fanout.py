@@ -28,10 +28,13 @@ EMA = 0.3  # weight of the newest sample in BranchClock's averages
 
 
 def top_two(logits: torch.Tensor) -> tuple[int, tuple[float, int, float]]:
-    """The argmax of one row of logits and (its probability, the runner-up, the runner-up's probability)."""
-    top = torch.topk(torch.softmax(logits.float(), dim=-1), 2)
-    (p0, p1), (t0, t1) = top.values.tolist(), top.indices.tolist()
-    return int(t0), (p0, int(t1), p1)
+    """The argmax of one row of logits and (its probability, the runner-up, the runner-up's probability). The
+    draft is argmax's (the first of equal logits), as without fanout: topk's order among ties is unspecified."""
+    token = int(logits.argmax())
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(probs, 2).indices.tolist()
+    runner_up = top[1] if top[0] == token else top[0]
+    return token, (float(probs[token]), int(runner_up), float(probs[runner_up]))
 
 
 def likeliest_rejections(tops: list[tuple[float, int, float]], count: int) -> list[tuple[float, int, int]]:

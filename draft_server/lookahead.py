@@ -155,12 +155,14 @@ class Lookahead:
         return list(self.stages) + list(self.ingests)
 
     def jobs(self) -> list[DraftJob]:
-        """The unfinished jobs ahead, at most one per sequence: prompts to ingest, then the stages' chains, then
-        their branches."""
-        chains = [s.job for s in self.stages.values() if not s.job.done]
-        branches = [j for s in self.stages.values() if s.job.done and (j := s.next_job()) is not None
-                    and self.clock.fits(j.seq_id, s.answered_s)]
-        return [j for j in self.ingests.values() if not j.done] + chains + branches
+        """The unfinished jobs ahead, at most one per sequence: prompts to ingest and the stages' chains, or
+        when there are none, their branches."""
+        chains = [j for j in self.ingests.values() if not j.done] + [s.job for s in self.stages.values()
+                                                                   if not s.job.done]
+        if chains:  # branches in passes of their own: one tree row would take every row off the fast path
+            return chains
+        return [j for s in self.stages.values() if s.job.done and (j := s.next_job()) is not None
+                and self.clock.fits(j.seq_id, s.answered_s)]
 
     def stage(self, job: DraftJob, cache: DraftKVCache, push: Callable | None = None, branches: int = 0) -> None:
         self.stages[job.seq_id] = stage = Stage.after(job, cache, branches)

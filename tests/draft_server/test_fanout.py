@@ -13,6 +13,7 @@ from draft_stream import served, wait_until
 from benchmarks.fixtures.reference import hf_greedy
 from draft_server import fanout
 from draft_server.config import DraftServerConfig
+from starjar.errors import InvalidArgument
 from starjar.v1 import draft_pb2 as pb
 
 GAMMA = 4
@@ -23,8 +24,10 @@ PROMPT = [5, 17, 42, 99, 3, 250, 8, 61]
 def pair(models, monkeypatch):
     """A lookahead-off server and a fanout one, each serving the tiny llama as its draft (a wrong KV or mask
     changes its drafts; the one-layer draft's hardly), every rejection point worth a branch (a tiny random
-    model's probabilities are flat), and a raw stream on each."""
+    model's probabilities are flat) and drafted, and a raw stream on each."""
     monkeypatch.setattr(fanout, "MIN_LIKELIHOOD", 0.0)
+    # Every branch drafted whatever the timing (the clock has a test of its own): these tests wait for them.
+    monkeypatch.setattr(fanout.BranchClock, "fits", lambda self, seq_id, answered_s: True)
     cfg = dict(max_targets=4, max_gamma=8, max_tokens_per_sequence=512)
     with served(models, models["llama"], [DraftServerConfig(lookahead=m, **cfg) for m in ("off", "fanout")]) as pair:
         yield pair
@@ -44,9 +47,12 @@ def _stats(stub) -> pb.DraftStats:
 def _branches_done(server) -> list:
     """The fanout server's branches for sequence 1, once the chain and every branch are drafted."""
     ahead = server.server.compute.engine.ahead
-    stage = next(s for k, s in ahead.stages.items() if k[1] == 1)
-    wait_until(lambda: stage.job.done and all(b.job.done for b in stage.branches), timeout=10)
-    return stage.branches
+
+    def stage():  # staged by the compute thread right after it sent the reply
+        return next((s for k, s in list(ahead.stages.items()) if k[1] == 1), None)
+
+    wait_until(lambda: (s := stage()) is not None and s.job.done and all(b.job.done for b in s.branches), 10)
+    return stage().branches
 
 
 @torch.no_grad()
@@ -146,3 +152,42 @@ def test_branches_wait_for_time_the_sequences_rounds_leave():
     assert not clock.fits("t", answered - 0.25)  # 250 ms since the answer: two passes no longer fit
     clock.drop("t")
     assert clock.returns == {"s": pytest.approx(0.02, abs=0.01)}
+
+
+def test_the_draft_is_argmax_even_among_equal_logits():
+    logits = torch.tensor([0.0, 3.0, 1.0, 3.0, 2.0])  # a tie for the top: argmax takes the first
+    token, (p, runner_up, p_runner_up) = fanout.top_two(logits)
+    assert (token, runner_up) == (1, 3) and p == pytest.approx(p_runner_up)
+    token, (_, runner_up, _) = fanout.top_two(torch.tensor([0.0, 1.0, 5.0, 2.0]))
+    assert (token, runner_up) == (2, 3)
+
+
+def test_branches_run_in_passes_of_their_own(models, pair):
+    """A tree row takes every row of its pass off the fast path: no branch shares a pass with a chain."""
+    servers, streams, _ = pair
+    engine = servers[1].server.compute.engine
+    mixed = []
+    advance = engine.advance
+
+    def watched(jobs):
+        kinds = {j.branch is not None for j in jobs}
+        mixed.append(len(kinds) > 1)
+        return advance(jobs)
+
+    engine.advance = watched
+    streams[1].round(dict(seq_id=1, gamma=GAMMA, start=0, tokens=PROMPT))
+    streams[1].round(dict(seq_id=2, gamma=GAMMA, start=0, tokens=PROMPT[::-1]))
+    def complete(seq):
+        stage = next((s for k, s in list(engine.ahead.stages.items()) if k[1] == seq), None)
+        return stage is not None and stage.job.done and all(b.job.done for b in stage.branches)
+
+    for seq in (1, 2):
+        wait_until(lambda q=seq: complete(q), timeout=10)
+    assert mixed and not any(mixed)
+
+
+def test_fanout_with_online_adaptation_is_refused():
+    from draft_server.tide.config import TideConfig
+
+    with pytest.raises(InvalidArgument, match="adaptation"):
+        DraftServerConfig(lookahead="fanout", tide=TideConfig())
