@@ -85,7 +85,6 @@ class Branch:
     job: DraftJob  # fed [token]: its drafts are the next round's
     cache: DraftKVCache
     positions: list[int] = field(default_factory=list)  # where its fed tokens' KV went, in feed order
-    fed: list[int] = field(default_factory=list)
     pushed: bool = False
 
     def assumed(self, sent: list[int]) -> list[int]:
@@ -94,15 +93,14 @@ class Branch:
     def layout(self) -> tuple[int, list[int]]:
         """The tree row of this branch's next pass (RaggedKVCache.begin): the region from the root to the
         slot's end, where its own tokens form a path from the root and every other token (the chain's, other
-        branches') hangs off the root, unseen. Called once per pass, right before it: the fed token's place
-        is recorded here."""
+        branches') hangs off the root, unseen. Called once per pass, right before it: where the fed token
+        goes is recorded here."""
         end = self.cache.lengths[self.job.seq.slot]
         parents = [-1] + [0] * (end - self.root - 1)
         for prev, pos in zip([self.root] + self.positions, self.positions, strict=False):
             parents[pos - self.root] = prev - self.root
         parents.append((self.positions[-1] if self.positions else self.root) - self.root)
         self.positions.append(end)
-        self.fed.append(self.job.feed[0])
         return end - self.root, parents
 
     def take(self, gamma: int) -> DraftJob:
@@ -113,7 +111,7 @@ class Branch:
         self.cache.move(seq.slot, self.positions, list(range(start, start + n)))
         self.cache.truncate(seq.slot, start + n)
         del seq.cached[start:]
-        seq.cached.extend(self.fed)
+        seq.cached.extend([self.token] + self.job.drafts[:n - 1])  # what it fed: the correction, then its drafts
         job = DraftJob(self.job.seq_id, seq, gamma, list(self.job.feed), drafts=list(self.job.drafts),
                        passes=self.job.passes, tops=list(self.job.tops))
         return cut_to(job, gamma, self.cache)
