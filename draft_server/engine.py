@@ -1,19 +1,14 @@
 """Batched greedy drafting over a ragged KV cache.
 
-Each sequence keeps the tokens whose KV is cached (`cached`) and the verified
-tokens the target has told it about (`verified`). Before drafting, the KV is
-rolled back to the longest common prefix of the two (drafts the target
-accepted keep their KV) and extended with the verified tokens not yet cached:
-the catch-up prefill. After speculation-free steps that catch-up covers
-every token generated meanwhile; its cost is Nightjar's switching cost, and
-`stats` records it.
+Each sequence keeps the tokens whose KV is cached (`cached`) and the verified tokens the target has told it
+about (`verified`). Before drafting, the KV is rolled back to their longest common prefix (accepted drafts
+keep their KV) and extended with the verified tokens not yet cached: the catch-up prefill, which after
+speculation-free steps covers every token generated meanwhile (Nightjar's switching cost, in `stats`).
 
-Drafting is split into jobs (one per sequence and round) that advance one
-forward pass at a time: `start()` records a round's deltas and returns its
-jobs, `advance()` runs one pass over any set of jobs. The compute loop uses
-this to let a round that arrives mid-way join the very next pass instead of
-waiting for the rounds already in flight to finish (iteration-level
-batching); `propose()` is start + advance until done.
+Drafting is split into jobs (one per sequence and round) that advance one forward pass at a time: `start()`
+records a round's deltas and returns its jobs, `advance()` runs one pass over any set of jobs. The compute
+loop lets a round that arrives mid-way join the very next pass (iteration-level batching); `propose()` is
+start + advance until done.
 """
 
 from __future__ import annotations
@@ -245,12 +240,11 @@ class DraftEngine:
         g = len(job.drafts)
         if seq is not job.seq or job.beam is not None or not job.done or g == 0 or not seq.cached:
             return False
-        if len(seq.verified) + 2 * g + 1 > self.model.max_context or not self._fits(
-                DraftRequest(job.seq_id, len(seq.verified), [], g), seq, len(seq.verified) + g + 1):
+        n, ask = len(seq.verified), DraftRequest(job.seq_id, len(seq.verified), [], g)
+        if n + 2 * g + 1 > self.model.max_context or not self._fits(ask, seq, n + g + 1):
             return False
         branches = self.ahead.branches
-        if branches and not self._fits(DraftRequest(job.seq_id, len(seq.verified), [], g), seq,
-                                       len(seq.verified) + (g + 1) * (branches + 1)):
+        if branches and not self._fits(ask, seq, n + (g + 1) * (branches + 1)):
             branches = 0  # the KV budgets hold the chain but not its branches
         self.ahead.stage(job, self.cache, push, branches)
         return True
@@ -278,7 +272,7 @@ class DraftEngine:
         if (seq_id in self._seqs or self._offloaded or self.model.hidden_tap is not None or n == 0
                 or len(self._seqs) >= self.max_sequences or n >= self.model.max_context):
             return False
-        if not self._fits(DraftRequest(seq_id, 0, tokens, 1), None, n):
+        if not self._admits(DraftRequest(seq_id, 0, tokens, 1), None, n):
             return False
         seq = DraftSeq(slot=-1, seq_id=seq_id)
         self.cache.allocate(seq)
@@ -333,7 +327,7 @@ class DraftEngine:
             self.release([req.seq_id])
             return None
         new_len = req.start + len(req.tokens)
-        if not self._fits(req, seq, new_len):
+        if not self._admits(req, seq, new_len):
             self.over_budget += 1
             self.release([req.seq_id])
             return None
@@ -365,13 +359,22 @@ class DraftEngine:
         seq.cached.clear()
         self.cache.truncate(seq.slot, 0)
 
-    def _fits(self, req: DraftRequest, seq: DraftSeq | None, new_len: int) -> bool:
-        """Whether the cache stays within the budgets once this sequence holds new_len tokens + its drafts."""
+    def _admits(self, req: DraftRequest, seq: DraftSeq | None, new_len: int) -> bool:
+        """_fits for real work: where only the stages' rows ahead would break the budget, they give way."""
+        if not self._fits(req, seq, new_len):
+            return False
+        if not self._fits(req, seq, new_len, self.ahead.extent()):
+            self.ahead.give_way(self.cache)
+        return True
+
+    def _fits(self, req: DraftRequest, seq: DraftSeq | None, new_len: int, held: int = 0) -> bool:
+        """Whether the cache stays within the budgets once this sequence holds new_len tokens + its drafts, the
+        cache's rows as long as the longest of those and `held` (rows staged ahead may grow to)."""
         extra = req.gamma + 1 if req.tree_width <= 1 else 1 + (req.gamma - 1) * req.tree_width
         need = new_len + extra
         if self.max_kv_tokens is not None:
             rows = len(self._seqs) + (seq is None)
-            if rows * (max(self._longest, new_len) + extra) > self.max_kv_tokens:
+            if rows * max(max(self._longest, new_len) + extra, held) > self.max_kv_tokens:
                 return False
         if self.max_kv_tokens_per_owner is not None:
             old = len(seq.verified) if seq is not None else 0

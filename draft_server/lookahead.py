@@ -76,6 +76,13 @@ class Stage:
         return self.job.drafts[0] if self.job.drafts else None
 
     @property
+    def extent(self) -> int:
+        """The most KV tokens this stage's row can come to hold: the verified tokens, the answered drafts, the
+        guess and the next round's drafts, and a row of g + 1 per branch past them."""
+        g = len(self.sent)
+        return self.base + 2 * g + 1 + len(self.branches) * (g + 1)
+
+    @property
     def drafted(self) -> int:
         """Tokens this stage has drafted: the guess and the next round's drafts, and its branches'."""
         return len(self.job.drafts) + sum(len(b.job.drafts) for b in self.branches)
@@ -150,6 +157,19 @@ class Lookahead:
         self.stages.pop(seq_id, None)
         self.ingests.pop(seq_id, None)
         self.clock.drop(seq_id)
+
+    def extent(self) -> int:
+        """The longest row any stage can come to hold (0: none staged)."""
+        return max((s.extent for s in self.stages.values()), default=0)
+
+    def give_way(self, cache: DraftKVCache) -> None:
+        """Every stage dropped and its KV back to what its answered round left: a real round needs the room.
+        Ingests stay: their KV is the verified prompt's, which the next round reads anyway."""
+        for stage in self.stages.values():
+            stage.undo(cache)
+            if stage.drafted:
+                self.stats.lookahead_wasted += stage.drafted
+        self.stages.clear()
 
     def sequences(self) -> list[Hashable]:
         return list(self.stages) + list(self.ingests)

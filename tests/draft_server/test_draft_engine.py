@@ -109,3 +109,33 @@ def test_a_prompt_window_drafts_exactly_as_the_draft_would_on_the_prompts_tail(m
     reqs = engine.generate(prompt_ids[:12], SamplingParams(max_tokens=32))
     assert [r.output_ids for r in reqs] == reference("llama", 32)[:12]
     assert engine.stats.accepted_tokens > 0
+
+
+def _staged(eng: DraftEngine, seq_id, prompt, gamma) -> list[int]:
+    """One round for a new sequence, then its chain drafted ahead to the end (lookahead chain)."""
+    replies, jobs = eng.start([DraftRequest(seq_id, 0, prompt, gamma)])
+    while not all(j.done for _, j in jobs):
+        eng.advance([j for _, j in jobs])
+    assert eng.stage(jobs[0][1])
+    while eng.ahead.jobs():
+        eng.advance_lookahead(eng.ahead.jobs())
+    return jobs[0][1].drafts
+
+
+def test_work_ahead_gives_way_when_a_real_round_needs_its_kv_budget(models):
+    # Two rows of 45 (a 40-token prompt, 4 drafts, one more) fit the budget; a staged row may grow to 49.
+    prompt, gamma = list(range(3, 43)), 4
+    eng = DraftEngine(models["draft"], max_kv_tokens=2 * (len(prompt) + gamma + 1) + 4)
+    drafted = _staged(eng, "a", prompt, gamma)
+    stage = eng.ahead.stages["a"]
+    assert stage.extent == len(prompt) + 2 * gamma + 1 and eng.cache.lengths[stage.seq.slot] > stage.base_cached
+    wasted = eng.stats.lookahead_wasted
+    # A second sequence fits the budget only with the stage's KV given back: it is admitted, the stage is not.
+    assert eng.propose([DraftRequest("b", 0, prompt, gamma)]) == [greedy_chain(models["draft"], prompt, gamma)]
+    assert not eng.ahead.stages and eng.stats.lookahead_wasted > wasted
+    assert eng.num_sequences * max(eng.cache.lengths) <= eng.max_kv_tokens
+    # The first sequence's next round (its first draft rejected) is answered as without lookahead.
+    fix = [drafted[0] % 50 + 1]
+    assert eng.propose([DraftRequest("a", len(prompt), fix, gamma)]) == \
+        [greedy_chain(models["draft"], prompt + fix, gamma)]
+
