@@ -3,7 +3,9 @@
 At batch 1 a decode step reads every weight once (a tied embedding and head once), so no engine decodes
 faster than the machine's read bandwidth over those bytes. The bandwidth is probed here: the sum of a float32
 array far larger than the caches, best of a few repeats, on the benchmark's threads. The target's decode rate
-is one prompt's 64 new tokens at batch 1, gamma 0, prefill left out, the median of three runs.
+is one prompt's 64 new tokens at batch 1, gamma 0, prefill left out. A shared machine's bandwidth drifts
+within minutes (26-37 GB/s between runs on a 2-core AMD EPYC), so each decode run is weighed against a probe
+taken just before it, and the fraction is the median over the runs.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from starjar.spec.sampling import SamplingParams
 PROBE_BYTES = 512 << 20  # 512 MiB: past any last-level cache
 PROBE_REPEATS = 5
 DECODE_TOKENS = 64
-DECODE_REPEATS = 3  # one run of the same code varied from 27 to 34 tokens/s on a shared 2-core Xeon
+DECODE_REPEATS = 5  # one run of the same code varied from 27 to 34 tokens/s on a shared 2-core Xeon
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -32,12 +34,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def read_bandwidth() -> float:
-    """Bytes per second read by a reduction over PROBE_BYTES, the best of PROBE_REPEATS."""
-    x = torch.ones(PROBE_BYTES // 4, dtype=torch.float32)
-    x.sum()  # first touch and thread start-up
+def read_bandwidth(x: torch.Tensor | None = None) -> float:
+    """Bytes per second read by a reduction over x (PROBE_BYTES of ones where None), the best of PROBE_REPEATS."""
+    if x is None:
+        x = torch.ones(PROBE_BYTES // 4, dtype=torch.float32)
+        x.sum()  # first touch and thread start-up
     best = min(_timed(x.sum) for _ in range(PROBE_REPEATS))
-    return PROBE_BYTES / best
+    return x.numel() * x.element_size() / best
 
 
 def _timed(fn) -> float:
@@ -46,25 +49,36 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def _decode_once(target, prompt: list[int], tokens: int) -> float:
+    engine = colocated_engine(target, None, 0, 1)
+    t0 = time.perf_counter()
+    engine.generate([prompt], SamplingParams(max_tokens=tokens, ignore_eos=True))
+    return tokens / (time.perf_counter() - t0 - engine.stats.prefill_s)
+
+
 def decode_rate(target, prompt: list[int], tokens: int | None = None) -> float:
     """Tokens per second of the target alone decoding `tokens` (DECODE_TOKENS) after `prompt`, its prefill not
     counted: the median of DECODE_REPEATS runs."""
     tokens = tokens or DECODE_TOKENS
     colocated_engine(target, None, 0, 1).generate([prompt], SamplingParams(max_tokens=4))  # warm-up
-    rates = []
-    for _ in range(DECODE_REPEATS):
-        engine = colocated_engine(target, None, 0, 1)
-        t0 = time.perf_counter()
-        engine.generate([prompt], SamplingParams(max_tokens=tokens, ignore_eos=True))
-        rates.append(tokens / (time.perf_counter() - t0 - engine.stats.prefill_s))
-    return statistics.median(rates)
+    return statistics.median(_decode_once(target, prompt, tokens) for _ in range(DECODE_REPEATS))
 
 
 def memory_floor(target, prompt: list[int]) -> dict:
+    """The floor and the decode rate, each decode run against the bandwidth probed just before it."""
     per_token = weight_bytes(target.model)
-    bandwidth = read_bandwidth()
-    floor = bandwidth / per_token
-    rate = decode_rate(target, prompt)
+    x = torch.ones(PROBE_BYTES // 4, dtype=torch.float32)
+    x.sum()
+    colocated_engine(target, None, 0, 1).generate([prompt], SamplingParams(max_tokens=4))  # warm-up
+    runs = []
+    for _ in range(DECODE_REPEATS):
+        bandwidth = read_bandwidth(x)
+        runs.append((bandwidth, _decode_once(target, prompt, DECODE_TOKENS)))
+    bandwidth = statistics.median(b for b, _ in runs)
+    rate = statistics.median(r for _, r in runs)
     return {"bytes_per_token": per_token, "read_bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
-            "floor_tokens_per_s": round(floor, 2), "decode_batch1_tokens_per_s": round(rate, 2),
-            "fraction_of_floor": round(rate / floor, 3)}
+            "floor_tokens_per_s": round(bandwidth / per_token, 2), "decode_batch1_tokens_per_s": round(rate, 2),
+            "decode_gb_per_s": round(rate * per_token / 1e9, 2),
+            "fraction_of_floor": round(statistics.median(r * per_token / b for b, r in runs), 3),
+            "runs": [{"read_bandwidth_gb_per_s": round(b / 1e9, 2), "decode_tokens_per_s": round(r, 2)}
+                     for b, r in runs]}

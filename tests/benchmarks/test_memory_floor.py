@@ -15,4 +15,7 @@ def test_tied_weights_count_once_and_the_floor_is_bandwidth_over_bytes(models, p
     assert abs(got["floor_tokens_per_s"] - got["read_bandwidth_gb_per_s"] * 1e9 / got["bytes_per_token"]) < 0.01 * \
         got["floor_tokens_per_s"] + 0.01
     assert got["decode_batch1_tokens_per_s"] > 0
-    assert got["fraction_of_floor"] == round(got["decode_batch1_tokens_per_s"] / got["floor_tokens_per_s"], 3)
+    # Each run against the probe taken just before it: the fraction is the median of those ratios.
+    ratios = sorted(r["decode_tokens_per_s"] * got["bytes_per_token"] / (r["read_bandwidth_gb_per_s"] * 1e9)
+                    for r in got["runs"])
+    assert len(ratios) == mf.DECODE_REPEATS and abs(got["fraction_of_floor"] - ratios[len(ratios) // 2]) < 0.002
