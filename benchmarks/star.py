@@ -103,19 +103,23 @@ LOOKAHEAD_NS = (1, 2, 4, 8)  # idle draft time (N = 1), some (N = 2-4), none (sa
 
 
 def _lookahead_vs_off(prep: dict, duration: float, lookahead: str) -> dict:
-    """Batched, at each of LOOKAHEAD_NS: system tokens/s with lookahead over without (fanout: chain too), run
-    in mirrored order (on, off, off, on) so that drift hits every mode alike; the means, each mode's ratio over
-    off, and every run."""
+    """Batched, at each of LOOKAHEAD_NS: system tokens/s and the draft server's rounds/s (R_q) with lookahead
+    over without (fanout: chain too), run in mirrored order (on, off, off, on) so that drift hits every mode
+    alike; the means, each mode's ratio over off, and every run."""
     modes = [lookahead] + (["chain"] if lookahead == "fanout" else []) + ["off"]
     ratios = {}
     for n in LOOKAHEAD_NS:
-        runs = {m: [] for m in modes}
+        runs, rq = {m: [] for m in modes}, {m: [] for m in modes}
         for m in modes + modes[::-1]:
-            runs[m].append(_run_n(prep["draft_dir"], "batched", n, prep["scripts"], prep["verify_s"], duration,
-                                  prep["fingerprint"], m)["system_tokens_per_s"])
+            row = _run_n(prep["draft_dir"], "batched", n, prep["scripts"], prep["verify_s"], duration,
+                         prep["fingerprint"], m)
+            runs[m].append(row["system_tokens_per_s"])
+            rq[m].append(row["r_q"])  # the draft server's rounds per second (StarSD's R_q)
         mean = {m: sum(v) / len(v) for m, v in runs.items()}
-        ratios[str(n)] = {"runs": runs, **{m: round(v, 3) for m, v in mean.items()},
-                          "ratio": round(mean[lookahead] / mean["off"], 4) if mean["off"] else None}
+        mean_rq = {m: sum(v) / len(v) for m, v in rq.items()}
+        ratios[str(n)] = {"runs": runs, "r_q_runs": rq, **{m: round(v, 3) for m, v in mean.items()},
+                          "ratio": round(mean[lookahead] / mean["off"], 4) if mean["off"] else None,
+                          "r_q_ratio": round(mean_rq[lookahead] / mean_rq["off"], 4) if mean_rq["off"] else None}
         if lookahead == "fanout":
             ratios[str(n)]["chain_ratio"] = round(mean["chain"] / mean["off"], 4) if mean["off"] else None
     return ratios
