@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
 
 
 class HealthAndReflection:
@@ -33,8 +36,24 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
     except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+        loop = asyncio.new_event_loop()
+    else:
+        loop = uvloop.new_event_loop()
+    loop.set_exception_handler(quiet_closed_peer)
+    return loop
+
+
+def quiet_closed_peer(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The loop's exception handler: everything as asyncio reports it, except one case. grpc.aio's completion
+    queue is shared by every loop in the process, and a late event for a loop already closed (a remote
+    proposer that closed) is handed to it from whichever loop wakes: "Event loop is closed". Nothing is lost
+    there (that loop's calls were done or cancelled), so it is a debug line, not a traceback."""
+    exc = context.get("exception")
+    if isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc) and \
+            "PollerCompletionQueue" in repr(context.get("handle")):
+        log.debug("a gRPC event for a closed event loop was dropped")
+        return
+    loop.default_exception_handler(context)
 
 
 def run_until_signalled(start: Callable[[], Awaitable[int]], stop: Callable[[], Awaitable[None]],
