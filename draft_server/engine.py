@@ -48,8 +48,8 @@ class DraftEngine:
         self.max_kv_tokens_per_owner = max_kv_tokens_per_owner
         self.max_pass_tokens = pass_tokens(model, max_kv_tokens, SHORT_FEED)
         # K and V copied per layer by a pass over scattered slots: a fortieth of the budget's (all layers') bytes.
-        self.max_gather_cells = None if max_kv_tokens is None else max(
-            1, max_kv_tokens * model.model.config.num_hidden_layers // 40)
+        layers = model.model.config.num_hidden_layers
+        self.max_gather_cells = None if max_kv_tokens is None else max(1, max_kv_tokens * layers // 40)
         self.cache = self._new_cache()
         self.max_sequences = max_sequences
         self._seqs: dict[Hashable, DraftSeq] = {}
@@ -61,9 +61,7 @@ class DraftEngine:
         self.prefill_ahead = False  # a round with gamma 0 has its tokens fed in idle time (lookahead on)
         # Offload (Nightjar section 6): weights to host memory and all KV dropped while nobody speculates.
         self.auto_reload = auto_reload  # propose() while offloaded starts the reload itself
-        self.on_reload = on_reload
-        self.offloads = 0
-        self.reloads: list[float] = []
+        self.on_reload, self.offloads, self.reloads = on_reload, 0, []
         self._offloaded = False
         self._reloader: threading.Thread | None = None
 
@@ -236,25 +234,27 @@ class DraftEngine:
     def stage(self, job: DraftJob, push: Callable | None = None) -> bool:
         """Start drafting ahead for a finished chain job whose drafts were just answered; whether it did (a
         sequence gone, a tree, or no room in the context or the KV budgets: no)."""
-        seq = self._seqs.get(job.seq_id)
-        g = len(job.drafts)
-        if seq is not job.seq or job.beam is not None or not job.done or g == 0 or not seq.cached:
+        g, b = len(job.drafts), self.ahead.branches
+        if job.beam is not None or not job.done or g == 0 or not self.stage_fits(job, 2 * g + 1):
             return False
-        n, ask = len(seq.verified), DraftRequest(job.seq_id, len(seq.verified), [], g)
-        if n + 2 * g + 1 > self.model.max_context or not self._fits(ask, seq, n + g + 1):
-            return False
-        branches = self.ahead.branches
-        if branches and not self._fits(ask, seq, n + (g + 1) * (branches + 1)):
-            branches = 0  # the KV budgets hold the chain but not its branches
-        self.ahead.stage(job, self.cache, push, branches)
+        b = b if b and self.stage_fits(job, (g + 1) * (b + 2) - 1) else 0  # 0: room for the chain, not branches
+        self.ahead.stage(job, self.cache, push, b)
         return True
 
+    def stage_fits(self, job: DraftJob, ahead: int) -> bool:
+        """Whether job's sequence, still held, may hold `ahead` tokens past its verified ones (context, budgets)."""
+        seq, n = job.seq, len(job.seq.verified)
+        return self._seqs.get(job.seq_id) is seq and bool(seq.cached) and n + ahead <= self.model.max_context and \
+            self._fits(DraftRequest(job.seq_id, n, [], 0), seq, n + ahead)
+
     def advance_lookahead(self, jobs: Sequence[DraftJob]) -> int:
-        """One pass for jobs ahead (from ahead.jobs(), none started since). Returns the tokens drafted (an
-        ingest's fed tokens are counted as prefilled ahead)."""
+        """One pass for jobs ahead (ahead.jobs(), none started since); the tokens drafted (an ingest's fed ones are
+        prefilled ahead). An ingest done becomes its first round's stage."""
         drafted, t0 = self.stats.drafted_tokens, time.perf_counter()
         ingests = [(j, len(j.seq.cached), len(j.drafts)) for j in jobs if self.ahead.ingests.get(j.seq_id) is j]
         self.advance(jobs)
+        for j in (j for j, *_ in ingests if j.done and self.stage_fits(j, self.ahead.gamma + 1)):
+            self.ahead.stage_ingested(j)
         if any(j.branch is not None for j in jobs):
             self.ahead.clock.passed(time.perf_counter() - t0)
         self.stats.lookahead_prefilled += sum(len(j.seq.cached) - n for j, n, _ in ingests)
@@ -264,10 +264,9 @@ class DraftEngine:
         return drafted
 
     def seed(self, seq_id: Hashable, tokens: Sequence[int], layers: list) -> bool:
-        """Take a new sequence's prompt with its KV already computed (starjar.model.prompt_kv: the target's, per
-        layer (K, V) [heads, len(tokens), dim]) instead of prefilling it. Whether it did: not for a sequence it
-        holds, past its limits or budgets, while offloaded, or with a hidden-state tap (TIDE trains on the
-        draft's own passes)."""
+        """Take a new sequence's prompt with its KV computed (starjar.model.prompt_kv: the target's, per layer (K,
+        V) [heads, len(tokens), dim]) instead of prefilling it. Whether it did: not for a sequence it holds, past
+        its limits or budgets, offloaded, or with a hidden-state tap (TIDE trains on the draft's own passes)."""
         n = len(tokens)
         if (seq_id in self._seqs or self._offloaded or self.model.hidden_tap is not None or n == 0
                 or len(self._seqs) >= self.max_sequences or n >= self.model.max_context):

@@ -14,7 +14,8 @@ the draft reads what a server without lookahead would.
 
 A target may also send a new sequence's prompt before it prefills it itself (a round with gamma 0); the draft
 then feeds that prompt in idle time (an ingest job, PREFILL_CHUNK tokens a pass so that a real round waits on
-little), and the sequence's first real round finds its KV in place.
+little), and the sequence's first real round finds its KV in place. The ingest's one draft guesses the
+target's first token, so a stage then drafts that first round as it would any other.
 
 When a stage is complete the server pushes its drafts on the sequence's stream, keyed by the verified length
 and tokens they assume (target_worker.remote.staged): a target whose round turns out to be exactly that one
@@ -41,6 +42,7 @@ from starjar.spec.proposer import DraftRequest
 
 MODES = ("off", "chain", "fanout")
 PREFILL_CHUNK = 64  # prompt tokens an ingest pass feeds at most: a real round arriving meanwhile waits on little
+FIRST_GAMMA = 3  # a first round's drafts staged before any real round said how many it asks
 
 
 @dataclass(eq=False)
@@ -71,6 +73,14 @@ class Stage:
                 stage.branches.append(b.branch)
         return stage
 
+    @classmethod
+    def after_ingest(cls, job: DraftJob, gamma: int) -> Stage:
+        """The stage for an ingest that fed its whole prompt: nothing was answered yet, and the ingest's one draft
+        guesses the target's first token, so the stage assumes just [guess] and drafts the first round past it."""
+        seq, guess = job.seq, job.drafts[-1]
+        ahead = DraftJob(job.seq_id, seq, gamma + 1, [guess], drafts=[guess], passes=1, tops=job.tops[-1:])
+        return cls(seq, len(seq.verified), len(seq.cached), [], ahead)
+
     @property
     def guess(self) -> int | None:
         return self.job.drafts[0] if self.job.drafts else None
@@ -78,9 +88,9 @@ class Stage:
     @property
     def extent(self) -> int:
         """The most KV tokens this stage's row can come to hold: the verified tokens, the answered drafts, the
-        guess and the next round's drafts, and a row of g + 1 per branch past them."""
+        guess and the next round's drafts (the job's), and a row of g + 1 per branch past them."""
         g = len(self.sent)
-        return self.base + 2 * g + 1 + len(self.branches) * (g + 1)
+        return self.base + g + self.job.gamma + len(self.branches) * (g + 1)
 
     @property
     def drafted(self) -> int:
@@ -147,6 +157,7 @@ class Lookahead:
         self.clock = BranchClock()  # fanout: branch passes only in the time a sequence's rounds leave
         self.stages: dict[Hashable, Stage] = {}
         self.ingests: dict[Hashable, DraftJob] = {}
+        self.gamma = FIRST_GAMMA  # the drafts a first round is staged for: the last real round's gamma
 
     def clear(self) -> None:
         self.stages.clear()
@@ -198,14 +209,22 @@ class Lookahead:
         read = seq.read
         if len(read) <= len(seq.cached) or seq.cached != read[:len(seq.cached)]:
             return
-        job = DraftJob(req.seq_id, seq, 1, read[len(seq.cached):], allow=PREFILL_CHUNK)  # its one draft is unused
+        job = DraftJob(req.seq_id, seq, 1, read[len(seq.cached):], allow=PREFILL_CHUNK)  # one draft: the guess
         self.ingests[req.seq_id] = job
+
+    def stage_ingested(self, job: DraftJob) -> None:
+        """An ingest fed its whole prompt: a stage drafts the sequence's first round from its guess, gamma as
+        the last real round asked."""
+        self.ingests.pop(job.seq_id, None)
+        self.stages[job.seq_id] = Stage.after_ingest(job, self.gamma)
+        self.stats.lookahead_drafted += 1  # the guess: a draft a stage may answer with
 
     def claim(self, req: DraftRequest, cache: DraftKVCache) -> Stage | None:
         """A real round for the sequence ends what was ahead of it: a stage is returned when the round matches
         what it assumed; otherwise its KV goes back to what the answered round left (a miss) and None. An
         ingest's KV is the verified prompt's: it stays for the round's catch-up."""
         self.ingests.pop(req.seq_id, None)
+        self.gamma = req.gamma if req.gamma > 0 else self.gamma
         stage = self.stages.pop(req.seq_id, None)
         if stage is not None and self.branches:
             self.clock.returned(req.seq_id, stage.answered_s)

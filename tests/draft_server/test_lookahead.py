@@ -9,6 +9,7 @@ import pytest
 from draft_stream import Stream, attach, served, wait_until
 
 from benchmarks.fixtures.reference import hf_greedy
+from draft_server import lookahead
 from draft_server.background import BackgroundDraftServer
 from draft_server.config import DraftServerConfig
 from starjar.errors import InvalidArgument
@@ -155,19 +156,36 @@ def test_a_hit_asking_another_gamma_answers_what_no_lookahead_answers(models, pa
     assert _stats(stubs[1]).lookahead_hits >= 2
 
 
-def test_a_prompt_sent_ahead_is_fed_in_idle_time_and_its_first_round_feeds_one_token(models, pair):
-    servers, streams, stubs = pair
+def _prompt_ahead(servers, streams, stubs) -> list:
+    """The prompt sent ahead on both servers (gamma 0: only recorded); once the chain server has fed it and
+    drafted its first round ahead, each engine's catch-up count."""
     engines = [s.server.compute.engine for s in servers]
-    for s in streams:  # gamma 0: only record; the chain server feeds it ahead, the other does not
+    for s in streams:
         assert list(s.round(dict(seq_id=1, start=0, tokens=PROMPT, gamma=0)).sequences[0].tokens) == []
     wait_until(lambda: _stats(stubs[1]).lookahead_prefilled_tokens == len(PROMPT), timeout=10)
+    _staged(servers[1], lookahead.FIRST_GAMMA + 1)  # the ingest's guess and a first round's drafts past it
     assert _stats(stubs[0]).lookahead_prefilled_tokens == 0
-    assert _stats(stubs[1]).lookahead_drafted_tokens == 0  # the ingest's one draft is never sent
-    before = [e.stats.catchup_tokens for e in engines]
-    first = hf_greedy(models["llama"], PROMPT, 1)  # the target's first token, prefilled on its side
+    return [e.stats.catchup_tokens for e in engines]
+
+
+def test_a_prompt_sent_ahead_is_fed_in_idle_time_and_its_first_round_is_staged(models, pair):
+    servers, streams, stubs = pair
+    before = _prompt_ahead(servers, streams, stubs)
+    first = hf_greedy(models["draft"], PROMPT, 1)  # the target's first token, as the served draft guesses it
     _both(streams, start=len(PROMPT), tokens=first)
-    fed = [e.stats.catchup_tokens - b for e, b in zip(engines, before, strict=True)]
-    assert fed == [len(PROMPT) + 1, 1]  # the chain server's round found the prompt's KV in place
+    fed = [s.server.compute.engine.stats.catchup_tokens - b for s, b in zip(servers, before, strict=True)]
+    assert fed == [len(PROMPT) + 1, 0]  # the chain server answered from the stage: nothing left to feed
+    assert (_stats(stubs[1]).lookahead_hits, _stats(stubs[1]).lookahead_misses) == (1, 0)
+
+
+def test_a_first_token_other_than_the_guess_misses_and_finds_the_prompt_in_place(models, pair):
+    servers, streams, stubs = pair
+    before = _prompt_ahead(servers, streams, stubs)
+    other = [hf_greedy(models["draft"], PROMPT, 1)[0] % 50 + 1]  # not the served draft's guess
+    _both(streams, start=len(PROMPT), tokens=other)
+    fed = [s.server.compute.engine.stats.catchup_tokens - b for s, b in zip(servers, before, strict=True)]
+    assert fed == [len(PROMPT) + 1, 1]  # the prompt's KV stays; only the first token is fed
+    assert (_stats(stubs[1]).lookahead_hits, _stats(stubs[1]).lookahead_misses) == (0, 1)
 
 
 def test_only_a_server_that_prefills_ahead_says_so_at_attach(models, pair):
