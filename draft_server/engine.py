@@ -55,6 +55,7 @@ class DraftEngine:
         self._seqs: dict[Hashable, DraftSeq] = {}
         self._owner_tokens: dict[Hashable, int] = {}
         self._longest = 0  # the longest sequence's verified tokens, as of the round being started
+        self._held = 0  # the longest row a stage may grow to, as of the round being started
         self.over_budget = 0  # sequences answered resync for the KV budget
         self.stats = DraftStats()
         self.ahead = Lookahead(self.stats)  # draft_server.lookahead: work ahead of the next rounds
@@ -76,13 +77,11 @@ class DraftEngine:
         return self._offloaded
 
     def weight_bytes(self) -> int:
-        m = self.model.model
-        return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+        return sum(t.numel() * t.element_size() for t in (*self.model.model.parameters(), *self.model.model.buffers()))
 
     def offload(self) -> None:
-        """Drop every sequence (their next rounds get resync answers) and move the weights to host memory
-        (on a CPU-only machine they are already there: only the KV is freed). Call from the thread that
-        runs propose()."""
+        """Drop every sequence (their next rounds get resync answers) and move the weights to host memory (on a
+        CPU-only machine they are already there: only the KV is freed). Call from the thread that runs propose()."""
         if self._offloaded:
             return
         self._seqs.clear()
@@ -147,6 +146,7 @@ class DraftEngine:
         replies: list[DraftReply] = [None] * len(requests)
         jobs: list[tuple[int, DraftJob]] = []
         self._longest = max((len(q.verified) for q in self._seqs.values()), default=0)
+        self._held = self.ahead.extent()  # once a round: claims only shorten it, so it stays an upper bound
         for i, req in enumerate(requests):
             stage = self.ahead.claim(req, self.cache)
             seq = self._record(req)
@@ -271,7 +271,7 @@ class DraftEngine:
         if (seq_id in self._seqs or self._offloaded or self.model.hidden_tap is not None or n == 0
                 or len(self._seqs) >= self.max_sequences or n >= self.model.max_context):
             return False
-        if not self._admits(DraftRequest(seq_id, 0, tokens, 1), None, n):
+        if not self._admits(DraftRequest(seq_id, 0, tokens, 1), None, n, self.ahead.extent()):
             return False
         seq = DraftSeq(slot=-1, seq_id=seq_id)
         self.cache.allocate(seq)
@@ -326,7 +326,7 @@ class DraftEngine:
             self.release([req.seq_id])
             return None
         new_len = req.start + len(req.tokens)
-        if not self._admits(req, seq, new_len):
+        if not self._admits(req, seq, new_len, self._held):
             self.over_budget += 1
             self.release([req.seq_id])
             return None
@@ -358,12 +358,13 @@ class DraftEngine:
         seq.cached.clear()
         self.cache.truncate(seq.slot, 0)
 
-    def _admits(self, req: DraftRequest, seq: DraftSeq | None, new_len: int) -> bool:
-        """_fits for real work: where only the stages' rows ahead would break the budget, they give way."""
+    def _admits(self, req: DraftRequest, seq: DraftSeq | None, new_len: int, held: int) -> bool:
+        """_fits for real work: where only the rows staged ahead (up to `held` long) break the budget, they go."""
         if not self._fits(req, seq, new_len):
             return False
-        if not self._fits(req, seq, new_len, self.ahead.extent()):
+        if held and not self._fits(req, seq, new_len, held):
             self.ahead.give_way(self.cache)
+            self._held = 0  # nothing is staged now
         return True
 
     def _fits(self, req: DraftRequest, seq: DraftSeq | None, new_len: int, held: int = 0) -> bool:

@@ -59,7 +59,7 @@ def test_the_eighth_tokens_distribution_through_lookahead_is_the_targets(models,
         eng = TargetEngine(models["llama"], rp, FixedGamma(3), EngineConfig(max_batch_size=16))
         eng.send_ahead = rp.send_ahead
         if lookahead == "fanout":  # a target as slow as a real one leaves the draft time for branches
-            eng.step_listener = lambda batch, gamma: time.sleep(0.02)
+            eng.step_listener = lambda batch, gamma: time.sleep(0.04)
         assert rp.wait_attached(10)
         through = Counter(r.output_ids[POSITION] for r in eng.generate([prompt] * N, _params(None)))
         rp.close()
