@@ -179,7 +179,13 @@ def _slowed(monkeypatch, slow_path: str) -> None:
         monkeypatch.setattr(skinny_linear, "F", types.SimpleNamespace(linear=slow_linear))
 
 
-@pytest.mark.parametrize("fast_path", EVERY_PATH)
+# The measurement is the same whatever path wins: two paths by default, all four with the slow suites.
+MEASURED = [pytest.param(p, marks=[*([MARKS[p]] if p in MARKS else []),
+                                   *([] if p in (skinny_linear.OWN, skinny_linear.PACKED) else [pytest.mark.slow])])
+            for p in skinny_linear.PATHS]
+
+
+@pytest.mark.parametrize("fast_path", MEASURED)
 def test_the_measurement_picks_the_faster_path_and_is_cached(fresh_cache, model_dirs, monkeypatch, fast_path):
     for slow_path in skinny_linear.PATHS:
         if slow_path != fast_path:

@@ -187,7 +187,7 @@ def test_labels_stay_bounded(observed):
                 assert set(sample.labels) <= allowed, (fam.name, sample.labels)
 
 
-@pytest.mark.parametrize("mode", ["fifo", "batched"])
+@pytest.mark.parametrize("mode", [pytest.param("fifo", marks=pytest.mark.slow), "batched"])
 def test_exported_load_and_idle_agree_with_the_star_benchmark(model_dirs, models, prompt_ids, mode):
     """The star-scaling benchmark's own figures (GetStats) vs a scrape of /metrics at the end of a run."""
     from benchmarks.common import target_continuations
