@@ -8,6 +8,8 @@ returned for its warning.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -18,6 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+TORCH_BATON = "lock"  # the file cpp_extension creates while it builds, and waits on while it exists
+WAIT_NOTE_S = 10.0  # how long a load waits on another process's build before it says so
 
 
 def native_dir() -> Path:
@@ -46,17 +51,42 @@ def load(name: str, sources: Sequence[Path], headers: Sequence[Path] = (), flags
     what = what or name
     try:
         build.mkdir(parents=True, exist_ok=True)
-        built = any(build.glob("*.so"))
-        if not built:
-            log.info("building %s for this machine (once) in %s", what, build)
-        t0 = time.perf_counter()
-        cpp_extension.load(name=name, sources=[str(f) for f in sources], extra_cflags=list(flags),
-                           extra_ldflags=list(ldflags), build_directory=str(build), is_python_module=False,
-                           verbose=False)
-        if not built:
-            log.info("%s built in %.1f s", what, time.perf_counter() - t0)
+        with build_lock(build, what):
+            built = any(build.glob("*.so"))
+            if not built:
+                log.info("building %s for this machine (once) in %s", what, build)
+            t0 = time.perf_counter()
+            cpp_extension.load(name=name, sources=[str(f) for f in sources], extra_cflags=list(flags),
+                               extra_ldflags=list(ldflags), build_directory=str(build), is_python_module=False,
+                               verbose=False)
+            if not built:
+                log.info("%s built in %.1f s", what, time.perf_counter() - t0)
     except Exception as e:  # no compiler, no ninja, a read-only home: the caller runs without it
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         said = next((line for line in lines if "error" in line.lower()), lines[-1] if lines else "")
         return False, f"{type(e).__name__}: {said}"
     return True, ""
+
+
+@contextlib.contextmanager
+def build_lock(build: Path, what: str):
+    """One process at a time loads (and maybe builds) in `build`, under a lock the kernel drops when its holder
+    dies. cpp_extension's own lock is a file that a build killed midway (Ctrl-C, OOM, a timeout) leaves behind,
+    and every later load would wait on it forever: whoever holds this lock knows such a file is stale."""
+    with open(build / "starjar.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process's build of %s in %s", what, build)
+            t0 = time.perf_counter()
+            fcntl.flock(f, fcntl.LOCK_EX)
+            if time.perf_counter() - t0 > WAIT_NOTE_S:
+                log.info("%s: the other process's build took %.0f s", what, time.perf_counter() - t0)
+        baton = build / TORCH_BATON
+        if baton.exists():
+            log.warning("%s: removing %s, left by a build that was stopped midway", what, baton)
+            baton.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
