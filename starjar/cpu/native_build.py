@@ -22,7 +22,6 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 TORCH_BATON = "lock"  # the file cpp_extension creates while it builds, and waits on while it exists
-WAIT_NOTE_S = 10.0  # how long a load waits on another process's build before it says so
 
 
 def native_dir() -> Path:
@@ -73,20 +72,14 @@ def build_lock(build: Path, what: str):
     """One process at a time loads (and maybe builds) in `build`, under a lock the kernel drops when its holder
     dies. cpp_extension's own lock is a file that a build killed midway (Ctrl-C, OOM, a timeout) leaves behind,
     and every later load would wait on it forever: whoever holds this lock knows such a file is stale."""
-    with open(build / "starjar.lock", "a") as f:
+    with open(build / "starjar.lock", "a") as f:  # closing it (or dying) lets the lock go
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log.info("waiting for another process's build of %s in %s", what, build)
-            t0 = time.perf_counter()
             fcntl.flock(f, fcntl.LOCK_EX)
-            if time.perf_counter() - t0 > WAIT_NOTE_S:
-                log.info("%s: the other process's build took %.0f s", what, time.perf_counter() - t0)
         baton = build / TORCH_BATON
         if baton.exists():
             log.warning("%s: removing %s, left by a build that was stopped midway", what, baton)
             baton.unlink(missing_ok=True)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield

@@ -179,10 +179,9 @@ def _slowed(monkeypatch, slow_path: str) -> None:
         monkeypatch.setattr(skinny_linear, "F", types.SimpleNamespace(linear=slow_linear))
 
 
-# The measurement is the same whatever path wins: two paths by default, all four with the slow suites.
-MEASURED = [pytest.param(p, marks=[*([MARKS[p]] if p in MARKS else []),
-                                   *([] if p in (skinny_linear.OWN, skinny_linear.PACKED) else [pytest.mark.slow])])
-            for p in skinny_linear.PATHS]
+# The measurement is the same whatever path wins: by default the two that may be missing (own, packed, each
+# with its skip mark), the plain two (linear, wxt) with the slow suites.
+MEASURED = [pytest.param(p, marks=MARKS.get(p, pytest.mark.slow)) for p in skinny_linear.PATHS]
 
 
 @pytest.mark.parametrize("fast_path", MEASURED)
