@@ -11,7 +11,7 @@
 // later rows are summed from L1 (12 rows: 578 -> 450 us; MKL packed 782).
 // AVX2's kernel (AMD EPYC) streams a tile's weight rows one after another instead: tiles.h says why.
 //
-// Each output y[r, n] is summed in one fixed order, lanes of 16 over k (AVX2: 4 lanes of 8 over steps of 32), then the lanes reduced,
+// Each output y[r, n] is summed in one fixed order, lanes of 16 over k (AVX2: 2 lanes of 8 over steps of 16), then the lanes reduced,
 // then the bias: it does not depend on R, on which other rows or outputs share the call, or on the thread
 // that computes it. So a row's values are the same alone or in any batch, and a fused q/k/v product gives the
 // separate products' values. The order differs from MKL's, so this is a path of its own

@@ -72,34 +72,35 @@ __attribute__((target("avx2,fma"))) inline float reduce256(__m256 v) {
 
 // The AVX2 kernel streams one weight row at a time: on a 2-core AMD EPYC (Zen 3) a chain of the default
 // target's products streamed 29 GB/s against 21-23 with 4 rows interleaved (with or without the next tile
-// prefetched): the hardware prefetcher follows one stream a thread best. Each output is summed in 4 lanes of
-// 8 over k in steps of 32 (the 8-lane chunks past the last full step into the first lanes, in order), the
-// lanes added (0 + 1) + (2 + 3) and reduced, then the tail past the last 8 one by one: the same order for
-// any RB. RB input rows at a time (4 RB accumulators); the later rows read the weight row from L1.
+// prefetched): the hardware prefetcher follows one stream a thread best. Each output is summed in 2 lanes of
+// 8 over k in steps of 16 (an 8-lane chunk past the last full step into the first lane), the lanes added and
+// reduced, then the tail past the last 8 one by one: the same order for any RB. Two lanes, not four, leave
+// registers for 6 input rows against each weight row (12 accumulators): on that EPYC, one thread, the
+// target's products over 8 rows took 66-78 ms this way against 86-90 with 4 lanes and 3 rows a pass, over 4
+// rows 39-50 against 48-51, one row 32-36 against 31-34. The later rows read the weight row from L1.
 template <int RB>
 __attribute__((target("avx2,fma"))) void row256(const float* x, const float* w, const float* b, float* y,
                                                 int64_t K, int64_t N, int64_t r0, int64_t n) {
-  __m256 acc[RB][4];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+  __m256 acc[RB][2];
+  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const float* wr = w + n * K;
-  const int64_t steps = K - K % 32, full = K - K % 8;
-  for (int64_t k = 0; k < steps; k += 32) {
-    for (int c = 0; c < 4; ++c) {
+  const int64_t steps = K - K % 16, full = K - K % 8;
+  for (int64_t k = 0; k < steps; k += 16) {
+    for (int c = 0; c < 2; ++c) {
       const __m256 wv = _mm256_loadu_ps(wr + k + 8 * c);
       for (int r = 0; r < RB; ++r) {
         acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (r0 + r) * K + k + 8 * c), wv, acc[r][c]);
       }
     }
   }
-  for (int c = 0; steps + 8 * c < full; ++c) {
-    const __m256 wv = _mm256_loadu_ps(wr + steps + 8 * c);
+  if (steps < full) {
+    const __m256 wv = _mm256_loadu_ps(wr + steps);
     for (int r = 0; r < RB; ++r) {
-      acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (r0 + r) * K + steps + 8 * c), wv, acc[r][c]);
+      acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + (r0 + r) * K + steps), wv, acc[r][0]);
     }
   }
   for (int r = 0; r < RB; ++r) {
-    float s = reduce256(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3])));
+    float s = reduce256(_mm256_add_ps(acc[r][0], acc[r][1]));
     for (int64_t k = full; k < K; ++k) s += x[(r0 + r) * K + k] * wr[k];
     y[(r0 + r) * N + n] = b != nullptr ? s + b[n] : s;
   }
@@ -116,7 +117,7 @@ using Tile = void (*)(const float*, const float*, const float*, float*, int64_t,
                       int64_t);
 
 // Tiles for 1..max input rows at a time: the AVX-512 kernel keeps 6 rows x 4 outputs in 24 registers, AVX2's
-// 3 rows x 4 lanes of one output in 12. rows_outer: each weight row is summed against every input row before
+// 6 rows x 2 lanes of one output in 12. rows_outer: each weight row is summed against every input row before
 // the next (AVX2): a chain of the default target's products over 3 input rows took 22 ms this way against 25
 // the tile's way (all its rows against the first input rows, then again from L1) and 28 with 2 rows at a time
 // (2-core AMD EPYC, Zen 3; one row: the same 20 ms).
@@ -128,7 +129,7 @@ struct Isa {
 
 inline Isa isa_of(int64_t which) {
   if (which == 2) return {{tile512<1>, tile512<2>, tile512<3>, tile512<4>, tile512<5>, tile512<6>}, 6, false};
-  return {{tile256<1>, tile256<2>, tile256<3>, nullptr, nullptr, nullptr}, 3, true};
+  return {{tile256<1>, tile256<2>, tile256<3>, tile256<4>, tile256<5>, tile256<6>}, 6, true};
 }
 
 // The best this CPU has: 2 AVX-512, 1 AVX2 with FMA, 0 neither (no path here).
