@@ -9,18 +9,25 @@ bucket). Each output is summed in an order that does not depend on the rows or o
 
 It is built once per machine (starjar.cpu.native_build, a few seconds); where it cannot be, skinny_linear does
 not offer the path. STARJAR_FEW_ROWS_ISA=avx2|avx512 forces the kernel (tests force each this CPU has).
+
+AVX-512's kernel reads a tile's 4 weight rows interleaved or one after another (tiles.h): the same values
+either way, and which is faster depends on the CPU's prefetcher (on a 2-core AMD EPYC, Zen 4, one row took
+half the time streamed; many rows were faster interleaved). settle_stream times both over a model's own
+weights for 1..6 input rows once per machine (kernels' cache) and hands the choice to the product and the
+lean pass; STARJAR_FEW_ROWS_STREAM=all|none|<mask> forces it (tests force each).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import statistics
 import threading
 from pathlib import Path
 
 import torch
 
-from starjar.cpu import native_build
+from starjar.cpu import kernels, native_build
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +37,10 @@ LIBRARY = "starjar_few_rows"
 FLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for splits the tiles between the threads only with it
 ISA_ENV = "STARJAR_FEW_ROWS_ISA"
 ISAS = {"avx2": 1, "avx512": 2}  # the kernel's codes; 0 is the best this CPU has
-_state: dict[str, object] = {}  # "ok", "why"; "isa": the code last handed to the kernel
+STREAM_ENV = "STARJAR_FEW_ROWS_STREAM"
+STREAM_ROWS = 6  # the kernels' input rows a pass: bit r - 1 of a stream mask streams for r rows
+ALL_STREAMED = (1 << STREAM_ROWS) - 1
+_state: dict[str, object] = {}  # "ok", "why"; "isa": the code last handed to the kernel; "stream": the mask
 _loading = threading.Lock()
 
 
@@ -66,6 +76,68 @@ def use_forced_isa() -> None:
     if _state.get("isa") != code:
         torch.ops.starjar.few_rows_use(code)
         _state["isa"] = code
+
+
+def forced_stream() -> int | None:
+    """The stream mask STARJAR_FEW_ROWS_STREAM forces (all, none or a number 0..63), else None: measured."""
+    name = os.environ.get(STREAM_ENV, "").strip().lower()
+    if not name:
+        return None
+    if name in ("all", "none"):
+        return ALL_STREAMED if name == "all" else 0
+    if not name.isdigit() or int(name) > ALL_STREAMED:
+        raise ValueError(f"{STREAM_ENV} must be all, none or a mask 0..{ALL_STREAMED}, not {name!r}")
+    return int(name)
+
+
+def stream_mask() -> int:
+    """The stream mask in use in this process (0 until settle_stream or set_stream ran)."""
+    return int(_state.get("stream", 0))
+
+
+def set_stream(mask: int) -> None:
+    """Hand the product a stream mask (the lean pass reads stream_mask() before each call)."""
+    if available():
+        torch.ops.starjar.few_rows_stream(mask)
+    _state["stream"] = mask
+
+
+def settle_stream(weights: list[torch.Tensor]) -> int:
+    """This machine's stream mask for AVX-512's products over these float weights [N, K]: forced, cached, or
+    timed now (about a second: the weights' products in turn, each way, for 1..6 rows); handed to the product.
+    Where AVX-512's kernel does not run the mask changes nothing and is left at 0."""
+    mask = forced_stream()
+    if mask is None:
+        runs_avx512 = available() and (isa() or torch.ops.starjar.few_rows_isa()) == ISAS["avx512"]
+        shapes = tuple(sorted({(int(w.shape[1]), int(w.shape[0])) for w in weights}))
+        mask = 0 if not runs_avx512 or not weights else kernels.cached_entry(
+            "fp32-stream", shapes, lambda: _time_stream(weights),
+            usable=lambda e: isinstance(e.get("mask"), int))["mask"]
+    set_stream(mask)
+    return mask
+
+
+def _time_stream(weights: list[torch.Tensor], reps: int = 3) -> dict:
+    """Each row count's products over every weight in turn (weights as cold as in a pass), interleaved and
+    streamed, in turns; the mask of the row counts that streamed faster."""
+    use_forced_isa()
+    xs = {int(w.shape[1]): torch.randn(STREAM_ROWS, int(w.shape[1])) for w in weights}
+    ms: list[dict] = []
+    mask = 0
+    with torch.inference_mode():
+        for rows in range(1, STREAM_ROWS + 1):
+            def chain(m: int, rows: int = rows) -> None:
+                torch.ops.starjar.few_rows_stream(m)
+                for w in weights:
+                    torch.ops.starjar.few_rows(xs[int(w.shape[1])][:rows], w, None)
+            times = kernels.interleaved_times([lambda: chain(0), lambda: chain(ALL_STREAMED)], reps)
+            tiled, streamed = (statistics.median(t) * 1e3 for t in times)
+            ms.append({"interleaved": round(tiled, 3), "streamed": round(streamed, 3)})
+            if streamed < tiled:
+                mask |= 1 << (rows - 1)
+    log.info("AVX-512 float products stream their weight rows for %s input rows (%s; ms %s)",
+             [r for r in range(1, STREAM_ROWS + 1) if mask >> (r - 1) & 1] or "no", kernels.machine_label(), ms)
+    return {"mask": mask, "ms": ms}
 
 
 def product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -30,7 +30,7 @@ HEADERS = [*(Path(few_rows.__file__).with_name("native") / h for h in ("tiles.h"
            Path(__file__).with_name("native") / "lean_avx2.h"]
 LIBRARY = "starjar_lean_pass"
 FLAGS = ["-O3", "-fopenmp"]
-_state: dict[str, object] = {}  # "ok": loaded in this process; "why": the reason if not
+_state: dict[str, object] = {}  # "ok": loaded in this process; "why": the reason if not; "stream": the mask handed
 _loading = threading.Lock()
 
 
@@ -67,5 +67,9 @@ def run(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, mask: torc
     not folded, or None where every key is visible). int8: the products in the own int8 layout
     (starjar.cpu.few_rows.int8_layout's weights and meta, four a layer), flat_ws then the two norms a layer.
     norm: the model's final RMSNorm weight (same epsilon), applied in the pass; None returns the last layer's."""
+    mask_now = few_rows.stream_mask()
+    if _state.get("stream") != mask_now:
+        torch.ops.starjar.lean_pass_stream(mask_now)
+        _state["stream"] = mask_now
     return torch.ops.starjar.lean_pass(x, cos, sin_signed, mask, flat_ws, flat_bs, keys, values, start, kv_len,
                                        nq, nk, d, eps, scaling, write, few_rows.isa(), *(int8 or (None, None)), norm)

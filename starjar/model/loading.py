@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from starjar.cpu import huge_pages, quantized, skinny_linear
+from starjar.cpu import few_rows, huge_pages, quantized, skinny_linear
 from starjar.cpu.kernels import forced_path
 from starjar.errors import InvalidArgument, ModelMismatch
 from starjar.model import attention, kv_precision, smoothing
@@ -225,6 +225,7 @@ def _place_float_weights(model: torch.nn.Module, dt: torch.dtype) -> None:
     few-row products for them (measured once, cached)."""
     huge_pages.rehome(model)
     if dt == torch.float32 and skinny_linear.install(model):
+        few_rows.settle_stream([m.weight for m in model.modules() if type(m) is torch.nn.Linear])
         skinny_linear.choose(model)
 
 

@@ -54,14 +54,17 @@ def _close(hf: list, lean: list) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("isa", sorted(few_rows.ISAS))
+@pytest.mark.parametrize("isa", [*sorted(few_rows.ISAS), "avx512-streamed"])
 def test_every_pass_is_hf_within_rounding_on_each_kernel(model_dirs, prompt_ids, monkeypatch, family, isa):
     """Steps, verification, multi-row, unequal-length and tree passes (qwen2: biased q/k/v) with each kernel
-    this CPU has forced: HF's logits within TOLERANCE, the same argmax; prefill keeps the other passes."""
+    this CPU has forced (AVX-512's weight rows interleaved, then streamed): HF's logits within TOLERANCE, the
+    same argmax; prefill keeps the other passes."""
     assert lean_pass.available()
-    if few_rows.ISAS[isa] > torch.ops.starjar.lean_pass_isa():
-        pytest.skip(f"this CPU lacks {isa}")
-    monkeypatch.setenv(few_rows.ISA_ENV, isa)
+    name = isa.removesuffix("-streamed")
+    if few_rows.ISAS[name] > torch.ops.starjar.lean_pass_isa():
+        pytest.skip(f"this CPU lacks {name}")
+    monkeypatch.setenv(few_rows.ISA_ENV, name)
+    monkeypatch.setenv(few_rows.STREAM_ENV, "all" if isa.endswith("-streamed") else "none")
     model = load_model(model_dirs[family])
     calls = _spy(monkeypatch)
     hf, lean = _hf_then_lean(model, prompt_ids[:3], monkeypatch)

@@ -1,6 +1,8 @@
 """starjar's own few-rows product (starjar.cpu.few_rows), each kernel this CPU has forced in turn: F.linear's
 values, and each output's sum independent of the rows, outputs and threads beside it."""
 
+import json
+
 import kernel_isas
 import pytest
 import torch
@@ -73,3 +75,68 @@ def test_an_aten_held_to_avx2_holds_the_own_products_to_it(monkeypatch):
     assert few_rows.isa() == few_rows.ISAS["avx2"]  # the int8 product too: AVX2's tiles, not VNNI's
     monkeypatch.setenv(few_rows.ISA_ENV, "avx512")  # a forced kernel still wins
     assert few_rows.isa() == few_rows.ISAS["avx512"]
+
+
+avx512 = pytest.mark.skipif(not few_rows.available() or torch.ops.starjar.few_rows_isa() < few_rows.ISAS["avx512"],
+                            reason="this CPU lacks AVX-512")
+
+
+@avx512
+@pytest.mark.parametrize("mask", [0, 1, 0b101010, few_rows.ALL_STREAMED])
+def test_streamed_and_interleaved_weight_rows_give_the_same_bits(monkeypatch, mask):
+    """AVX-512's weight rows streamed one at a time for the row counts a mask names, interleaved for the rest:
+    every row's values equal the all-interleaved product's, so a row alone (1 row streamed) equals it batched."""
+    monkeypatch.setenv(few_rows.ISA_ENV, "avx512")
+    before = few_rows.stream_mask()
+    torch.manual_seed(4)
+    w, b = torch.randn(301, 37), torch.randn(301)
+    xs = torch.randn(13, 37)
+    try:
+        few_rows.set_stream(0)
+        reference = few_rows.product(xs, w, b)
+        few_rows.set_stream(mask)
+        for rows in range(1, 14):
+            assert torch.equal(few_rows.product(xs[:rows], w, b), reference[:rows]), rows
+        assert torch.equal(few_rows.product(xs[5:6], w, b), reference[5:6])
+    finally:
+        few_rows.set_stream(before)
+
+
+@avx512
+def test_the_stream_mask_is_measured_once_and_cached(monkeypatch, tmp_path):
+    from starjar.cpu import kernels
+    monkeypatch.setenv("STARJAR_HOME", str(tmp_path))
+    monkeypatch.delenv(few_rows.STREAM_ENV, raising=False)
+    monkeypatch.delenv(few_rows.ISA_ENV, raising=False)
+    monkeypatch.setattr(kernels, "_entries", {})
+    before = few_rows.stream_mask()
+    weights = [torch.randn(256, 64), torch.randn(64, 256)]
+    try:
+        mask = few_rows.settle_stream(weights)
+        assert 0 <= mask <= few_rows.ALL_STREAMED and few_rows.stream_mask() == mask
+        stored = (tmp_path / "kernels.json").read_text()
+        entry = next(e for name, e in json.loads(stored).items() if "|fp32-stream|" in name)
+        assert entry["mask"] == mask and len(entry["ms"]) == few_rows.STREAM_ROWS
+        assert set(entry["ms"][0]) == {"interleaved", "streamed"}
+        monkeypatch.setattr(kernels, "_entries", {})
+        assert few_rows.settle_stream(weights) == mask
+        assert (tmp_path / "kernels.json").read_text() == stored  # read, not measured again
+    finally:
+        few_rows.set_stream(before)
+
+
+def test_a_forced_stream_mask_wins_and_a_bad_one_is_refused(monkeypatch):
+    before = few_rows.stream_mask()
+    try:
+        for value, mask in (("all", few_rows.ALL_STREAMED), ("none", 0), ("5", 5)):
+            monkeypatch.setenv(few_rows.STREAM_ENV, value)
+            assert few_rows.settle_stream([torch.randn(8, 8)]) == mask == few_rows.stream_mask()
+        for bad in ("64", "some", "-1"):
+            monkeypatch.setenv(few_rows.STREAM_ENV, bad)
+            with pytest.raises(ValueError, match="all, none or a mask 0..63"):
+                few_rows.settle_stream([torch.randn(8, 8)])
+        if few_rows.available():
+            with pytest.raises(RuntimeError, match="1..6 rows"):
+                torch.ops.starjar.few_rows_stream(64)
+    finally:
+        few_rows.set_stream(before)

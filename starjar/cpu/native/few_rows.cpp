@@ -34,6 +34,8 @@ using starjar_tiles::NB;
 
 // The kernel in use: 0 the best this CPU has, else forced (few_rows_use; tests force each).
 std::atomic<int64_t> forced_isa{0};
+// Which AVX-512 row counts stream their weight rows one at a time (tiles.h's isa_of; few_rows_stream sets it).
+std::atomic<int64_t> stream_mask{0};
 
 at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.dim() == 2 && w.dim() == 2 &&
@@ -55,7 +57,7 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, const std::optiona
   const float* wp = wc.data_ptr<float>();
   const float* bp = biased ? bc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const Isa kernels = isa_of(which);
+  const Isa kernels = isa_of(which, stream_mask.load());
   const int64_t tiles = (N + NB - 1) / NB;
   const int64_t grain = std::max<int64_t>(1, (tiles + at::get_num_threads() - 1) / at::get_num_threads());
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
@@ -73,6 +75,14 @@ int64_t few_rows_use(int64_t isa) {
   return isa == 0 ? best_isa() : isa;
 }
 
+// Stream AVX-512's weight rows one at a time for RB input rows where bit RB - 1 of mask is set (measured per
+// machine; the values do not change); returns the mask now in use.
+int64_t few_rows_stream(int64_t mask) {
+  TORCH_CHECK(mask >= 0 && mask < 64, "few_rows: a stream mask has bits for 1..6 rows (", mask, ")");
+  stream_mask.store(mask);
+  return mask;
+}
+
 }  // namespace
 
 // The kernel forced for the library's products (0: the best), read by the int8 product (int8_rows.cpp).
@@ -83,6 +93,7 @@ TORCH_LIBRARY_FRAGMENT(starjar, m) {
   m.def("few_rows(Tensor x, Tensor w, Tensor? b=None) -> Tensor");
   m.def("few_rows_isa() -> int", few_rows_isa);
   m.def("few_rows_use(int isa) -> int", few_rows_use);
+  m.def("few_rows_stream(int mask) -> int", few_rows_stream);
 }
 
 TORCH_LIBRARY_IMPL(starjar, CPU, m) { m.impl("few_rows", few_rows); }

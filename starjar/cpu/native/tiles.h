@@ -106,30 +106,73 @@ __attribute__((target("avx2,fma"))) void row256(const float* x, const float* w, 
   }
 }
 
-// A tile's 4 outputs, each weight row against every input row (RB at a time), in the tile signature.
+// The AVX-512 tile's sums for one weight row at a time: one lane of 16 over k, the masked tail, reduce_add, the
+// tile's order exactly, so a row's values do not depend on which of the two ran. On a 2-core AMD EPYC (Zen 4),
+// one thread, the default target's 211 products over one input row took 23-26 ms streamed so against 39-44
+// with 4 weight rows interleaved (the hardware prefetcher follows one stream a thread best, as on Zen 3); over
+// 8 rows the interleaved tile was faster (40-45 against 74-76). Which runs for how many rows is measured per
+// machine (starjar.cpu.few_rows.stream_mask).
+template <int RB>
+__attribute__((target("avx512f"))) void row512(const float* x, const float* w, const float* b, float* y,
+                                               int64_t K, int64_t N, int64_t r0, int64_t n) {
+  __m512 acc[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
+  const float* wr = w + n * K;
+  const int64_t full = K - K % 16;
+  for (int64_t k = 0; k < full; k += 16) {
+    const __m512 wv = _mm512_loadu_ps(wr + k);
+    for (int r = 0; r < RB; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (r0 + r) * K + k), wv, acc[r]);
+  }
+  if (full < K) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (K - full)) - 1);
+    const __m512 wv = _mm512_maskz_loadu_ps(m, wr + full);
+    for (int r = 0; r < RB; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + (r0 + r) * K + full), wv, acc[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    const float s = _mm512_reduce_add_ps(acc[r]);
+    y[(r0 + r) * N + n] = b != nullptr ? s + b[n] : s;
+  }
+}
+
+// A tile's outputs, each weight row against every input row (RB at a time), in the tile signature.
 template <int RB>
 __attribute__((target("avx2,fma"))) void tile256(const float* x, const float* w, const float* b, float* y,
                                                  int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t nb) {
   for (int64_t j = 0; j < nb; ++j) row256<RB>(x, w, b, y, K, N, r0, n0 + j);
 }
 
+template <int RB>
+__attribute__((target("avx512f"))) void stream512(const float* x, const float* w, const float* b, float* y,
+                                                  int64_t K, int64_t N, int64_t r0, int64_t n0, int64_t nb) {
+  for (int64_t j = 0; j < nb; ++j) row512<RB>(x, w, b, y, K, N, r0, n0 + j);
+}
+
 using Tile = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
                       int64_t);
 
-// Tiles for 1..max input rows at a time: the AVX-512 kernel keeps 6 rows x 4 outputs in 24 registers, AVX2's
-// 6 rows x 2 lanes of one output in 12. rows_outer: each weight row is summed against every input row before
-// the next (AVX2): a chain of the default target's products over 3 input rows took 22 ms this way against 25
-// the tile's way (all its rows against the first input rows, then again from L1) and 28 with 2 rows at a time
-// (2-core AMD EPYC, Zen 3; one row: the same 20 ms).
+// Tiles for 1..6 input rows at a time: the AVX-512 tile keeps 6 rows x 4 outputs in 24 registers, AVX2's
+// 6 rows x 2 lanes of one output in 12. Each tile sums a tile's weight rows against its input rows, each
+// weight row against every input row before the next (AVX2, and AVX-512 where stream_mask's bit RB - 1 is
+// set) or 4 weight rows interleaved. For AVX2 the streamed form is the only one: a chain of the default
+// target's products over 3 input rows took 22 ms so against 25 interleaved (2-core AMD EPYC, Zen 3).
 struct Isa {
   Tile tiles[6];
   int max;
-  bool rows_outer;
 };
 
-inline Isa isa_of(int64_t which) {
-  if (which == 2) return {{tile512<1>, tile512<2>, tile512<3>, tile512<4>, tile512<5>, tile512<6>}, 6, false};
-  return {{tile256<1>, tile256<2>, tile256<3>, tile256<4>, tile256<5>, tile256<6>}, 6, true};
+// stream_mask: bit RB - 1 set streams AVX-512's weight rows one at a time for RB input rows (the values are
+// the same either way).
+inline Isa isa_of(int64_t which, int64_t stream_mask = 0) {
+  if (which == 2) {
+    const Tile tiled[6] = {tile512<1>, tile512<2>, tile512<3>, tile512<4>, tile512<5>, tile512<6>};
+    const Tile streamed[6] = {stream512<1>, stream512<2>, stream512<3>, stream512<4>, stream512<5>, stream512<6>};
+    Isa isa{{}, 6};
+    for (int i = 0; i < 6; ++i) isa.tiles[i] = (stream_mask >> i) & 1 ? streamed[i] : tiled[i];
+    return isa;
+  }
+  return {{tile256<1>, tile256<2>, tile256<3>, tile256<4>, tile256<5>, tile256<6>}, 6};
 }
 
 // The best this CPU has: 2 AVX-512, 1 AVX2 with FMA, 0 neither (no path here).
@@ -145,12 +188,9 @@ inline void tiles_range(const Isa& kernels, const float* x, const float* w, cons
                         int64_t K, int64_t N, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n0 = t * NB, nb = std::min<int64_t>(NB, N - n0);
-    const int64_t parts = kernels.rows_outer ? nb : 1, width = kernels.rows_outer ? 1 : nb;
-    for (int64_t j = 0; j < parts; ++j) {
-      for (int64_t r0 = 0; r0 < R; r0 += kernels.max) {
-        const int64_t rb = std::min<int64_t>(kernels.max, R - r0);
-        kernels.tiles[rb - 1](x, w, b, y, K, N, r0, n0 + j, width);
-      }
+    for (int64_t r0 = 0; r0 < R; r0 += kernels.max) {
+      const int64_t rb = std::min<int64_t>(kernels.max, R - r0);
+      kernels.tiles[rb - 1](x, w, b, y, K, N, r0, n0, nb);
     }
   }
 }

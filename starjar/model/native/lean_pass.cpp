@@ -20,6 +20,7 @@
 #include "../../cpu/native/tiles.h"
 #include "lean_avx2.h"
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -153,8 +154,11 @@ struct Kernels {
   void (*axpy)(float*, float, const float*, int64_t);
 };
 
+// Which AVX-512 row counts stream their weight rows one at a time (tiles.h's isa_of; lean_pass_stream sets it).
+std::atomic<int64_t> stream_mask{0};
+
 Kernels kernels_of(int64_t isa) {
-  if (isa == 2) return {2, starjar_int8::has_vnni(), starjar_tiles::isa_of(2), dot512, axpy512};
+  if (isa == 2) return {2, starjar_int8::has_vnni(), starjar_tiles::isa_of(2, stream_mask.load()), dot512, axpy512};
   return {1, false, starjar_tiles::isa_of(1), dot256, axpy256};
 }
 
@@ -547,6 +551,13 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
 
 int64_t lean_pass_isa() { return starjar_tiles::best_isa(); }
 
+// As few_rows_stream: bit RB - 1 of mask streams AVX-512's weight rows one at a time for RB input rows.
+int64_t lean_pass_stream(int64_t mask) {
+  TORCH_CHECK(mask >= 0 && mask < 64, "lean_pass: a stream mask has bits for 1..6 rows (", mask, ")");
+  stream_mask.store(mask);
+  return mask;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(starjar, m) {
@@ -554,6 +565,7 @@ TORCH_LIBRARY_FRAGMENT(starjar, m) {
         "Tensor[] keys, Tensor[] values, int start, int kv_len, int[] nq, int[] nk, int d, float eps, "
         "float scaling, Tensor? write, int isa, Tensor[]? q8=None, Tensor[]? meta=None, Tensor? norm=None) -> Tensor");
   m.def("lean_pass_isa() -> int", lean_pass_isa);
+  m.def("lean_pass_stream(int mask) -> int", lean_pass_stream);
 }
 
 TORCH_LIBRARY_IMPL(starjar, CPU, m) { m.impl("lean_pass", lean_pass); }
