@@ -10,11 +10,13 @@ bucket). Each output is summed in an order that does not depend on the rows or o
 It is built once per machine (starjar.cpu.native_build, a few seconds); where it cannot be, skinny_linear does
 not offer the path. STARJAR_FEW_ROWS_ISA=avx2|avx512 forces the kernel (tests force each this CPU has).
 
-AVX-512's kernel reads a tile's 4 weight rows interleaved or one after another (tiles.h): the same values
-either way, and which is faster depends on the CPU's prefetcher (on a 2-core AMD EPYC, Zen 4, one row took
-half the time streamed; many rows were faster interleaved). settle_stream times both over a model's own
-weights for 1..6 input rows once per machine (kernels' cache) and hands the choice to the product and the
-lean pass; STARJAR_FEW_ROWS_STREAM=all|none|<mask> forces it (tests force each).
+AVX-512's kernels read a tile's 4 weight rows interleaved or one after another (tiles.h, int8_tiles.h): the
+same values either way, and which is faster depends on the CPU's prefetcher (on a 2-core AMD EPYC, Zen 4, one
+row took about half the time streamed; many float rows were faster interleaved). settle_stream (float) and
+settle_int8_stream (VNNI) time both over a model's own weights for 1..6 input rows once per machine (kernels'
+cache) and hand the choice to the products and the lean pass as one mask: bit r - 1 streams the float
+product for r rows, bit 6 + r - 1 the int8 one. STARJAR_FEW_ROWS_STREAM=all|none|<mask> forces it (tests force
+each).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 import os
 import statistics
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,8 +41,10 @@ FLAGS = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for splits the tiles between
 ISA_ENV = "STARJAR_FEW_ROWS_ISA"
 ISAS = {"avx2": 1, "avx512": 2}  # the kernel's codes; 0 is the best this CPU has
 STREAM_ENV = "STARJAR_FEW_ROWS_STREAM"
-STREAM_ROWS = 6  # the kernels' input rows a pass: bit r - 1 of a stream mask streams for r rows
-ALL_STREAMED = (1 << STREAM_ROWS) - 1
+STREAM_ROWS = 6  # the kernels' input rows a pass: bit r - 1 of a stream mask streams float products for r rows
+FLOAT_STREAMED = (1 << STREAM_ROWS) - 1
+INT8_SHIFT = STREAM_ROWS  # bit INT8_SHIFT + r - 1 streams int8 products for r rows
+ALL_STREAMED = (1 << 2 * STREAM_ROWS) - 1
 _state: dict[str, object] = {}  # "ok", "why"; "isa": the code last handed to the kernel; "stream": the mask
 _loading = threading.Lock()
 
@@ -79,7 +84,7 @@ def use_forced_isa() -> None:
 
 
 def forced_stream() -> int | None:
-    """The stream mask STARJAR_FEW_ROWS_STREAM forces (all, none or a number 0..63), else None: measured."""
+    """The stream mask STARJAR_FEW_ROWS_STREAM forces (all, none or a number 0..4095), else None: measured."""
     name = os.environ.get(STREAM_ENV, "").strip().lower()
     if not name:
         return None
@@ -96,48 +101,68 @@ def stream_mask() -> int:
 
 
 def set_stream(mask: int) -> None:
-    """Hand the product a stream mask (the lean pass reads stream_mask() before each call)."""
+    """Hand the products a stream mask (the lean pass reads stream_mask() before each call)."""
     if available():
         torch.ops.starjar.few_rows_stream(mask)
     _state["stream"] = mask
 
 
 def settle_stream(weights: list[torch.Tensor]) -> int:
-    """This machine's stream mask for AVX-512's products over these float weights [N, K]: forced, cached, or
+    """This machine's stream bits for AVX-512's float products over these weights [N, K]: forced, cached, or
     timed now (about a second: the weights' products in turn, each way, for 1..6 rows); handed to the product.
-    Where AVX-512's kernel does not run the mask changes nothing and is left at 0."""
+    Where AVX-512's kernel does not run they change nothing and stay 0. Returns the whole mask."""
+    shapes = tuple(sorted({(int(w.shape[1]), int(w.shape[0])) for w in weights}))
+    return _settle(0, "fp32-stream", shapes, weights,
+                   lambda w, rows, x: torch.ops.starjar.few_rows(x[:rows], w, None), lambda w: int(w.shape[1]))
+
+
+def settle_int8_stream(laid: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """settle_stream for the int8 product over int8_layout's weights and meta (VNNI's kernel; AVX2's int8
+    kernel always streams). Returns the whole mask."""
+    vnni = int8_available() and bool(torch.ops.starjar.int8_rows_vnni())
+    shapes = tuple(sorted({(int(w.shape[1]), int(w.shape[0])) for w, _ in laid})) if vnni else ()
+    return _settle(INT8_SHIFT, "int8-stream", shapes, laid,
+                   lambda wm, rows, x: torch.ops.starjar.int8_rows(x[:rows], wm[0], wm[1], None),
+                   lambda wm: int(wm[0].shape[1]))
+
+
+def _settle(shift: int, kind: str, shapes: tuple, weights: list, run: Callable, width: Callable) -> int:
+    """Set the stream bits from `shift` up: forced (the whole mask), cached or timed; returns the whole mask."""
     mask = forced_stream()
     if mask is None:
         runs_avx512 = available() and (isa() or torch.ops.starjar.few_rows_isa()) == ISAS["avx512"]
-        shapes = tuple(sorted({(int(w.shape[1]), int(w.shape[0])) for w in weights}))
-        mask = 0 if not runs_avx512 or not weights else kernels.cached_entry(
-            "fp32-stream", shapes, lambda: _time_stream(weights),
+        bits = 0 if not runs_avx512 or not shapes else kernels.cached_entry(
+            kind, shapes, lambda: _time_stream(shift, weights, run, width),
             usable=lambda e: isinstance(e.get("mask"), int))["mask"]
+        mask = stream_mask() & ~(FLOAT_STREAMED << shift) | bits << shift
     set_stream(mask)
     return mask
 
 
-def _time_stream(weights: list[torch.Tensor], reps: int = 3) -> dict:
+def _time_stream(shift: int, weights: list, run: Callable, width: Callable, reps: int = 3) -> dict:
     """Each row count's products over every weight in turn (weights as cold as in a pass), interleaved and
-    streamed, in turns; the mask of the row counts that streamed faster."""
+    streamed, in turns; the mask of the row counts that streamed faster (bit r - 1 for r rows)."""
     use_forced_isa()
-    xs = {int(w.shape[1]): torch.randn(STREAM_ROWS, int(w.shape[1])) for w in weights}
+    xs = {width(w): torch.randn(STREAM_ROWS, width(w)) for w in weights}
+    others = stream_mask() & ~(FLOAT_STREAMED << shift)
     ms: list[dict] = []
-    mask = 0
+    bits = 0
     with torch.inference_mode():
         for rows in range(1, STREAM_ROWS + 1):
-            def chain(m: int, rows: int = rows) -> None:
-                torch.ops.starjar.few_rows_stream(m)
+            def chain(streamed: bool, rows: int = rows) -> None:
+                torch.ops.starjar.few_rows_stream(others | (FLOAT_STREAMED << shift if streamed else 0))
                 for w in weights:
-                    torch.ops.starjar.few_rows(xs[int(w.shape[1])][:rows], w, None)
-            times = kernels.interleaved_times([lambda: chain(0), lambda: chain(ALL_STREAMED)], reps)
+                    run(w, rows, xs[width(w)])
+            times = kernels.interleaved_times([lambda: chain(False), lambda: chain(True)], reps)
             tiled, streamed = (statistics.median(t) * 1e3 for t in times)
             ms.append({"interleaved": round(tiled, 3), "streamed": round(streamed, 3)})
             if streamed < tiled:
-                mask |= 1 << (rows - 1)
-    log.info("AVX-512 float products stream their weight rows for %s input rows (%s; ms %s)",
-             [r for r in range(1, STREAM_ROWS + 1) if mask >> (r - 1) & 1] or "no", kernels.machine_label(), ms)
-    return {"mask": mask, "ms": ms}
+                bits |= 1 << (rows - 1)
+    torch.ops.starjar.few_rows_stream(stream_mask())
+    log.info("AVX-512 %s products stream their weight rows for %s input rows (%s; ms %s)",
+             "int8" if shift else "float", [r for r in range(1, STREAM_ROWS + 1) if bits >> (r - 1) & 1] or "no",
+             kernels.machine_label(), ms)
+    return {"mask": bits, "ms": ms}
 
 
 def product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -145,6 +145,7 @@ class NativeDraftPass:
             laid = [few_rows.int8_layout(p) for p in self.packs]
             if all(w is not None for w in laid):
                 self._own = (huge_pages.gather([w for w, _ in laid]), [m for _, m in laid])  # streamed each step
+                few_rows.settle_int8_stream(list(zip(*self._own, strict=True)))
         if self._own is None and own_forced():
             raise RuntimeError(f"{OWN_ENV}=own, but the own int8 product cannot run here "
                                "(it needs AVX-512 VNNI or AVX2)")

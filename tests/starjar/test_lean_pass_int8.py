@@ -90,3 +90,20 @@ def test_a_prefill_past_the_whole_pass_s_rows_keeps_the_native_pass(tmp_path, mo
     assert not nd._takes_whole(1, native_draft.WHOLE_MAX_ROWS + 1)
     monkeypatch.setenv(lean_pass.ENV, "1")
     assert nd._takes_whole(1, native_draft.WHOLE_MAX_ROWS + 1)
+
+
+@pytest.mark.skipif(not few_rows.int8_available() or not torch.ops.starjar.int8_rows_vnni(),
+                    reason="no AVX-512 VNNI here: its weight rows are only ever streamed")
+def test_streamed_weight_rows_give_the_interleaved_pass_s_bits(tmp_path, model_dirs, prompt_ids, monkeypatch):
+    """The whole int8 pass with every product's weight rows streamed one at a time, then interleaved: the
+    int32 sums are exact and the float ones keep their order, so the same bits."""
+    before = few_rows.stream_mask()
+    outs = {}
+    try:
+        for way in ("all", "none"):
+            monkeypatch.setenv(few_rows.STREAM_ENV, way)
+            outs[way] = _passes(_draft(monkeypatch, tmp_path / way, model_dirs, "1"), prompt_ids)
+            assert few_rows.stream_mask() == (few_rows.ALL_STREAMED if way == "all" else 0)
+    finally:
+        few_rows.set_stream(before)
+    assert torch.equal(outs["all"], outs["none"])

@@ -121,3 +121,48 @@ def test_a_bad_forced_value_says_what_is_allowed(monkeypatch):
     monkeypatch.setenv(native_draft.OWN_ENV, "fastest")
     with pytest.raises(ValueError, match="own"):
         native_draft.own_forced()
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="no AVX-512 VNNI here: its weight rows are only ever streamed")
+@pytest.mark.parametrize("bits", [1, 0b010110, few_rows.FLOAT_STREAMED])
+def test_vnnis_streamed_and_interleaved_weight_rows_give_the_same_bits(monkeypatch, bits):
+    """VNNI's weight rows streamed one at a time for the row counts the mask names (bits 6-11), interleaved
+    for the rest: every row's values equal the all-interleaved product's, alone or batched."""
+    monkeypatch.delenv(few_rows.ISA_ENV, raising=False)
+    before = few_rows.stream_mask()
+    torch.manual_seed(6)
+    layer = torch.nn.Linear(130, 41)
+    w, meta = few_rows.int8_layout(dynamic_int8(layer)._packed_params._packed_params)
+    x = torch.randn(13, 130)
+    try:
+        few_rows.set_stream(0)
+        reference = few_rows.int8_product(x, w, meta, layer.bias.detach())
+        few_rows.set_stream(bits << few_rows.INT8_SHIFT)
+        for rows in range(1, 14):
+            assert torch.equal(few_rows.int8_product(x[:rows], w, meta, layer.bias.detach()), reference[:rows])
+    finally:
+        few_rows.set_stream(before)
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="no AVX-512 VNNI here: its weight rows are only ever streamed")
+def test_the_int8_stream_bits_are_measured_once_cached_and_leave_the_float_bits(monkeypatch, tmp_path):
+    import json
+    monkeypatch.setenv("STARJAR_HOME", str(tmp_path))
+    monkeypatch.delenv(few_rows.STREAM_ENV, raising=False)
+    monkeypatch.delenv(few_rows.ISA_ENV, raising=False)
+    monkeypatch.setattr(kernels, "_entries", {})
+    before = few_rows.stream_mask()
+    laid = [few_rows.int8_layout(dynamic_int8(torch.nn.Linear(k, n))._packed_params._packed_params)
+            for k, n in ((128, 256), (256, 64))]
+    try:
+        few_rows.set_stream(0b100001)
+        mask = few_rows.settle_int8_stream(laid)
+        assert mask & few_rows.FLOAT_STREAMED == 0b100001 and few_rows.stream_mask() == mask
+        stored = (tmp_path / "kernels.json").read_text()
+        entry = next(e for name, e in json.loads(stored).items() if "|int8-stream|" in name)
+        assert entry["mask"] == mask >> few_rows.INT8_SHIFT and len(entry["ms"]) == few_rows.STREAM_ROWS
+        monkeypatch.setattr(kernels, "_entries", {})
+        assert few_rows.settle_int8_stream(laid) == mask
+        assert (tmp_path / "kernels.json").read_text() == stored  # read, not measured again
+    finally:
+        few_rows.set_stream(before)

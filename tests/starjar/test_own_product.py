@@ -131,12 +131,12 @@ def test_a_forced_stream_mask_wins_and_a_bad_one_is_refused(monkeypatch):
         for value, mask in (("all", few_rows.ALL_STREAMED), ("none", 0), ("5", 5)):
             monkeypatch.setenv(few_rows.STREAM_ENV, value)
             assert few_rows.settle_stream([torch.randn(8, 8)]) == mask == few_rows.stream_mask()
-        for bad in ("64", "some", "-1"):
+        for bad in ("4096", "some", "-1"):
             monkeypatch.setenv(few_rows.STREAM_ENV, bad)
-            with pytest.raises(ValueError, match="all, none or a mask 0..63"):
+            with pytest.raises(ValueError, match="all, none or a mask 0..4095"):
                 few_rows.settle_stream([torch.randn(8, 8)])
         if few_rows.available():
             with pytest.raises(RuntimeError, match="1..6 rows"):
-                torch.ops.starjar.few_rows_stream(64)
+                torch.ops.starjar.few_rows_stream(4096)
     finally:
         few_rows.set_stream(before)

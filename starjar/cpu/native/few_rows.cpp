@@ -34,8 +34,10 @@ using starjar_tiles::NB;
 
 // The kernel in use: 0 the best this CPU has, else forced (few_rows_use; tests force each).
 std::atomic<int64_t> forced_isa{0};
-// Which AVX-512 row counts stream their weight rows one at a time (tiles.h's isa_of; few_rows_stream sets it).
+// Which AVX-512 row counts stream their weight rows one at a time (few_rows_stream sets it): bits 0-5 the
+// float product's (tiles.h's isa_of), bits 6-11 the int8 product's (int8_tiles.h's int8_range).
 std::atomic<int64_t> stream_mask{0};
+constexpr int64_t INT8_SHIFT = 6;
 
 at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.dim() == 2 && w.dim() == 2 &&
@@ -57,7 +59,7 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, const std::optiona
   const float* wp = wc.data_ptr<float>();
   const float* bp = biased ? bc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const Isa kernels = isa_of(which, stream_mask.load());
+  const Isa kernels = isa_of(which, stream_mask.load() & ((1 << INT8_SHIFT) - 1));
   const int64_t tiles = (N + NB - 1) / NB;
   const int64_t grain = std::max<int64_t>(1, (tiles + at::get_num_threads() - 1) / at::get_num_threads());
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
@@ -75,10 +77,11 @@ int64_t few_rows_use(int64_t isa) {
   return isa == 0 ? best_isa() : isa;
 }
 
-// Stream AVX-512's weight rows one at a time for RB input rows where bit RB - 1 of mask is set (measured per
-// machine; the values do not change); returns the mask now in use.
+// Stream AVX-512's weight rows one at a time for RB input rows where bit RB - 1 of mask is set, the int8
+// product's where bit 6 + RB - 1 is (measured per machine; the values do not change); returns the mask in use.
 int64_t few_rows_stream(int64_t mask) {
-  TORCH_CHECK(mask >= 0 && mask < 64, "few_rows: a stream mask has bits for 1..6 rows (", mask, ")");
+  TORCH_CHECK(mask >= 0 && mask < (1 << 2 * INT8_SHIFT),
+              "few_rows: a stream mask has bits for 1..6 rows, float then int8 (", mask, ")");
   stream_mask.store(mask);
   return mask;
 }
@@ -87,6 +90,9 @@ int64_t few_rows_stream(int64_t mask) {
 
 // The kernel forced for the library's products (0: the best), read by the int8 product (int8_rows.cpp).
 int64_t starjar_few_rows_forced_isa() { return forced_isa.load(); }
+
+// The int8 product's stream mask (int8_rows.cpp): bit RB - 1 streams VNNI's weight rows for RB input rows.
+int64_t starjar_few_rows_int8_stream() { return stream_mask.load() >> INT8_SHIFT; }
 
 // A fragment: the native passes' library defines the rest of the namespace.
 TORCH_LIBRARY_FRAGMENT(starjar, m) {

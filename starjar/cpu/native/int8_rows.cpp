@@ -32,6 +32,7 @@ using starjar_int8::NB;
 }  // namespace
 
 int64_t starjar_few_rows_forced_isa();  // few_rows.cpp
+int64_t starjar_few_rows_int8_stream();  // few_rows.cpp
 
 namespace {
 
@@ -67,7 +68,10 @@ at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
                 bc.defined() ? bc.data_ptr<float>() : nullptr, y.data_ptr<float>(), Kp, N};
   const int64_t tiles = (N + NB - 1) / NB;
   const int64_t grain = std::max<int64_t>(1, (tiles + at::get_num_threads() - 1) / at::get_num_threads());
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) { starjar_int8::int8_range(job, R, t0, t1, vnni); });
+  const int64_t streamed = starjar_few_rows_int8_stream();
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    starjar_int8::int8_range(job, R, t0, t1, vnni, streamed);
+  });
   return y;
 }
 

@@ -150,16 +150,23 @@ struct Kernels {
   int64_t isa;
   bool vnni;  // int8 products on VNNI's tiles (AVX-512 asked for and present), else AVX2's
   Isa tiles;
+  int64_t int8_stream;  // bit RB - 1: VNNI's weight rows streamed for RB input rows
   float (*dot)(const float*, const float*, int64_t);
   void (*axpy)(float*, float, const float*, int64_t);
 };
 
-// Which AVX-512 row counts stream their weight rows one at a time (tiles.h's isa_of; lean_pass_stream sets it).
+// Which AVX-512 row counts stream their weight rows one at a time (lean_pass_stream sets it): bits 0-5 the float
+// products' (tiles.h's isa_of), bits 6-11 the int8 products' (int8_tiles.h's int8_range).
 std::atomic<int64_t> stream_mask{0};
+constexpr int64_t INT8_SHIFT = 6;
 
 Kernels kernels_of(int64_t isa) {
-  if (isa == 2) return {2, starjar_int8::has_vnni(), starjar_tiles::isa_of(2, stream_mask.load()), dot512, axpy512};
-  return {1, false, starjar_tiles::isa_of(1), dot256, axpy256};
+  const int64_t mask = stream_mask.load();
+  if (isa == 2) {
+    return {2, starjar_int8::has_vnni(), starjar_tiles::isa_of(2, mask & ((1 << INT8_SHIFT) - 1)),
+            mask >> INT8_SHIFT, dot512, axpy512};
+  }
+  return {1, false, starjar_tiles::isa_of(1), 0, dot256, axpy256};
 }
 
 // One product's weights: float32 W [N, K], or the own int8 layout (W [N, Kp] int8, meta [2, N]: each output's
@@ -231,7 +238,7 @@ void tiles(const Kernels& k, const Pass& p, const Weight& wt, const float* x, fl
   if (wt.q != nullptr) {
     float* sx = p.xscale + tid * 2 * p.R;
     const starjar_int8::Job job{p.xq + tid * p.R * p.kq, sx, sx + R, wt.q, wt.meta, wt.meta + N, wt.b, y, wt.kp, N};
-    starjar_int8::int8_range(job, R, t0, t1, k.vnni);
+    starjar_int8::int8_range(job, R, t0, t1, k.vnni, k.int8_stream);
   } else {
     starjar_tiles::tiles_range(k.tiles, x, wt.w, wt.b, y, R, K, N, t0, t1);
   }
@@ -551,9 +558,11 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
 
 int64_t lean_pass_isa() { return starjar_tiles::best_isa(); }
 
-// As few_rows_stream: bit RB - 1 of mask streams AVX-512's weight rows one at a time for RB input rows.
+// As few_rows_stream: bit RB - 1 of mask streams AVX-512's float weight rows one at a time for RB input rows,
+// bit 6 + RB - 1 VNNI's int8 ones.
 int64_t lean_pass_stream(int64_t mask) {
-  TORCH_CHECK(mask >= 0 && mask < 64, "lean_pass: a stream mask has bits for 1..6 rows (", mask, ")");
+  TORCH_CHECK(mask >= 0 && mask < (1 << 2 * INT8_SHIFT),
+              "lean_pass: a stream mask has bits for 1..6 rows, float then int8 (", mask, ")");
   stream_mask.store(mask);
   return mask;
 }
