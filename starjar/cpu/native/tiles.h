@@ -110,8 +110,12 @@ __attribute__((target("avx2,fma"))) void row256(const float* x, const float* w, 
 // tile's order exactly, so a row's values do not depend on which of the two ran. On a 2-core AMD EPYC (Zen 4),
 // one thread, the default target's 211 products over one input row took 23-26 ms streamed so against 39-44
 // with 4 weight rows interleaved (the hardware prefetcher follows one stream a thread best, as on Zen 3); over
-// 8 rows the interleaved tile was faster (40-45 against 74-76). Which runs for how many rows is measured per
-// machine (starjar.cpu.few_rows.stream_mask).
+// 8 rows the interleaved tile was faster (40-45 against 74-76). Over several rows the sums cost as long as the
+// stream and the two did not overlap (4 rows: 35-42 ms) until each step also asked for the weights 64 KB ahead
+// into L2 (25-27 ms); one row is faster without it. Which runs for how many rows is measured per machine
+// (starjar.cpu.few_rows.settle_stream).
+constexpr int64_t L2_AHEAD = 16384;  // floats
+
 template <int RB>
 __attribute__((target("avx512f"))) void row512(const float* x, const float* w, const float* b, float* y,
                                                int64_t K, int64_t N, int64_t r0, int64_t n) {
@@ -121,6 +125,7 @@ __attribute__((target("avx512f"))) void row512(const float* x, const float* w, c
   const int64_t full = K - K % 16;
   for (int64_t k = 0; k < full; k += 16) {
     const __m512 wv = _mm512_loadu_ps(wr + k);
+    if constexpr (RB > 1) _mm_prefetch(reinterpret_cast<const char*>(wr + L2_AHEAD + k), _MM_HINT_T1);
     for (int r = 0; r < RB; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + (r0 + r) * K + k), wv, acc[r]);
   }
   if (full < K) {
