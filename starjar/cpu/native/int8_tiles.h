@@ -206,11 +206,15 @@ __attribute__((target("avx2,fma"))) inline std::pair<float, int32_t> quantize_ro
 }
 
 // Tiles [t0, t1) of the job for every input row, with VNNI's tiles or (vnni false) AVX2's; VNNI's streamed
-// (stream_tile) for RB input rows where bit RB - 1 of stream_mask is set.
+// (stream_tile) for a call over RB <= RMAX input rows where bit RB - 1 of stream_mask is set (a call over more
+// rows keeps the interleaved tile, as the float product does: tiles.h's isa_of).
 inline void int8_range(const Job& j, int64_t R, int64_t t0, int64_t t1, bool vnni = true, int64_t stream_mask = 0) {
   const int rmax = vnni ? RMAX : RMAX2;
+  const bool few = R <= rmax;
   Tile tiles[RMAX];
-  for (int i = 0; i < rmax; ++i) tiles[i] = !vnni ? TILES_AVX2[i] : (stream_mask >> i) & 1 ? STREAM_TILES[i] : TILES[i];
+  for (int i = 0; i < rmax; ++i) {
+    tiles[i] = !vnni ? TILES_AVX2[i] : few && ((stream_mask >> i) & 1) ? STREAM_TILES[i] : TILES[i];
+  }
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n0 = t * NB, nb = std::min<int64_t>(NB, j.N - n0);
     for (int64_t r0 = 0; r0 < R; r0 += rmax) tiles[std::min<int64_t>(rmax, R - r0) - 1](j, r0, n0, nb);
