@@ -112,11 +112,13 @@ def test_the_stream_mask_is_measured_once_and_cached(monkeypatch, tmp_path):
     before = few_rows.stream_mask()
     weights = [torch.randn(256, 64), torch.randn(64, 256)]
     try:
+        few_rows.set_stream(0b101 << few_rows.INT8_SHIFT)
         mask = few_rows.settle_stream(weights)
         assert 0 <= mask <= few_rows.ALL_STREAMED and few_rows.stream_mask() == mask
+        assert mask >> few_rows.INT8_SHIFT == 0b101  # the int8 bits left as they were
         stored = (tmp_path / "kernels.json").read_text()
         entry = next(e for name, e in json.loads(stored).items() if "|fp32-stream|" in name)
-        assert entry["mask"] == mask and len(entry["ms"]) == few_rows.STREAM_ROWS
+        assert entry["mask"] == mask & few_rows.FLOAT_STREAMED and len(entry["ms"]) == few_rows.STREAM_ROWS
         assert set(entry["ms"][0]) == {"interleaved", "streamed"}
         monkeypatch.setattr(kernels, "_entries", {})
         assert few_rows.settle_stream(weights) == mask
