@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import statistics
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -153,8 +152,8 @@ def _time_stream(shift: int, weights: list, run: Callable, width: Callable, reps
                 torch.ops.starjar.few_rows_stream(others | (FLOAT_STREAMED << shift if streamed else 0))
                 for w in weights:
                     run(w, rows, xs[width(w)])
-            times = kernels.interleaved_times([lambda: chain(False), lambda: chain(True)], reps)
-            tiled, streamed = (statistics.median(t) * 1e3 for t in times)
+            tiled, streamed = (t * 1e3 for t in kernels.interleaved_medians([lambda: chain(False),
+                                                                             lambda: chain(True)], reps))
             ms.append({"interleaved": round(tiled, 3), "streamed": round(streamed, 3)})
             if streamed < tiled:
                 bits |= 1 << (rows - 1)

@@ -37,7 +37,7 @@ std::atomic<int64_t> forced_isa{0};
 // Which AVX-512 row counts stream their weight rows one at a time (few_rows_stream sets it): bits 0-5 the
 // float product's (tiles.h's isa_of), bits 6-11 the int8 product's (int8_tiles.h's int8_range).
 std::atomic<int64_t> stream_mask{0};
-constexpr int64_t INT8_SHIFT = 6;
+constexpr int64_t INT8_SHIFT = starjar_tiles::INT8_STREAM_SHIFT;
 
 at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.dim() == 2 && w.dim() == 2 &&

@@ -10,6 +10,8 @@
 namespace starjar_tiles {
 
 constexpr int64_t NB = 4;  // weight rows a tile holds
+// A stream mask (starjar.cpu.few_rows): bits 0-5 the float products' row counts, bits 6-11 the int8 ones'.
+constexpr int64_t INT8_STREAM_SHIFT = 6;
 
 // A tile's sums [rb][NB] into y, the bias added: only the tile's nb real outputs.
 inline void store(const float* sums, int rb, const float* b, float* y, int64_t N, int64_t r0, int64_t n0,

@@ -158,7 +158,7 @@ struct Kernels {
 // Which AVX-512 row counts stream their weight rows one at a time (lean_pass_stream sets it): bits 0-5 the float
 // products' (tiles.h's isa_of), bits 6-11 the int8 products' (int8_tiles.h's int8_range).
 std::atomic<int64_t> stream_mask{0};
-constexpr int64_t INT8_SHIFT = 6;
+constexpr int64_t INT8_SHIFT = starjar_tiles::INT8_STREAM_SHIFT;
 
 Kernels kernels_of(int64_t isa) {
   const int64_t mask = stream_mask.load();
