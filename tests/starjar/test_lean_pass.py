@@ -72,6 +72,46 @@ def test_every_pass_is_hf_within_rounding_on_each_kernel(model_dirs, prompt_ids,
     _close(hf, lean)
 
 
+@pytest.fixture(scope="module")
+def wide_head_dirs(model_dirs, tmp_path_factory):
+    """Llama targets whose heads are 64 and 128 wide (the widths the vector attention takes), 9 query heads on
+    3 KV heads: groups of 3 heads that share their keys, which 2 threads split 4 / 5."""
+    from benchmarks.fixtures.tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("wide_heads")
+    return {d: make_tiny_model(root / str(d), "llama", seed=4, hidden=9 * d, heads=9, kv_heads=3,
+                               tokenizer_from=model_dirs["llama"]) for d in (64, 128)}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("isa", sorted(few_rows.ISAS))
+def test_heads_sharing_their_keys_give_each_head_alone_s_values(wide_head_dirs, prompt_ids, monkeypatch, d, isa):
+    """Heads of 64 and 128 in groups of 3 on each kernel: HF's logits within rounding, and a row's logits the
+    same bits alone on 2 threads, beside two other rows, and on 1 thread (the threads split the heads
+    differently, so a sweep takes a different run of a group's heads each time)."""
+    assert lean_pass.available()
+    if few_rows.ISAS[isa] > torch.ops.starjar.lean_pass_isa():
+        pytest.skip(f"this CPU lacks {isa}")
+    monkeypatch.setenv(few_rows.ISA_ENV, isa)
+    model = load_model(wide_head_dirs[d])
+    hf, lean = _hf_then_lean(model, prompt_ids[:3], monkeypatch)
+    _close(hf, lean)
+
+    def verify(rows: int, threads: int) -> torch.Tensor:
+        cache = model.new_cache()
+        slots = [cache.allocate() for _ in range(rows)]
+        model.forward(cache, slots, [p[:20] for p in prompt_ids[:rows]], [[19]] * rows)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return model.forward(cache, slots, [[6, 7, 8]] * rows, [[0, 1, 2]] * rows)[0]
+        finally:
+            torch.set_num_threads(before)
+
+    alone = verify(1, 2)
+    assert torch.equal(alone, verify(3, 2)) and torch.equal(alone, verify(1, 1))
+
+
 def test_an_mlp_width_off_the_tiles_takes_the_two_phase_gate(model_dirs, prompt_ids, monkeypatch, tmp_path):
     """An MLP 70 wide (not whole tiles of 4): the gate-up product and SiLU meet at a barrier instead of one thread
     gating its own tiles, and every pass is still HF's within rounding."""

@@ -101,16 +101,22 @@ __attribute__((target("avx2,fma"))) void attend_head256(const float* q, const fl
   for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(ov[c], inv));
 }
 
-// silu(g) * u over n elements with AVX2 (the tail past the last 8 one by one).
+// silu(g) * u over n elements with AVX2, the last ones through a full vector: every element's value the same
+// wherever a range of them starts or ends.
+__attribute__((target("avx2,fma"))) inline __m256 silu_mul8(__m256 x, __m256 u) {
+  const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), x)));
+  return _mm256_mul_ps(_mm256_div_ps(x, den), u);
+}
+
 __attribute__((target("avx2,fma"))) inline void silu_mul256(const float* g, const float* u, float* out, int64_t n) {
-  const __m256 one = _mm256_set1_ps(1.0f);
   int64_t e = 0;
-  for (; e + 8 <= n; e += 8) {
-    const __m256 x = _mm256_loadu_ps(g + e);
-    const __m256 den = _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), x)));
-    _mm256_storeu_ps(out + e, _mm256_mul_ps(_mm256_div_ps(x, den), _mm256_loadu_ps(u + e)));
-  }
-  for (; e < n; ++e) out[e] = (g[e] / (1.0f + std::exp(-g[e]))) * u[e];
+  for (; e + 8 <= n; e += 8) _mm256_storeu_ps(out + e, silu_mul8(_mm256_loadu_ps(g + e), _mm256_loadu_ps(u + e)));
+  if (e == n) return;
+  alignas(32) float gs[8] = {}, us[8] = {}, res[8];
+  std::copy(g + e, g + n, gs);
+  std::copy(u + e, u + n, us);
+  _mm256_store_ps(res, silu_mul8(_mm256_load_ps(gs), _mm256_load_ps(us)));
+  std::copy(res, res + (n - e), out + e);
 }
 
 }  // namespace starjar_lean_avx2

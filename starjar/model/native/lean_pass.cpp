@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -89,61 +90,96 @@ __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
   return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(poly, n));
 }
 
-// One query head's attention with AVX-512 over a head of 16 C floats, q and the output in registers: the scores
-// (q . k scaling + mask; hidden keys -inf), their exponentials 16 at a time, then p v summed; out = that / sum.
-template <int C>
-__attribute__((target("avx512f"))) void attend_head512(const float* q, const float* keys, int64_t kstride,
-                                                       const float* vals, int64_t vstride, const float* m,
-                                                       int64_t mstride, int64_t n, float scaling, float* sc,
-                                                       float* out) {
+// Up to G query heads of one KV head with AVX-512 over a head of 16 C floats: each key and value row loaded
+// once for all G heads, whose sums run side by side. Each head's sums are those of a head alone, in the same
+// order: its scores (q . k scaling + mask; hidden keys -inf), their exponentials 16 at a time, then p v summed;
+// out = that / sum. So a head's values do not depend on which heads share its sweep. On a 2-core AMD EPYC
+// (Zen 4) one head at a time, each key's dot a chain of C fused multiply-adds and a reduction, took 4-6% of a
+// default-target decode step and the thread with more heads held the other at the barrier; GQA's 3 heads a KV
+// head read the same keys 3 times.
+constexpr int GROUP_MAX = 4;  // heads a sweep takes: C = 4 keeps 4 x 4 sums in registers
+
+template <int C, int G>
+__attribute__((target("avx512f"))) void attend_group512(const float* q, const float* keys, int64_t kstride,
+                                                        const float* vals, int64_t vstride, const float* m,
+                                                        int64_t mstride, int64_t n, float scaling, float* sc,
+                                                        float* const* out) {
   const float hidden = std::numeric_limits<float>::lowest() / 2, none = -std::numeric_limits<float>::infinity();
-  __m512 qv[C], ov[C];
-  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c), ov[c] = _mm512_setzero_ps();
-  float top = none;
+  float top[G];
+  for (int h = 0; h < G; ++h) top[h] = none;
   for (int64_t s = 0; s < n; ++s) {
     const float add = m != nullptr ? m[s * mstride] : 0.0f;
     if (add <= hidden) {
-      sc[s] = none;
+      for (int h = 0; h < G; ++h) sc[h * n + s] = none;
       continue;
     }
     const float* kr = keys + s * kstride;
-    __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-    for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), acc);
-    sc[s] = _mm512_reduce_add_ps(acc) * scaling + add;
-    top = std::max(top, sc[s]);
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kr + 16 * c);
+    for (int h = 0; h < G; ++h) {
+      const float* qh = q + h * 16 * C;
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * c), kv[c], acc);
+      sc[h * n + s] = _mm512_reduce_add_ps(acc) * scaling + add;
+      top[h] = std::max(top[h], sc[h * n + s]);
+    }
   }
-  if (top == none) {  // no key visible
-    std::fill(out, out + 16 * C, 0.0f);
-    return;
+  float inv[G];
+  for (int h = 0; h < G; ++h) {
+    inv[h] = 0.0f;
+    if (top[h] == none) continue;  // no key visible: the head's output is zero
+    const __m512 tv = _mm512_set1_ps(top[h]);
+    __m512 sum = _mm512_setzero_ps();
+    float* sh = sc + h * n;
+    for (int64_t s = 0; s < n; s += 16) {
+      const __mmask16 in = n - s >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - s)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(in, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, sh + s), tv)));
+      _mm512_mask_storeu_ps(sh + s, in, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv[h] = 1.0f / _mm512_reduce_add_ps(sum);
   }
-  const __m512 tv = _mm512_set1_ps(top);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t s = 0; s < n; s += 16) {
-    const __mmask16 in = n - s >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - s)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(in, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, sc + s), tv)));
-    _mm512_mask_storeu_ps(sc + s, in, e);
-    sum = _mm512_add_ps(sum, e);
-  }
+  __m512 ov[G][C];
+  for (int h = 0; h < G; ++h)
+    for (int c = 0; c < C; ++c) ov[h][c] = _mm512_setzero_ps();
   for (int64_t s = 0; s < n; ++s) {
-    if (sc[s] == 0.0f) continue;
-    const __m512 pv = _mm512_set1_ps(sc[s]);
     const float* vr = vals + s * vstride;
-    for (int c = 0; c < C; ++c) ov[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vr + 16 * c), ov[c]);
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vr + 16 * c);
+    for (int h = 0; h < G; ++h) {
+      const float e = top[h] == none ? 0.0f : sc[h * n + s];
+      if (e == 0.0f) continue;
+      const __m512 pv = _mm512_set1_ps(e);
+      for (int c = 0; c < C; ++c) ov[h][c] = _mm512_fmadd_ps(pv, vv[c], ov[h][c]);
+    }
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(ov[c], inv));
+  for (int h = 0; h < G; ++h) {
+    const __m512 iv = _mm512_set1_ps(inv[h]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[h] + 16 * c, _mm512_mul_ps(ov[h][c], iv));
+  }
 }
 
-// silu(g) * u over n elements with AVX-512 (the tail past the last 16 one by one).
+// The sweep for g heads (1..GROUP_MAX) of a head of 16 C floats.
+template <int C>
+void attend_heads512(int g, const float* q, const float* keys, int64_t kstride, const float* vals, int64_t vstride,
+                     const float* m, int64_t mstride, int64_t n, float scaling, float* sc, float* const* out) {
+  using Sweep = void (*)(const float*, const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
+                         float, float*, float* const*);
+  static constexpr Sweep sweeps[GROUP_MAX] = {attend_group512<C, 1>, attend_group512<C, 2>, attend_group512<C, 3>,
+                                              attend_group512<C, 4>};
+  sweeps[g - 1](q, keys, kstride, vals, vstride, m, mstride, n, scaling, sc, out);
+}
+
+// silu(g) * u over n elements with AVX-512, the last ones under a mask: every element's value the same wherever
+// a range of them starts or ends (threads take SiLU's elements in ranges of any length).
 __attribute__((target("avx512f"))) void silu_mul512(const float* g, const float* u, float* out, int64_t n) {
   const __m512 one = _mm512_set1_ps(1.0f);
-  int64_t e = 0;
-  for (; e + 16 <= n; e += 16) {
-    const __m512 x = _mm512_loadu_ps(g + e);
+  for (int64_t e = 0; e < n; e += 16) {
+    const __mmask16 in = n - e >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - e)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(in, g + e);
     const __m512 den = _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), x)));
-    _mm512_storeu_ps(out + e, _mm512_mul_ps(_mm512_div_ps(x, den), _mm512_loadu_ps(u + e)));
+    _mm512_mask_storeu_ps(out + e, in, _mm512_mul_ps(_mm512_div_ps(x, den), _mm512_maskz_loadu_ps(in, u + e)));
   }
-  for (; e < n; ++e) out[e] = (g[e] / (1.0f + std::exp(-g[e]))) * u[e];
 }
 
 struct Kernels {
@@ -189,6 +225,19 @@ struct Layer {
   int64_t ks[4], vs[4];
 };
 
+// A thread's share of one product's tiles, [lo, hi) packed in one word (lo in the low half): its owner takes
+// tiles from the front, a thread done with its own share takes them from the back. On a 2-core AMD EPYC (Zen 4),
+// with each thread held to its half, the first to finish waited at the barrier for 6% of a default-target decode
+// step: the two halves stream at different speeds from one step to the next. Which thread sums a tile does not
+// change its values.
+struct alignas(64) Share {
+  std::atomic<uint64_t> span;
+};
+constexpr int64_t OWN_TILES = 4;    // tiles an owner takes at a time: 16 weight rows, its stream unbroken
+constexpr int64_t STOLEN_TILES = 2;  // tiles taken from another thread's back
+
+inline uint64_t pack(int64_t lo, int64_t hi) { return static_cast<uint64_t>(lo) | static_cast<uint64_t>(hi) << 32; }
+
 // What every phase of the pass reads: sizes, positions and the scratch the threads share.
 struct Pass {
   int64_t B, Q, H, R, d, start, kv_len;
@@ -198,10 +247,11 @@ struct Pass {
   const float* mask;              // additive [B, 1, Q, >= kv_len] (strides mask_s), or null: every key visible
   int64_t mask_s[4];
   float *heads, *att, *y, *gu, *act;  // [R, nq + 2 nk, d], [R, nq d], [R, H], [R, 2 inner], [R, inner]
-  float *h, *scores, *qrot;           // per thread: [R, H], [kv_len], [d]
+  float *h, *scores, *qrot;           // per thread: [R, H], [GROUP_MAX, kv_len], [GROUP_MAX, d]
   uint8_t* xq;                        // per thread, int8 products: the input rows quantized [R, kq]
   float* xscale;                      // per thread: each row's scale and zero point [2 R]
   int64_t kq;
+  Share* shares;                      // [layers, 4 products, threads]: each product's tiles split between threads
 };
 
 inline void split(int64_t total, int tid, int n, int64_t* lo, int64_t* hi) {
@@ -248,13 +298,36 @@ void tiles(const Kernels& k, const Pass& p, const Weight& wt, const float* x, fl
     for (int64_t i = n0; i < n1; ++i) y[r * N + i] = residual[r * N + i] + y[r * N + i];
 }
 
-// The product's tiles this thread owns.
-void product(const Kernels& k, const Pass& p, const Weight& wt, const float* x, float* y, int64_t R, int64_t K,
-             int64_t N, int tid, int n, const float* residual) {
-  int64_t t0, t1;
-  split((N + NB - 1) / NB, tid, n, &t0, &t1);
+// Tiles [t0, t1) of every product a thread takes in turn, from share: its own front first, then other threads'
+// backs, until no tile is left. take(t0, t1) sums them.
+template <typename Take>
+void take_tiles(Share* share, int tid, int n, Take take) {
+  for (;;) {  // the own share, front first
+    uint64_t old = share[tid].span.load(std::memory_order_relaxed);
+    const int64_t lo = static_cast<int64_t>(old & 0xFFFFFFFFu), hi = static_cast<int64_t>(old >> 32);
+    if (lo >= hi) break;
+    const int64_t to = std::min(lo + OWN_TILES, hi);
+    if (share[tid].span.compare_exchange_weak(old, pack(to, hi), std::memory_order_relaxed)) take(lo, to);
+  }
+  for (int step = 1; step < n; ++step) {  // then the others' backs
+    Share& other = share[(tid + step) % n];
+    for (;;) {
+      uint64_t old = other.span.load(std::memory_order_relaxed);
+      const int64_t lo = static_cast<int64_t>(old & 0xFFFFFFFFu), hi = static_cast<int64_t>(old >> 32);
+      if (lo >= hi) break;
+      const int64_t from = std::max(lo, hi - STOLEN_TILES);
+      if (other.span.compare_exchange_weak(old, pack(lo, from), std::memory_order_relaxed)) take(from, hi);
+    }
+  }
+}
+
+// Product j of layer l: its tiles shared between the threads (Share).
+void product(const Kernels& k, const Pass& p, int64_t l, int j, const Weight& wt, const float* x, float* y, int64_t R,
+             int64_t K, int64_t N, int tid, int n, const float* residual) {
   quantize_rows(k, p, wt, x, R, K, tid);
-  tiles(k, p, wt, x, y, R, K, N, tid, t0, t1, residual);
+  take_tiles(p.shares + (l * 4 + j) * n, tid, n, [&](int64_t t0, int64_t t1) {
+    tiles(k, p, wt, x, y, R, K, N, tid, t0, t1, residual);
+  });
 }
 
 // q or k of token r rotated: src [d] -> dst [d].
@@ -286,26 +359,36 @@ void write_kv(const Pass& p, const Layer& L, int tid, int n) {
   }
 }
 
-// Attention of every (token, query head): softmax(q k^T scaling + mask) v over kv_len keys, in one sweep.
+// Attention of every (token, query head): softmax(q k^T scaling + mask) v over kv_len keys, in one sweep. The
+// (token, head) items are split between threads as before; with AVX-512 a thread sweeps the keys once for each
+// run of its heads that share a KV head (attend_group512: the same values as one head at a time).
 void attend(const Kernels& k, const Pass& p, const Layer& L, int tid, int n) {
   const int64_t heads_n = L.nq + 2 * L.nk, g = L.nq / L.nk, d = p.d;
-  float* sc = p.scores + tid * p.kv_len;
-  float* q = p.qrot + tid * d;
+  float* sc = p.scores + tid * GROUP_MAX * p.kv_len;
+  float* q = p.qrot + tid * GROUP_MAX * d;
   const float hidden = std::numeric_limits<float>::lowest() / 2;  // a mask this low hides the key
   int64_t i0, i1;
   split(p.R * L.nq, tid, n, &i0, &i1);
-  for (int64_t i = i0; i < i1; ++i) {
+  for (int64_t i = i0; i < i1;) {
     const int64_t r = i / L.nq, hq = i % L.nq, b = r / p.Q, t = r % p.Q, j = hq / g;
-    rotate(p, r, p.heads + (r * heads_n + hq) * d, q);
     const float* keys = L.kp + b * L.ks[0] + j * L.ks[1];
     const float* vals = L.vp + b * L.vs[0] + j * L.vs[1];
     const float* m = p.mask != nullptr ? p.mask + b * p.mask_s[0] + t * p.mask_s[2] : nullptr;
     float* out = p.att + r * L.nq * d + hq * d;
     if (k.isa == 2 && (d == 64 || d == 128)) {  // the heads Llama-family models have, in registers
-      (d == 64 ? attend_head512<4> : attend_head512<8>)(q, keys, L.ks[2], vals, L.vs[2], m, p.mask_s[3], p.kv_len,
-                                                        p.scaling, sc, out);
+      const int run = static_cast<int>(std::min<int64_t>({i1 - i, (j + 1) * g - hq, d == 64 ? GROUP_MAX : 2}));
+      float* outs[GROUP_MAX];
+      for (int h = 0; h < run; ++h) {
+        rotate(p, r, p.heads + (r * heads_n + hq + h) * d, q + h * d);
+        outs[h] = out + h * d;
+      }
+      (d == 64 ? attend_heads512<4> : attend_heads512<8>)(run, q, keys, L.ks[2], vals, L.vs[2], m, p.mask_s[3],
+                                                          p.kv_len, p.scaling, sc, outs);
+      i += run;
       continue;
     }
+    ++i;
+    rotate(p, r, p.heads + (r * heads_n + hq) * d, q);
     if (k.isa == 1 && (d == 64 || d == 128)) {
       (d == 64 ? starjar_lean_avx2::attend_head256<8> : starjar_lean_avx2::attend_head256<16>)(
           q, keys, L.ks[2], vals, L.vs[2], m, p.mask_s[3], p.kv_len, p.scaling, sc, out);
@@ -343,45 +426,45 @@ void gated(const Kernels& k, const Pass& p, const Layer& L, int tid, int n) {
   }
 }
 
-// The gate-up product and SiLU without a barrier between: where the gate's outputs fill whole tiles, this thread
+// The gate-up product and SiLU without a barrier between: where the gate's outputs fill whole tiles, a thread
 // takes the same tiles of the gate and of the up half, then gates those elements itself.
-void gate_up(const Kernels& k, const Pass& p, const Layer& L, const float* h, int tid, int n) {
+void gate_up(const Kernels& k, const Pass& p, int64_t l, const Layer& L, const float* h, int tid, int n) {
   const int64_t N = 2 * L.inner, half = L.inner / NB;
   if (L.inner % NB != 0) {
-    product(k, p, L.wt[2], h, p.gu, p.R, p.H, N, tid, n, nullptr);
+    product(k, p, l, 2, L.wt[2], h, p.gu, p.R, p.H, N, tid, n, nullptr);
 #pragma omp barrier
     gated(k, p, L, tid, n);
     return;
   }
-  int64_t t0, t1;
-  split(half, tid, n, &t0, &t1);
   quantize_rows(k, p, L.wt[2], h, p.R, p.H, tid);
-  tiles(k, p, L.wt[2], h, p.gu, p.R, p.H, N, tid, t0, t1, nullptr);
-  tiles(k, p, L.wt[2], h, p.gu, p.R, p.H, N, tid, half + t0, half + t1, nullptr);
-  const int64_t e0 = t0 * NB, len = (t1 - t0) * NB;
-  for (int64_t r = 0; r < p.R && len > 0; ++r) {
-    const float* g = p.gu + r * N + e0;
-    (k.isa == 2 ? silu_mul512 : starjar_lean_avx2::silu_mul256)(g, g + L.inner, p.act + r * L.inner + e0, len);
-  }
+  take_tiles(p.shares + (l * 4 + 2) * n, tid, n, [&](int64_t t0, int64_t t1) {
+    tiles(k, p, L.wt[2], h, p.gu, p.R, p.H, N, tid, t0, t1, nullptr);
+    tiles(k, p, L.wt[2], h, p.gu, p.R, p.H, N, tid, half + t0, half + t1, nullptr);
+    const int64_t e0 = t0 * NB, len = (t1 - t0) * NB;
+    for (int64_t r = 0; r < p.R; ++r) {
+      const float* g = p.gu + r * N + e0;
+      (k.isa == 2 ? silu_mul512 : starjar_lean_avx2::silu_mul256)(g, g + L.inner, p.act + r * L.inner + e0, len);
+    }
+  });
 }
 
 // One layer, by one thread of the region: x [R, H] in, out [R, H] written.
-void layer(const Kernels& k, const Pass& p, const Layer& L, const float* x, float* out, int tid, int n) {
+void layer(const Kernels& k, const Pass& p, int64_t l, const Layer& L, const float* x, float* out, int tid, int n) {
   float* h = p.h + tid * p.R * p.H;
   const int64_t heads_n = L.nq + 2 * L.nk;
   rms_norm(x, L.norm1, h, p.R, p.H, p.eps);
-  product(k, p, L.wt[0], h, p.heads, p.R, p.H, heads_n * p.d, tid, n, nullptr);
+  product(k, p, l, 0, L.wt[0], h, p.heads, p.R, p.H, heads_n * p.d, tid, n, nullptr);
 #pragma omp barrier
   write_kv(p, L, tid, n);
 #pragma omp barrier
   attend(k, p, L, tid, n);
 #pragma omp barrier
-  product(k, p, L.wt[1], p.att, p.y, p.R, L.nq * p.d, p.H, tid, n, x);
+  product(k, p, l, 1, L.wt[1], p.att, p.y, p.R, L.nq * p.d, p.H, tid, n, x);
 #pragma omp barrier
   rms_norm(p.y, L.norm2, h, p.R, p.H, p.eps);
-  gate_up(k, p, L, h, tid, n);
+  gate_up(k, p, l, L, h, tid, n);
 #pragma omp barrier
-  product(k, p, L.wt[3], p.act, out, p.R, L.inner, p.H, tid, n, p.y);
+  product(k, p, l, 3, L.wt[3], p.act, out, p.R, L.inner, p.H, tid, n, p.y);
 #pragma omp barrier
 }
 
@@ -509,7 +592,7 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   }
   const int nt = std::max(1, at::get_num_threads());
   const auto opts = x.options();
-  at::Tensor scratch = at::empty({R * (width + att_w + H + 3 * inner) + nt * (R * H + kv_len + d)}, opts);
+  at::Tensor scratch = at::empty({R * (width + att_w + H + 3 * inner) + nt * (R * H + GROUP_MAX * (kv_len + d))}, opts);
   float* sp = scratch.data_ptr<float>();
   Pass p{B, Q, H, R, d, start, kv_len, static_cast<float>(eps), static_cast<float>(scaling), c.data_ptr<float>(),
          s.data_ptr<float>(), at_pos.defined() ? at_pos.data_ptr<int64_t>() : nullptr,
@@ -525,7 +608,7 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   p.act = p.gu + R * 2 * inner;
   p.h = p.act + R * inner;
   p.scores = p.h + nt * R * H;
-  p.qrot = p.scores + nt * kv_len;
+  p.qrot = p.scores + nt * GROUP_MAX * kv_len;
   at::Tensor quantized = at::empty({int8 ? nt * R * kq : 0}, opts.dtype(at::kByte));
   at::Tensor row_scales = at::empty({int8 ? nt * 2 * R : 0}, opts);
   p.xq = quantized.data_ptr<uint8_t>();
@@ -537,13 +620,28 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   at::Tensor bufs[2] = {at::empty_like(x), at::empty_like(x)};
   const Kernels k = kernels_of(which);
   const int64_t layers = static_cast<int64_t>(lw.size());
+  const std::unique_ptr<Share[]> shares(new Share[std::max<int64_t>(1, layers * 4 * nt)]);
+  p.shares = shares.get();
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+#pragma omp single
+    for (int64_t i = 0; i < layers; ++i) {  // each product's tiles split evenly, for the threads this region has
+      const Layer& L = lw[i];
+      const int64_t gu = L.inner % NB == 0 ? L.inner / NB : (2 * L.inner + NB - 1) / NB;
+      const int64_t tiles_of[4] = {((L.nq + 2 * L.nk) * d + NB - 1) / NB, (H + NB - 1) / NB, gu, (H + NB - 1) / NB};
+      for (int j = 0; j < 4; ++j) {
+        for (int t = 0; t < n; ++t) {
+          int64_t lo, hi;
+          split(tiles_of[j], t, n, &lo, &hi);
+          p.shares[(i * 4 + j) * n + t].span.store(pack(lo, hi), std::memory_order_relaxed);
+        }
+      }
+    }  // the single's barrier: every share set before any is taken
     const float* cur = x.data_ptr<float>();
     for (int64_t i = 0; i < layers; ++i) {
       float* out = bufs[i % 2].data_ptr<float>();
-      layer(k, p, lw[i], cur, out, tid, n);
+      layer(k, p, i, lw[i], cur, out, tid, n);
       cur = out;
     }
     if (normed) {  // the model's final RMSNorm, each thread its share of the rows, into the other buffer
