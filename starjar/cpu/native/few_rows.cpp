@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 
 namespace {
 
@@ -61,9 +62,15 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, const std::optiona
   float* yp = y.data_ptr<float>();
   const Isa kernels = isa_of(which, stream_mask.load() & ((1 << INT8_SHIFT) - 1));
   const int64_t tiles = (N + NB - 1) / NB;
-  const int64_t grain = std::max<int64_t>(1, (tiles + at::get_num_threads() - 1) / at::get_num_threads());
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    starjar_tiles::tiles_range(kernels, xp, wp, bp, yp, R, K, N, t0, t1);
+  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles)));
+  const std::unique_ptr<starjar_tiles::Share[]> shares(new starjar_tiles::Share[n]);
+  for (int t = 0; t < n; ++t) shares[t].span.store(starjar_tiles::pack(tiles * t / n, tiles * (t + 1) / n));
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {  // each thread its share, then what the others leave
+    for (int64_t t = b; t < e; ++t) {
+      starjar_tiles::take_tiles(shares.get(), static_cast<int>(t), n, [&](int64_t t0, int64_t t1) {
+        starjar_tiles::tiles_range(kernels, xp, wp, bp, yp, R, K, N, t0, t1);
+      });
+    }
   });
   return y;
 }

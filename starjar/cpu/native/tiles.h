@@ -5,6 +5,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 namespace starjar_tiles {
@@ -206,6 +207,43 @@ inline void tiles_range(const Isa& kernels, const float* x, const float* w, cons
     for (int64_t r0 = 0; r0 < R; r0 += kernels.max) {
       const int64_t rb = std::min<int64_t>(kernels.max, R - r0);
       tiles[rb - 1](x, w, b, y, K, N, r0, n0, nb);
+    }
+  }
+}
+
+// A thread's share of one product's tiles, [lo, hi) packed in one word (lo in the low half): its owner takes
+// tiles from the front, a thread done with its own share takes them from the back. Which thread sums a tile does
+// not change its values. On a 2-core AMD EPYC (Zen 4), 2 threads, against each thread held to its half (every
+// variant in turn in one process): a default-target pass over 4 rows ran 9% faster, over 8 rows 9%, over 16 rows
+// 5%; one row, which the shared memory bandwidth bounds, the same within 1%. An owner taking 4 tiles at a time
+// instead of 16 made one row 2.5% slower (its stream broken up, the gate and up halves alternating).
+struct alignas(64) Share {
+  std::atomic<uint64_t> span;
+};
+constexpr int64_t OWN_TILES = 16;    // tiles an owner takes at a time: 64 weight rows
+constexpr int64_t STOLEN_TILES = 2;  // tiles taken from another thread's back
+
+inline uint64_t pack(int64_t lo, int64_t hi) { return static_cast<uint64_t>(lo) | static_cast<uint64_t>(hi) << 32; }
+
+// Every tile of shares [0, n) taken by thread tid in turn: its own front first, then the other threads' backs,
+// until none is left; take(t0, t1) sums tiles [t0, t1). Each tile is taken once, however the threads run.
+template <typename Take>
+void take_tiles(Share* shares, int tid, int n, Take take) {
+  for (;;) {
+    uint64_t old = shares[tid].span.load(std::memory_order_relaxed);
+    const int64_t lo = static_cast<int64_t>(old & 0xFFFFFFFFu), hi = static_cast<int64_t>(old >> 32);
+    if (lo >= hi) break;
+    const int64_t to = std::min(lo + OWN_TILES, hi);
+    if (shares[tid].span.compare_exchange_weak(old, pack(to, hi), std::memory_order_relaxed)) take(lo, to);
+  }
+  for (int step = 1; step < n; ++step) {
+    Share& other = shares[(tid + step) % n];
+    for (;;) {
+      uint64_t old = other.span.load(std::memory_order_relaxed);
+      const int64_t lo = static_cast<int64_t>(old & 0xFFFFFFFFu), hi = static_cast<int64_t>(old >> 32);
+      if (lo >= hi) break;
+      const int64_t from = std::max(lo, hi - STOLEN_TILES);
+      if (other.span.compare_exchange_weak(old, pack(lo, from), std::memory_order_relaxed)) take(from, hi);
     }
   }
 }

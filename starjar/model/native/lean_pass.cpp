@@ -30,6 +30,9 @@ namespace {
 
 using starjar_tiles::Isa;
 using starjar_tiles::NB;
+using starjar_tiles::pack;
+using starjar_tiles::Share;
+using starjar_tiles::take_tiles;
 
 static_assert(starjar_tiles::NB == starjar_int8::NB, "the float and int8 tiles hold as many weight rows");
 
@@ -93,10 +96,9 @@ __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
 // Up to G query heads of one KV head with AVX-512 over a head of 16 C floats: each key and value row loaded
 // once for all G heads, whose sums run side by side. Each head's sums are those of a head alone, in the same
 // order: its scores (q . k scaling + mask; hidden keys -inf), their exponentials 16 at a time, then p v summed;
-// out = that / sum. So a head's values do not depend on which heads share its sweep. On a 2-core AMD EPYC
-// (Zen 4) one head at a time, each key's dot a chain of C fused multiply-adds and a reduction, took 4-6% of a
-// default-target decode step and the thread with more heads held the other at the barrier; GQA's 3 heads a KV
-// head read the same keys 3 times.
+// out = that / sum. So a head's values do not depend on which heads share its sweep. GQA's heads share their
+// keys (the default target: 3 a KV head); on a 2-core AMD EPYC (Zen 4), decoding after 281 tokens, attention
+// took 4-6% of the pass one head at a time and about a tenth less so.
 constexpr int GROUP_MAX = 4;  // heads a sweep takes: C = 4 keeps 4 x 4 sums in registers
 
 template <int C, int G>
@@ -225,19 +227,6 @@ struct Layer {
   int64_t ks[4], vs[4];
 };
 
-// A thread's share of one product's tiles, [lo, hi) packed in one word (lo in the low half): its owner takes
-// tiles from the front, a thread done with its own share takes them from the back. On a 2-core AMD EPYC (Zen 4),
-// with each thread held to its half, the first to finish waited at the barrier for 6% of a default-target decode
-// step: the two halves stream at different speeds from one step to the next. Which thread sums a tile does not
-// change its values.
-struct alignas(64) Share {
-  std::atomic<uint64_t> span;
-};
-constexpr int64_t OWN_TILES = 4;    // tiles an owner takes at a time: 16 weight rows, its stream unbroken
-constexpr int64_t STOLEN_TILES = 2;  // tiles taken from another thread's back
-
-inline uint64_t pack(int64_t lo, int64_t hi) { return static_cast<uint64_t>(lo) | static_cast<uint64_t>(hi) << 32; }
-
 // What every phase of the pass reads: sizes, positions and the scratch the threads share.
 struct Pass {
   int64_t B, Q, H, R, d, start, kv_len;
@@ -296,29 +285,6 @@ void tiles(const Kernels& k, const Pass& p, const Weight& wt, const float* x, fl
   const int64_t n0 = t0 * NB, n1 = std::min<int64_t>(t1 * NB, N);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t i = n0; i < n1; ++i) y[r * N + i] = residual[r * N + i] + y[r * N + i];
-}
-
-// Tiles [t0, t1) of every product a thread takes in turn, from share: its own front first, then other threads'
-// backs, until no tile is left. take(t0, t1) sums them.
-template <typename Take>
-void take_tiles(Share* share, int tid, int n, Take take) {
-  for (;;) {  // the own share, front first
-    uint64_t old = share[tid].span.load(std::memory_order_relaxed);
-    const int64_t lo = static_cast<int64_t>(old & 0xFFFFFFFFu), hi = static_cast<int64_t>(old >> 32);
-    if (lo >= hi) break;
-    const int64_t to = std::min(lo + OWN_TILES, hi);
-    if (share[tid].span.compare_exchange_weak(old, pack(to, hi), std::memory_order_relaxed)) take(lo, to);
-  }
-  for (int step = 1; step < n; ++step) {  // then the others' backs
-    Share& other = share[(tid + step) % n];
-    for (;;) {
-      uint64_t old = other.span.load(std::memory_order_relaxed);
-      const int64_t lo = static_cast<int64_t>(old & 0xFFFFFFFFu), hi = static_cast<int64_t>(old >> 32);
-      if (lo >= hi) break;
-      const int64_t from = std::max(lo, hi - STOLEN_TILES);
-      if (other.span.compare_exchange_weak(old, pack(lo, from), std::memory_order_relaxed)) take(from, hi);
-    }
-  }
 }
 
 // Product j of layer l: its tiles shared between the threads (Share).
