@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -105,7 +104,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="result JSON (benchmarks/results/<machine kind>/...)")
     args = ap.parse_args()
     from benchmarks.common import prompt_ids
-    from starjar.cpu.machine import machine_info
+    from benchmarks.meta import result_meta
     from starjar.model.default_pair import build_default_pair
     from starjar.model.loading import load_model
 
@@ -120,8 +119,7 @@ def main() -> None:
     result = {"passes": {str(b): p for b, p in passes.items()},
               "pass_only": {str(b): v for b, v in pass_only(passes, core, max_k).items()},
               "contexts": [len(p) for p in prompts], "core_json": args.core_json,
-              "meta": {**machine_info(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                       "load_average_1m": round(os.getloadavg()[0], 2), "benchmark": "speedup_pass_only"}}
+              "meta": result_meta(torch=torch.__version__, benchmark="speedup_pass_only")}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for b, v in result["pass_only"].items():
         print(f"b{b}: draft/target {v['draft_over_target']}, verify cost {v['verify_cost']}, "
