@@ -15,8 +15,9 @@ same values either way, and which is faster depends on the CPU's prefetcher (on 
 row took about half the time streamed; many float rows were faster interleaved). settle_stream (float) and
 settle_int8_stream (VNNI) time both over a model's own weights for 1..6 input rows once per machine (kernels'
 cache) and hand the choice to the products and the lean pass as one mask: bit r - 1 streams the float
-product for r rows, bit 6 + r - 1 the int8 one. STARJAR_FEW_ROWS_STREAM=all|none|<mask> forces it (tests force
-each).
+product for r rows, bit 6 + r - 1 the int8 one. For 7..12 rows settle_stream also times AVX-512's wide tiles (two
+weight rows against every input row in one pass) against a 6-row pass and the rest: bit 12 + r - 7 takes them
+for r rows. STARJAR_FEW_ROWS_STREAM=all|none|<mask> forces every bit (tests force each).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ STREAM_ENV = "STARJAR_FEW_ROWS_STREAM"
 STREAM_ROWS = 6  # the kernels' input rows a pass: bit r - 1 of a stream mask streams float products for r rows
 FLOAT_STREAMED = (1 << STREAM_ROWS) - 1
 INT8_SHIFT = STREAM_ROWS  # bit INT8_SHIFT + r - 1 streams int8 products for r rows
-ALL_STREAMED = (1 << 2 * STREAM_ROWS) - 1
+WIDE_SHIFT = 2 * STREAM_ROWS  # bit WIDE_SHIFT + r - 7 takes the wide float tiles for r (7..12) rows
+WIDE_ROWS = range(STREAM_ROWS + 1, 2 * STREAM_ROWS + 1)
+ALL_STREAMED = (1 << 3 * STREAM_ROWS) - 1
 _state: dict[str, object] = {}  # "ok", "why"; "isa": the code last handed to the kernel; "stream": the mask
 _loading = threading.Lock()
 
@@ -83,7 +86,8 @@ def use_forced_isa() -> None:
 
 
 def forced_stream() -> int | None:
-    """The stream mask STARJAR_FEW_ROWS_STREAM forces (all, none or a number 0..4095), else None: measured."""
+    """The stream mask STARJAR_FEW_ROWS_STREAM forces (all, none or a number up to ALL_STREAMED), else None:
+    measured."""
     name = os.environ.get(STREAM_ENV, "").strip().lower()
     if not name:
         return None
@@ -108,11 +112,18 @@ def set_stream(mask: int) -> None:
 
 def settle_stream(weights: list[torch.Tensor]) -> int:
     """This machine's stream bits for AVX-512's float products over these weights [N, K]: forced, cached, or
-    timed now (about a second: the weights' products in turn, each way, for 1..6 rows); handed to the product.
-    Where AVX-512's kernel does not run they change nothing and stay 0. Returns the whole mask."""
+    timed now (a second or two: the weights' products in turn, each way, for 1..6 rows, then wide or not for
+    7..12); handed to the product. Where AVX-512's kernel does not run they change nothing and stay 0. Returns
+    the whole mask."""
     shapes = tuple(sorted({(int(w.shape[1]), int(w.shape[0])) for w in weights}))
-    return _settle(0, "fp32-stream", shapes, weights,
-                   lambda w, rows, x: torch.ops.starjar.few_rows(x[:rows], w, None), lambda w: int(w.shape[1]))
+    def run(w, rows, x):
+        return torch.ops.starjar.few_rows(x[:rows], w, None)
+
+    def width(w):
+        return int(w.shape[1])
+
+    _settle(0, "fp32-stream", shapes, weights, run, width)
+    return _settle(WIDE_SHIFT, "fp32-wide", shapes, weights, run, width, WIDE_ROWS)
 
 
 def settle_int8_stream(laid: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
@@ -125,42 +136,46 @@ def settle_int8_stream(laid: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
                    lambda wm: int(wm[0].shape[1]))
 
 
-def _settle(shift: int, kind: str, shapes: tuple, weights: list, run: Callable, width: Callable) -> int:
-    """Set the stream bits from `shift` up: forced (the whole mask), cached or timed; returns the whole mask."""
+def _settle(shift: int, kind: str, shapes: tuple, weights: list, run: Callable, width: Callable,
+            rows: range = range(1, STREAM_ROWS + 1)) -> int:
+    """Set the bits from `shift` up (one a row count of `rows`): forced (the whole mask), cached or timed;
+    returns the whole mask."""
     mask = forced_stream()
     if mask is None:
         runs_avx512 = available() and (isa() or torch.ops.starjar.few_rows_isa()) == ISAS["avx512"]
         bits = 0 if not runs_avx512 or not shapes else kernels.cached_entry(
-            kind, shapes, lambda: _time_stream(shift, weights, run, width),
+            kind, shapes, lambda: _time_stream(shift, weights, run, width, rows),
             usable=lambda e: isinstance(e.get("mask"), int))["mask"]
         mask = stream_mask() & ~(FLOAT_STREAMED << shift) | bits << shift
     set_stream(mask)
     return mask
 
 
-def _time_stream(shift: int, weights: list, run: Callable, width: Callable, reps: int = 3) -> dict:
-    """Each row count's products over every weight in turn (weights as cold as in a pass), interleaved and
-    streamed, in turns; the mask of the row counts that streamed faster (bit r - 1 for r rows)."""
+def _time_stream(shift: int, weights: list, run: Callable, width: Callable, rows: range, reps: int = 3) -> dict:
+    """Each row count's products over every weight in turn (weights as cold as in a pass), without and with the
+    bit (streamed weight rows for 1..6 rows; the wide tiles for 7..12), in turns; the bits of the row counts
+    that ran faster with it (bit i for the i-th row count)."""
     use_forced_isa()
-    xs = {width(w): torch.randn(STREAM_ROWS, width(w)) for w in weights}
+    xs = {width(w): torch.randn(rows[-1], width(w)) for w in weights}
     others = stream_mask() & ~(FLOAT_STREAMED << shift)
     ms: list[dict] = []
     bits = 0
+    without, with_bit = ("interleaved", "streamed") if shift != WIDE_SHIFT else ("passes of 6", "wide")
     with torch.inference_mode():
-        for rows in range(1, STREAM_ROWS + 1):
-            def chain(streamed: bool, rows: int = rows) -> None:
-                torch.ops.starjar.few_rows_stream(others | (FLOAT_STREAMED << shift if streamed else 0))
+        for i, count in enumerate(rows):
+            def chain(on: bool, count: int = count, i: int = i) -> None:
+                torch.ops.starjar.few_rows_stream(others | (1 << (shift + i) if on else 0))
                 for w in weights:
-                    run(w, rows, xs[width(w)])
-            tiled, streamed = (t * 1e3 for t in kernels.interleaved_medians([lambda: chain(False),
-                                                                             lambda: chain(True)], reps))
-            ms.append({"interleaved": round(tiled, 3), "streamed": round(streamed, 3)})
-            if streamed < tiled:
-                bits |= 1 << (rows - 1)
+                    run(w, count, xs[width(w)])
+            off_ms, on_ms = (t * 1e3 for t in kernels.interleaved_medians([lambda: chain(False),
+                                                                           lambda: chain(True)], reps))
+            ms.append({without: round(off_ms, 3), with_bit: round(on_ms, 3)})
+            if on_ms < off_ms:
+                bits |= 1 << i
     torch.ops.starjar.few_rows_stream(stream_mask())
-    log.info("AVX-512 %s products stream their weight rows for %s input rows (%s; ms %s)",
-             "int8" if shift else "float", [r for r in range(1, STREAM_ROWS + 1) if bits >> (r - 1) & 1] or "no",
-             kernels.machine_label(), ms)
+    log.info("AVX-512 %s products take %s for %s input rows (%s; ms %s)",
+             "int8" if shift == INT8_SHIFT else "float", with_bit,
+             [c for i, c in enumerate(rows) if bits >> i & 1] or "no", kernels.machine_label(), ms)
     return {"mask": bits, "ms": ms}
 
 

@@ -160,7 +160,8 @@ def test_the_int8_stream_bits_are_measured_once_cached_and_leave_the_float_bits(
         assert mask & few_rows.FLOAT_STREAMED == 0b100001 and few_rows.stream_mask() == mask
         stored = (tmp_path / "kernels.json").read_text()
         entry = next(e for name, e in json.loads(stored).items() if "|int8-stream|" in name)
-        assert entry["mask"] == mask >> few_rows.INT8_SHIFT and len(entry["ms"]) == few_rows.STREAM_ROWS
+        assert entry["mask"] == mask >> few_rows.INT8_SHIFT & few_rows.FLOAT_STREAMED
+        assert len(entry["ms"]) == few_rows.STREAM_ROWS
         monkeypatch.setattr(kernels, "_entries", {})
         assert few_rows.settle_int8_stream(laid) == mask
         assert (tmp_path / "kernels.json").read_text() == stored  # read, not measured again

@@ -82,10 +82,11 @@ avx512 = pytest.mark.skipif(not few_rows.available() or torch.ops.starjar.few_ro
 
 
 @avx512
-@pytest.mark.parametrize("mask", [0, 1, 0b101010, few_rows.ALL_STREAMED])
+@pytest.mark.parametrize("mask", [0, 1, 0b101010, 0b011001 << few_rows.WIDE_SHIFT, few_rows.ALL_STREAMED])
 def test_streamed_and_interleaved_weight_rows_give_the_same_bits(monkeypatch, mask):
-    """AVX-512's weight rows streamed one at a time for the row counts a mask names, interleaved for the rest:
-    every row's values equal the all-interleaved product's, so a row alone (1 row streamed) equals it batched."""
+    """AVX-512's weight rows streamed one at a time for the row counts a mask names, interleaved for the rest,
+    and the wide tiles for the counts over 6 it names: every row's values equal the all-interleaved product's, so
+    a row alone (1 row streamed) equals it batched. 301 outputs end on a tile of one weight row."""
     monkeypatch.setenv(few_rows.ISA_ENV, "avx512")
     before = few_rows.stream_mask()
     torch.manual_seed(4)
@@ -115,11 +116,14 @@ def test_the_stream_mask_is_measured_once_and_cached(monkeypatch, tmp_path):
         few_rows.set_stream(0b101 << few_rows.INT8_SHIFT)
         mask = few_rows.settle_stream(weights)
         assert 0 <= mask <= few_rows.ALL_STREAMED and few_rows.stream_mask() == mask
-        assert mask >> few_rows.INT8_SHIFT == 0b101  # the int8 bits left as they were
+        assert mask >> few_rows.INT8_SHIFT & few_rows.FLOAT_STREAMED == 0b101  # the int8 bits left as they were
         stored = (tmp_path / "kernels.json").read_text()
         entry = next(e for name, e in json.loads(stored).items() if "|fp32-stream|" in name)
         assert entry["mask"] == mask & few_rows.FLOAT_STREAMED and len(entry["ms"]) == few_rows.STREAM_ROWS
         assert set(entry["ms"][0]) == {"interleaved", "streamed"}
+        wide = next(e for name, e in json.loads(stored).items() if "|fp32-wide|" in name)
+        assert wide["mask"] == mask >> few_rows.WIDE_SHIFT and len(wide["ms"]) == len(few_rows.WIDE_ROWS)
+        assert set(wide["ms"][0]) == {"passes of 6", "wide"}
         monkeypatch.setattr(kernels, "_entries", {})
         assert few_rows.settle_stream(weights) == mask
         assert (tmp_path / "kernels.json").read_text() == stored  # read, not measured again
@@ -133,12 +137,12 @@ def test_a_forced_stream_mask_wins_and_a_bad_one_is_refused(monkeypatch):
         for value, mask in (("all", few_rows.ALL_STREAMED), ("none", 0), ("5", 5)):
             monkeypatch.setenv(few_rows.STREAM_ENV, value)
             assert few_rows.settle_stream([torch.randn(8, 8)]) == mask == few_rows.stream_mask()
-        for bad in ("4096", "some", "-1"):
+        for bad in (str(few_rows.ALL_STREAMED + 1), "some", "-1"):
             monkeypatch.setenv(few_rows.STREAM_ENV, bad)
-            with pytest.raises(ValueError, match="all, none or a mask 0..4095"):
+            with pytest.raises(ValueError, match=f"all, none or a mask 0..{few_rows.ALL_STREAMED}"):
                 few_rows.settle_stream([torch.randn(8, 8)])
         if few_rows.available():
             with pytest.raises(RuntimeError, match="1..6 rows"):
-                torch.ops.starjar.few_rows_stream(4096)
+                torch.ops.starjar.few_rows_stream(few_rows.ALL_STREAMED + 1)
     finally:
         few_rows.set_stream(before)

@@ -60,7 +60,7 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, const std::optiona
   const float* wp = wc.data_ptr<float>();
   const float* bp = biased ? bc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const Isa kernels = isa_of(which, stream_mask.load() & ((1 << INT8_SHIFT) - 1));
+  const Isa kernels = isa_of(which, stream_mask.load());
   const int64_t tiles = (N + NB - 1) / NB;
   const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles)));
   const std::unique_ptr<starjar_tiles::Share[]> shares(new starjar_tiles::Share[n]);
@@ -87,8 +87,8 @@ int64_t few_rows_use(int64_t isa) {
 // Stream AVX-512's weight rows one at a time for RB input rows where bit RB - 1 of mask is set, the int8
 // product's where bit 6 + RB - 1 is (measured per machine; the values do not change); returns the mask in use.
 int64_t few_rows_stream(int64_t mask) {
-  TORCH_CHECK(mask >= 0 && mask < (1 << 2 * INT8_SHIFT),
-              "few_rows: a stream mask has bits for 1..6 rows, float then int8 (", mask, ")");
+  TORCH_CHECK(mask >= 0 && mask < (1 << starjar_tiles::MASK_BITS),
+              "few_rows: a stream mask has bits for 1..6 rows, float then int8, then 7..12 float rows wide (", mask, ")");
   stream_mask.store(mask);
   return mask;
 }
@@ -99,7 +99,7 @@ int64_t few_rows_stream(int64_t mask) {
 int64_t starjar_few_rows_forced_isa() { return forced_isa.load(); }
 
 // The int8 product's stream mask (int8_rows.cpp): bit RB - 1 streams VNNI's weight rows for RB input rows.
-int64_t starjar_few_rows_int8_stream() { return stream_mask.load() >> INT8_SHIFT; }
+int64_t starjar_few_rows_int8_stream() { return (stream_mask.load() >> INT8_SHIFT) & ((1 << INT8_SHIFT) - 1); }
 
 // A fragment: the native passes' library defines the rest of the namespace.
 TORCH_LIBRARY_FRAGMENT(starjar, m) {

@@ -11,8 +11,11 @@
 namespace starjar_tiles {
 
 constexpr int64_t NB = 4;  // weight rows a tile holds
-// A stream mask (starjar.cpu.few_rows): bits 0-5 the float products' row counts, bits 6-11 the int8 ones'.
+// A stream mask (starjar.cpu.few_rows): bits 0-5 the float products' row counts, bits 6-11 the int8 ones', bits
+// 12-17 the float row counts 7..12 that take the wide tiles (wide512).
 constexpr int64_t INT8_STREAM_SHIFT = 6;
+constexpr int64_t WIDE_SHIFT = 12;
+constexpr int64_t MASK_BITS = 18;
 
 // A tile's sums [rb][NB] into y, the bias added: only the tile's nb real outputs.
 inline void store(const float* sums, int rb, const float* b, float* y, int64_t N, int64_t r0, int64_t n0,
@@ -144,6 +147,54 @@ __attribute__((target("avx512f"))) void row512(const float* x, const float* w, c
   }
 }
 
+// Two weight rows against all RB input rows of a call over 7..12 (2 RB sums in registers), the tile's order for each
+// output, so the values are those of the other tiles. A call over 7-8 rows otherwise runs a 6-row pass and a short
+// one over each tile, and its sums do not overlap the weight stream: on a 2-core AMD EPYC (Zen 4), one thread, a
+// 226 MB weight's product took 14-17 ms over 8 rows that way against 12.6-12.9 in one pass like this (7 rows:
+// 14.3-15.0 against 10.8-10.9), while over 12 rows the two 6-row passes were faster (16.3-16.7 against 18.9-19.9).
+// Which row counts take it is measured per machine (starjar.cpu.few_rows.settle_stream).
+template <int RB>
+__attribute__((target("avx512f"))) void pair512(const float* x, const float* w, const float* b, float* y,
+                                                int64_t K, int64_t N, int64_t n, int64_t m) {
+  __m512 acc[RB][2];
+  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const float* w0 = w + n * K;
+  const float* w1 = w + (n + m - 1) * K;  // m = 1: the first row twice, its second sums dropped
+  const int64_t full = K - K % 16;
+  for (int64_t k = 0; k < full; k += 16) {
+    const __m512 a = _mm512_loadu_ps(w0 + k), c = _mm512_loadu_ps(w1 + k);
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + L2_AHEAD + k), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + L2_AHEAD + k), _MM_HINT_T1);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+      acc[r][0] = _mm512_fmadd_ps(xv, a, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, c, acc[r][1]);
+    }
+  }
+  if (full < K) {
+    const __mmask16 mk = static_cast<__mmask16>((1u << (K - full)) - 1);
+    const __m512 a = _mm512_maskz_loadu_ps(mk, w0 + full), c = _mm512_maskz_loadu_ps(mk, w1 + full);
+    for (int r = 0; r < RB; ++r) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mk, x + r * K + full);
+      acc[r][0] = _mm512_fmadd_ps(xv, a, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, c, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int j = 0; j < m; ++j) {
+      const float s = _mm512_reduce_add_ps(acc[r][j]);
+      y[r * N + n + j] = b != nullptr ? s + b[n + j] : s;
+    }
+  }
+}
+
+// A tile's outputs for a call over RB (7..12) rows in all, in the tile signature (r0 is 0).
+template <int RB>
+__attribute__((target("avx512f"))) void wide512(const float* x, const float* w, const float* b, float* y,
+                                                int64_t K, int64_t N, int64_t, int64_t n0, int64_t nb) {
+  for (int64_t j = 0; j < nb; j += 2) pair512<RB>(x, w, b, y, K, N, n0 + j, std::min<int64_t>(2, nb - j));
+}
+
 // A tile's outputs, each weight row against every input row (RB at a time), in the tile signature.
 template <int RB>
 __attribute__((target("avx2,fma"))) void tile256(const float* x, const float* w, const float* b, float* y,
@@ -166,13 +217,14 @@ using Tile = void (*)(const float*, const float*, const float*, float*, int64_t,
 // set) or 4 weight rows interleaved. For AVX2 the streamed form is the only one: a chain of the default
 // target's products over 3 input rows took 22 ms so against 25 interleaved (2-core AMD EPYC, Zen 3).
 struct Isa {
-  Tile tiles[6];  // a call over RB <= max rows in all
-  Tile many[6];   // each pass of a call over more rows
+  Tile tiles[6];      // a call over RB <= max rows in all
+  Tile many[6];       // each pass of a call over more rows
   int max;
+  Tile wide[6] = {};  // a call over max + 1 .. 2 max rows in one pass, where set
 };
 
 // stream_mask: bit RB - 1 set streams AVX-512's weight rows one at a time for a call over RB input rows (the
-// values are the same either way). A call over more rows than a pass takes keeps the interleaved tile: its
+// values are the same either way); bit WIDE_SHIFT + RB - 7 takes the wide tiles for a call over RB (7..12) rows. A call over more rows than a pass takes keeps the interleaved tile: its
 // sums, not the stream, bound it, and the tile loads an input row once for 4 weight rows (on a 2-core AMD EPYC,
 // Zen 4, one thread, a 24-token prefill took 123-132 ms streamed against 68-81).
 inline Isa isa_of(int64_t which, int64_t stream_mask = 0) {
@@ -184,6 +236,8 @@ inline Isa isa_of(int64_t which, int64_t stream_mask = 0) {
       isa.tiles[i] = (stream_mask >> i) & 1 ? streamed[i] : tiled[i];
       isa.many[i] = tiled[i];
     }
+    const Tile wide[6] = {wide512<7>, wide512<8>, wide512<9>, wide512<10>, wide512<11>, wide512<12>};
+    for (int i = 0; i < 6; ++i) isa.wide[i] = (stream_mask >> (WIDE_SHIFT + i)) & 1 ? wide[i] : nullptr;
     return isa;
   }
   return {{tile256<1>, tile256<2>, tile256<3>, tile256<4>, tile256<5>, tile256<6>},
@@ -201,6 +255,13 @@ inline int64_t best_isa() {
 // Tiles [t0, t1) of y = x W^T (+ b) for every input row: x [R, K], W [N, K], y [R, N].
 inline void tiles_range(const Isa& kernels, const float* x, const float* w, const float* b, float* y, int64_t R,
                         int64_t K, int64_t N, int64_t t0, int64_t t1) {
+  if (R > kernels.max && R <= 2 * kernels.max && kernels.wide[R - kernels.max - 1] != nullptr) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * NB;
+      kernels.wide[R - kernels.max - 1](x, w, b, y, K, N, 0, n0, std::min<int64_t>(NB, N - n0));
+    }
+    return;
+  }
   const Tile* tiles = R <= kernels.max ? kernels.tiles : kernels.many;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n0 = t * NB, nb = std::min<int64_t>(NB, N - n0);

@@ -194,15 +194,16 @@ struct Kernels {
 };
 
 // Which AVX-512 row counts stream their weight rows one at a time (lean_pass_stream sets it): bits 0-5 the float
-// products' (tiles.h's isa_of), bits 6-11 the int8 products' (int8_tiles.h's int8_range).
+// products' (tiles.h's isa_of), bits 6-11 the int8 products' (int8_tiles.h's int8_range), bits 12-17 the float
+// row counts 7..12 that take the wide tiles (tiles.h's wide512).
 std::atomic<int64_t> stream_mask{0};
 constexpr int64_t INT8_SHIFT = starjar_tiles::INT8_STREAM_SHIFT;
 
 Kernels kernels_of(int64_t isa) {
   const int64_t mask = stream_mask.load();
   if (isa == 2) {
-    return {2, starjar_int8::has_vnni(), starjar_tiles::isa_of(2, mask & ((1 << INT8_SHIFT) - 1)),
-            mask >> INT8_SHIFT, dot512, axpy512};
+    return {2, starjar_int8::has_vnni(), starjar_tiles::isa_of(2, mask),
+            (mask >> INT8_SHIFT) & ((1 << INT8_SHIFT) - 1), dot512, axpy512};
   }
   return {1, false, starjar_tiles::isa_of(1), 0, dot256, axpy256};
 }
@@ -625,8 +626,8 @@ int64_t lean_pass_isa() { return starjar_tiles::best_isa(); }
 // As few_rows_stream: bit RB - 1 of mask streams AVX-512's float weight rows one at a time for RB input rows,
 // bit 6 + RB - 1 VNNI's int8 ones.
 int64_t lean_pass_stream(int64_t mask) {
-  TORCH_CHECK(mask >= 0 && mask < (1 << 2 * INT8_SHIFT),
-              "lean_pass: a stream mask has bits for 1..6 rows, float then int8 (", mask, ")");
+  TORCH_CHECK(mask >= 0 && mask < (1 << starjar_tiles::MASK_BITS),
+              "lean_pass: a stream mask has bits for 1..6 rows, float then int8, then 7..12 float rows wide (", mask, ")");
   stream_mask.store(mask);
   return mask;
 }
