@@ -47,6 +47,20 @@ def _hf_then_lean(model, prompts, monkeypatch) -> tuple[list, list]:
     return hf, _passes(model, prompts)
 
 
+def _first_row_verified(model, prompt_ids, length: int, rows: int, threads: int) -> torch.Tensor:
+    """The first row's logits of a 3-token verification over `rows` rows, each after its prompt's first `length`
+    tokens, on `threads` threads."""
+    cache = model.new_cache()
+    slots = [cache.allocate() for _ in range(rows)]
+    model.forward(cache, slots, [p[:length] for p in prompt_ids[:rows]], [[length - 1]] * rows)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return model.forward(cache, slots, [[6, 7, 8]] * rows, [[0, 1, 2]] * rows)[0]
+    finally:
+        torch.set_num_threads(before)
+
+
 def _close(hf: list, lean: list) -> None:
     for a, b in zip(hf, lean, strict=True):
         assert (a - b).abs().max() < TOLERANCE, (a - b).abs().max()
@@ -99,19 +113,9 @@ def test_heads_sharing_their_keys_give_each_head_alone_s_values(wide_head_dirs, 
     hf, lean = _hf_then_lean(model, prompt_ids[:3], monkeypatch)
     _close(hf, lean)
 
-    def verify(rows: int, threads: int) -> torch.Tensor:
-        cache = model.new_cache()
-        slots = [cache.allocate() for _ in range(rows)]
-        model.forward(cache, slots, [p[:20] for p in prompt_ids[:rows]], [[19]] * rows)
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return model.forward(cache, slots, [[6, 7, 8]] * rows, [[0, 1, 2]] * rows)[0]
-        finally:
-            torch.set_num_threads(before)
-
-    alone = verify(1, 2)
-    assert torch.equal(alone, verify(3, 2)) and torch.equal(alone, verify(1, 1))
+    alone = _first_row_verified(model, prompt_ids, 20, rows=1, threads=2)
+    assert torch.equal(alone, _first_row_verified(model, prompt_ids, 20, rows=3, threads=2))
+    assert torch.equal(alone, _first_row_verified(model, prompt_ids, 20, rows=1, threads=1))
 
 
 def test_an_mlp_width_off_the_tiles_takes_the_two_phase_gate(model_dirs, prompt_ids, monkeypatch, tmp_path):
@@ -151,19 +155,9 @@ def test_a_rows_values_do_not_depend_on_the_batch_or_the_threads(model_dirs, pro
     monkeypatch.setenv(lean_target.ENV, "1")
     monkeypatch.setenv(lean_pass.ENV, "1")
 
-    def verify(rows: int, threads: int) -> torch.Tensor:
-        cache = model.new_cache()
-        slots = [cache.allocate() for _ in range(rows)]
-        model.forward(cache, slots, [prompt_ids[0][:12]] + [p[:12] for p in prompt_ids[1:rows]], [[11]] * rows)
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return model.forward(cache, slots, [[6, 7, 8]] * rows, [[0, 1, 2]] * rows)[0]
-        finally:
-            torch.set_num_threads(before)
-
-    alone = verify(1, 2)
-    assert torch.equal(alone, verify(3, 2)) and torch.equal(alone, verify(1, 1))
+    alone = _first_row_verified(model, prompt_ids, 12, rows=1, threads=2)
+    assert torch.equal(alone, _first_row_verified(model, prompt_ids, 12, rows=3, threads=2))
+    assert torch.equal(alone, _first_row_verified(model, prompt_ids, 12, rows=1, threads=1))
 
 
 @pytest.mark.parametrize("gamma,batch", [(0, 1), (3, 1), (2, 4)])
