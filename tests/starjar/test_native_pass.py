@@ -95,6 +95,44 @@ def test_native_chain_passes_equal_hf_bitwise(model_dirs, prompt_ids, monkeypatc
         assert torch.equal(a, b), (a - b).abs().max()
 
 
+def _flash_calls(run) -> tuple[object, int]:
+    """run()'s result and how many times it called ATen's CPU flash attention."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        out = run()
+    return out, sum(e.key == "aten::_scaled_dot_product_flash_attention_for_cpu" for e in prof.key_averages()
+                    for _ in range(e.count))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_long_passes_attend_in_key_blocks_with_hf_bits(tmp_path, monkeypatch, family):
+    """Prefills past the flash kernel's key block (one from nothing, one past a cached prefix), natively: query
+    rows in chunks, each over the key blocks it may see, and still HF's bits at the rows on either side of a
+    block's edge."""
+    from benchmarks.fixtures.tiny_models import make_tiny_model
+
+    model = load_model(make_tiny_model(tmp_path / family, family, seed=3, max_context=2048))
+    needs_exact_fusion(model)
+    model.lean_target.fused_rows = [True] * len(skinny_linear.BUCKETS)
+    ids = [(7 * i) % 300 + 3 for i in range(1100)]
+
+    def passes(m, _):
+        cache = m.new_cache()
+        a, b = cache.allocate(), cache.allocate()
+        out = m.forward(cache, [a], [ids], [[0, 127, 511, 512, 900, 1099]])
+        out += m.forward(cache, [b], [ids[:300]], [[299]])
+        return out + m.forward(cache, [b], [ids[300:1000]], [[0, 211, 212, 699]])
+
+    calls = _count_native(monkeypatch)
+    hf, (native, flash) = _hf_then_native(model, None, lambda m, p: _flash_calls(lambda: passes(m, p)), monkeypatch)
+    assert calls == [(1, 1100), (1, 300), (1, 700)]
+    layers = model.model.config.num_hidden_layers
+    assert flash > 3 * layers  # some pass attended in more than one call a layer
+    for a, b in zip(hf[0], native, strict=True):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
 def test_native_kv_writes_equal_scripted(models, prompt_ids, monkeypatch):
     """After the same steps, the cache holds the same keys and values either way."""
     model = models["llama"]

@@ -4,7 +4,11 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <optional>
+#include <vector>
 
 namespace starjar_native {
 
@@ -53,4 +57,51 @@ inline bool flash_applies(const at::Tensor& q, const at::Tensor& k, const at::Te
          q.size(2) > 0 && k.size(2) > 0 && !q.requires_grad();
 }
 
+// A long pass's attention in query chunks, each over the keys its rows may see rounded up to whole blocks of
+// the CPU flash kernel's keys. That kernel sums a query row's keys in blocks of FLASH_KV_BLOCK whatever the
+// queries are; a block no row of a chunk may see adds exact zeros to its sums, so leaving such blocks out changes
+// no bit (tests/starjar/test_native_pass.py checks it on the running machine), while a prompt's first rows stop
+// paying for the keys after them: one pass over a 941-token prompt computed 0.75 of the full square's blocks, a
+// 2,048-token one 0.63.
+constexpr int64_t FLASH_KV_BLOCK = 512;  // ATen's kv_split_size for the CPU flash kernel
+constexpr int64_t CHUNK_ROWS = 128;      // query rows a chunk's extent is read for
+
+struct Chunk {
+  int64_t m0, m1, keys;  // query rows [m0, m1) attend keys [0, keys)
+  std::optional<at::Tensor> mask = std::nullopt;  // the pass's mask for those rows and keys, where it has one
+};
+
+// The chunks of a pass of Q query rows over kv_len keys, from its additive mask [B, 1, >= Q, kv_len] (rows 0..Q-1
+// hold each query's row: the folded mask's first copy): one chunk over every key where no block can be left out.
+inline std::vector<Chunk> key_chunks(const std::optional<at::Tensor>& mask, int64_t Q, int64_t kv_len) {
+  if (!mask.has_value() || !mask->defined() || Q <= 1 || kv_len <= FLASH_KV_BLOCK ||
+      mask->scalar_type() != at::kFloat || mask->dim() != 4 || mask->size(2) < Q || mask->size(3) != kv_len) {
+    return {{0, Q, kv_len}};
+  }
+  const float* mp = mask->data_ptr<float>();
+  const auto st = mask->strides();
+  const float hidden = std::numeric_limits<float>::lowest() / 2;
+  std::vector<Chunk> chunks;
+  for (int64_t m0 = 0; m0 < Q; m0 += CHUNK_ROWS) {
+    const int64_t m1 = std::min(Q, m0 + CHUNK_ROWS);
+    int64_t seen = 0;  // keys [0, seen) hold every key a row of the chunk may see
+    for (int64_t b = 0; b < mask->size(0); ++b) {
+      for (int64_t t = m0; t < m1; ++t) {
+        const float* row = mp + b * st[0] + t * st[2];
+        int64_t c = kv_len;
+        while (c > seen && !(row[(c - 1) * st[3]] > hidden)) --c;
+        seen = std::max(seen, c);
+      }
+    }
+    const int64_t keys = std::min(kv_len, (seen + FLASH_KV_BLOCK - 1) / FLASH_KV_BLOCK * FLASH_KV_BLOCK);
+    if (!chunks.empty() && chunks.back().keys == keys) {
+      chunks.back().m1 = m1;
+    } else {
+      chunks.push_back({m0, m1, std::max<int64_t>(keys, 1)});
+    }
+  }
+  return chunks;
+}
+
 }  // namespace starjar_native
+

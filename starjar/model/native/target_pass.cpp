@@ -62,7 +62,17 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& w, const std::optional
   return out.reshape({x.size(0), x.size(1), w.size(0)}).contiguous();
 }
 
+// scaled_dot_product_attention over dense query, keys and values: its CPU flash kernel called directly where it
+// would run (flash_applies).
+at::Tensor attention(const at::Tensor& query, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& mask, double scaling) {
+  return flash_applies(query, k, v)
+      ? std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, false, mask, scaling))
+      : at::scaled_dot_product_attention(query, k, v, mask, 0.0, false, scaling);
+}
+
 struct Pass {
+  const std::vector<starjar_native::Chunk>* chunks;  // the query rows' key extents (key_chunks), one for all rows
   int64_t start, kv_len, d;
   double eps, scaling;
   const float* cos;  // [B, Q, d]: each token's position
@@ -72,7 +82,8 @@ struct Pass {
 
 // One layer over x [B, Q, H]: heads [B, Q, nq + 2 nk, d] from the qkv product; q and k rotated into [B, nq + nk,
 // Q, d] (rotate_half a swap of halves, its sign in sin_signed); k and v written into the rows' buffers
-// [B, nk, L, d] (from `start`, or where `write` says); attention over kv_len keys with the mask (folded for grouped heads when Q > 1).
+// [B, nk, L, d] (from `start`, or where `write` says); attention over kv_len keys with the mask (folded for grouped heads when Q > 1),
+// a long pass's query rows in chunks over the key blocks each may see (pass_parts.h, key_chunks).
 at::Tensor layer(const at::Tensor& x, const Pass& p, const std::optional<at::Tensor>& mask,
                  const c10::List<at::Tensor>& ws, const Biases& bs, const Biases& packs, at::IntArrayRef paths,
                  int64_t i, const at::Tensor& keys, const at::Tensor& values, int64_t nq, int64_t nk) {
@@ -118,13 +129,23 @@ at::Tensor layer(const at::Tensor& x, const Pass& p, const std::optional<at::Ten
     }
   }
   const int64_t g = nq / nk;
-  at::Tensor query = rot.narrow(1, 0, nq);
-  if (g != 1) query = query.reshape({B, nk, g * Q, d});
-  const at::Tensor k_att = keys.narrow(2, 0, p.kv_len), v_att = values.narrow(2, 0, p.kv_len);
-  at::Tensor att = flash_applies(query, k_att, v_att)
-      ? std::get<0>(at::_scaled_dot_product_flash_attention_for_cpu(query, k_att, v_att, 0.0, false, mask, p.scaling))
-      : at::scaled_dot_product_attention(query, k_att, v_att, mask, 0.0, false, p.scaling);
-  if (g != 1) att = att.reshape({B, nq, Q, d});
+  at::Tensor att;
+  if (p.chunks->size() == 1) {
+    at::Tensor query = rot.narrow(1, 0, nq);
+    if (g != 1) query = query.reshape({B, nk, g * Q, d});
+    att = attention(query, keys.narrow(2, 0, p.kv_len), values.narrow(2, 0, p.kv_len), mask, p.scaling);
+    if (g != 1) att = att.reshape({B, nq, Q, d});
+  } else {  // a long pass: each chunk of query rows over the key blocks they may see
+    att = at::empty({B, nq, Q, d}, x.options());
+    for (const starjar_native::Chunk& c : *p.chunks) {
+      const int64_t rows = c.m1 - c.m0;
+      at::Tensor query = rot.narrow(1, 0, nq).narrow(2, c.m0, rows);
+      if (g != 1) query = query.reshape({B, nk, g * rows, d});
+      const at::Tensor out = attention(query.contiguous(), keys.narrow(2, 0, c.keys), values.narrow(2, 0, c.keys),
+                                       c.mask, p.scaling);
+      att.narrow(2, c.m0, rows).copy_(out.reshape({B, nq, rows, d}));
+    }
+  }
   att = att.transpose(1, 2).contiguous().view({B, Q, nq * d});
   const at::Tensor y = residual(x, product(att, ws.get(w + 2), bs.get(o + 1), paths[o + 1], packs.get(o + 1)));
   h = rms_norm(y, ws.get(w + 3), p.eps);
@@ -192,7 +213,18 @@ at::Tensor fused_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tens
       }
     }
   }
-  const Pass p{start, kv_len, d, eps, scaling, c.data_ptr<float>(), s.data_ptr<float>(),
+  std::vector<starjar_native::Chunk> chunks = starjar_native::key_chunks(mask, x.size(1), kv_len);
+  if (chunks.size() > 1 && mask.has_value() && mask->defined()) {  // each chunk's rows of the mask, for every layer
+    const at::Tensor& m = *mask;
+    const int64_t Q = x.size(1), g = m.size(2) / Q;
+    TORCH_CHECK(m.size(2) == g * Q, "fused_pass: the mask holds each query's row, folded per group of heads");
+    for (starjar_native::Chunk& c : chunks) {  // the folded mask's rows r Q + t, for t in the chunk
+      const int64_t rows = c.m1 - c.m0;
+      c.mask = m.reshape({m.size(0), m.size(1), g, Q, m.size(3)}).narrow(3, c.m0, rows).narrow(4, 0, c.keys)
+                   .reshape({m.size(0), m.size(1), g * rows, c.keys});
+    }
+  }
+  const Pass p{&chunks, start, kv_len, d, eps, scaling, c.data_ptr<float>(), s.data_ptr<float>(),
                at_pos.defined() ? at_pos.data_ptr<int64_t>() : nullptr};
   at::Tensor out = x;
   for (int64_t i = 0; i < layers; ++i) {
