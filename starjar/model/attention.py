@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -50,19 +51,88 @@ def folded_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         else:
             out = F.scaled_dot_product_attention(query, key, value, is_causal=causal, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
+    chunks = key_chunks(attention_mask, key.shape[2])
+    if chunks is None:
+        return _attend(query, key, value, attention_mask, g, scaling).transpose(1, 2).contiguous(), None
+    out = query.new_empty(b, h, q, d)
+    for chunk in chunks:  # a long pass: each chunk of query rows over the key blocks they may see
+        m0, m1, keys = chunk.rows.start, chunk.rows.stop, chunk.keys
+        out[:, :, m0:m1] = _attend(query[:, :, m0:m1], key[:, :, :keys], value[:, :, :keys],
+                                   attention_mask[:, :, m0:m1, :keys], g, scaling, chunk.folded)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend(query, key, value, mask, g: int, scaling, folded: dict | None = None) -> torch.Tensor:
     if g == 1:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
-        return out.transpose(1, 2).contiguous(), None
-    return _fold_sdpa(query, key, value, attention_mask, g, scaling).transpose(1, 2).contiguous(), None
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    return _fold_sdpa(query, key, value, mask, g, scaling, folded)
 
 
-def _fold_sdpa(query, key, value, mask, g: int, scaling) -> torch.Tensor:
+def _fold_sdpa(query, key, value, mask, g: int, scaling, folded: dict | None = None) -> torch.Tensor:
+    """folded: where given, the mask folded per g is kept there (a chunk's), not in the one-pass cache."""
     b, h, q, d = query.shape
     qf = query.reshape(b, h // g, g * q, d)  # heads kv*g + r -> kv head, query rows r*Q + t
     if mask is not None and q > 1:
-        mask = fold_mask(mask, g)
+        if folded is None:
+            mask = fold_mask(mask, g)
+        else:
+            if g not in folded:
+                lead = mask.shape[:-2]
+                folded[g] = mask.unsqueeze(-3).expand(*lead, g, *mask.shape[-2:]).reshape(*lead, g * q, mask.shape[-1])
+            mask = folded[g]
     out = F.scaled_dot_product_attention(qf, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(b, h, q, d)
+
+
+# A long pass attends in chunks of query rows, each over the keys its rows may see rounded up to whole blocks of
+# the CPU flash kernel: it sums a row's keys in blocks of FLASH_KV_BLOCK whatever the queries are, and a block no
+# row of a chunk may see adds exact zeros, so leaving it out changes no bit (tests/starjar/test_kernels.py checks
+# that on the running machine). starjar/model/native/pass_parts.h does the same for the native passes.
+FLASH_KV_BLOCK = 512  # ATen's kv_split_size for the CPU flash kernel
+CHUNK_ROWS = 128  # query rows a chunk's extent is read for
+
+
+@dataclass
+class Chunk:
+    rows: range  # query rows
+    keys: int  # keys [0, keys) they attend
+    # Their rows of the pass's mask folded, per g: copies (a view would keep the pass's mask alive).
+    folded: dict = field(default_factory=dict)
+
+
+_chunked: dict[str, tuple[weakref.ref, list[Chunk] | None]] = {}  # one pass's chunks, reused by every layer
+
+
+def key_chunks(mask: torch.Tensor | None, k: int) -> list[Chunk] | None:
+    """The chunks of a pass with this mask [B, 1, Q, K] (additive or boolean) over k keys, None where no key block
+    can be left out (then the pass attends in one call). Worked out once per pass and mask object."""
+    if mask is None or mask.dim() != 4 or mask.shape[-2] <= 1 or k <= FLASH_KV_BLOCK or mask.shape[-1] != k \
+            or mask.device.type != "cpu":
+        return None
+    hit = _chunked.get("pass")
+    if hit is not None and hit[0]() is mask:
+        return hit[1]
+    seen = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] > torch.finfo(mask.dtype).min / 2  # [B, Q, K]
+    last = (k - seen.flip(-1).to(torch.uint8).argmax(-1)).amax(0)  # [Q]: a row may see keys before this
+    chunks: list[Chunk] = []
+    q = mask.shape[-2]
+    for m0 in range(0, q, CHUNK_ROWS):
+        m1 = min(q, m0 + CHUNK_ROWS)
+        keys = min(k, -(-int(last[m0:m1].max()) // FLASH_KV_BLOCK) * FLASH_KV_BLOCK)
+        if chunks and chunks[-1].keys == keys:
+            chunks[-1].rows = range(chunks[-1].rows.start, m1)
+        else:
+            chunks.append(Chunk(range(m0, m1), keys))
+    plan = None if len(chunks) == 1 else chunks
+    entry = (weakref.ref(mask), plan)
+    _chunked["pass"] = entry
+    weakref.finalize(mask, _forget_chunks, entry)  # the plan and its folded masks go with the pass's mask
+    return plan
+
+
+def _forget_chunks(entry: tuple) -> None:
+    if _chunked.get("pass") is entry:  # a later pass's plan stays
+        _chunked.pop("pass", None)
 
 
 def fold_mask(mask: torch.Tensor, g: int) -> torch.Tensor:

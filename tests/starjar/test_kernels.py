@@ -158,6 +158,46 @@ def test_a_folded_mask_lives_no_longer_than_its_pass_mask():
     assert ref() is None and 2 not in attention._folded
 
 
+@pytest.mark.parametrize("b,h,hkv,q,prefix", [(1, 9, 3, 1100, 0), (2, 4, 4, 700, 0), (1, 4, 2, 600, 300)])
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_a_long_pass_attends_in_key_blocks_with_the_same_bits(b, h, hkv, q, prefix, kind):
+    """Past the flash kernel's key block, query rows go in chunks over the key blocks they may see: every bit as
+    in one call over all keys, the chunks worked out once per pass mask."""
+    from starjar.model import attention
+    torch.manual_seed(q)
+    k = prefix + q
+    query, key, value = torch.randn(b, h, q, 64), torch.randn(b, hkv, k, 64), torch.randn(b, hkv, k, 64)
+    pos = prefix + torch.arange(q)
+    allowed = (torch.arange(k)[None, :] <= pos[:, None])[None, None].expand(b, 1, q, k)
+    mask = allowed if kind == "bool" else torch.zeros(b, 1, q, k).masked_fill(~allowed, torch.finfo().min)
+    chunks = attention.key_chunks(mask, k)
+    assert chunks is not None and len(chunks) > 1 and chunks[0].keys < k
+    assert attention.key_chunks(mask, k) is chunks  # once per pass
+    out, _ = folded_attention(_Module(), query, key, value, mask)
+    whole = attention._attend(query, key, value, mask, h // hkv, None).transpose(1, 2)
+    assert torch.equal(out, whole), (out - whole).abs().max()
+    torch.testing.assert_close(out, _reference(query, key, value, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_a_pass_within_one_key_block_attends_in_one_call():
+    from starjar.model import attention
+    mask = torch.zeros(1, 1, 400, 512)
+    assert attention.key_chunks(mask, 512) is None and attention.key_chunks(torch.zeros(1, 1, 1, 900), 900) is None
+
+
+def test_a_pass_s_chunks_live_no_longer_than_its_mask():
+    from starjar.model import attention
+    mask = torch.zeros(1, 1, 700, 700).masked_fill(~torch.ones(700, 700, dtype=torch.bool).tril(), torch.finfo().min)
+    query, key = torch.randn(1, 4, 700, 16), torch.randn(1, 2, 700, 16)
+    folded_attention(_Module(), query, key, key, mask)
+    chunks = attention.key_chunks(mask, 700)
+    assert chunks is not None and all(2 in c.folded for c in chunks)  # folded once, for every layer
+    ref = weakref.ref(mask)
+    del mask, chunks
+    gc.collect()
+    assert ref() is None and "pass" not in attention._chunked
+
+
 ADOPT_SCRIPT = """
 import ctypes, glob, os, threading
 import torch
