@@ -61,7 +61,7 @@ inline bool flash_applies(const at::Tensor& q, const at::Tensor& k, const at::Te
 // the CPU flash kernel's keys. That kernel sums a query row's keys in blocks of FLASH_KV_BLOCK whatever the
 // queries are; a block no row of a chunk may see adds exact zeros to its sums, so leaving such blocks out changes
 // no bit (tests/starjar/test_native_pass.py checks it on the running machine), while a prompt's first rows stop
-// paying for the keys after them: one pass over a 941-token prompt computed 0.75 of the full square's blocks, a
+// paying for the keys after them: one pass over a 941-token prompt attends 0.75 of the full square's keys, a
 // 2,048-token one 0.63.
 constexpr int64_t FLASH_KV_BLOCK = 512;  // ATen's kv_split_size for the CPU flash kernel
 constexpr int64_t CHUNK_ROWS = 128;      // query rows a chunk's extent is read for
@@ -104,4 +104,3 @@ inline std::vector<Chunk> key_chunks(const std::optional<at::Tensor>& mask, int6
 }
 
 }  // namespace starjar_native
-

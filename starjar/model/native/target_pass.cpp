@@ -214,7 +214,7 @@ at::Tensor fused_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tens
     }
   }
   std::vector<starjar_native::Chunk> chunks = starjar_native::key_chunks(mask, x.size(1), kv_len);
-  if (chunks.size() > 1 && mask.has_value() && mask->defined()) {  // each chunk's rows of the mask, for every layer
+  if (chunks.size() > 1) {  // each chunk's rows of the mask (key_chunks splits only a masked pass), for every layer
     const at::Tensor& m = *mask;
     const int64_t Q = x.size(1), g = m.size(2) / Q;
     TORCH_CHECK(m.size(2) == g * Q, "fused_pass: the mask holds each query's row, folded per group of heads");
