@@ -185,6 +185,16 @@ def test_a_pass_within_one_key_block_attends_in_one_call():
     assert attention.key_chunks(mask, 512) is None and attention.key_chunks(torch.zeros(1, 1, 1, 900), 900) is None
 
 
+def test_a_long_pass_in_another_dtype_attends_in_one_call(monkeypatch):
+    """Chunks only where their bits are checked (float32): a bfloat16 pass attends all its keys at once."""
+    from starjar.model import attention
+    monkeypatch.setattr(attention, "key_chunks", lambda *a: pytest.fail("chunked a bfloat16 pass"))
+    query, key = torch.randn(1, 2, 600, 16, dtype=torch.bfloat16), torch.randn(1, 2, 600, 16, dtype=torch.bfloat16)
+    mask = torch.zeros(1, 1, 600, 600, dtype=torch.bfloat16)
+    out, _ = folded_attention(_Module(), query, key, key, mask)
+    assert out.shape == (1, 600, 2, 16)
+
+
 def test_a_pass_s_chunks_live_no_longer_than_its_mask():
     from starjar.model import attention
     mask = torch.zeros(1, 1, 700, 700).masked_fill(~torch.ones(700, 700, dtype=torch.bool).tril(), torch.finfo().min)
