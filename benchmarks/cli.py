@@ -44,7 +44,8 @@ def parser(prog: str = "starjar bench") -> argparse.ArgumentParser:
     ap.add_argument("--adapt-train", default="",
                     help="bench tide: the adapting draft server's --adapt-train (e.g. rank=64,lr=0.003)")
     ap.add_argument("--gamma", type=int, default=None,
-                    help="bench breakdown: the gamma of the runs with drafts (default: the measured one)")
+                    help="bench breakdown: the gamma of the runs with drafts (default: the measured one); bench tax: "
+                         "drafts a round, both ways (default 2); bench lookahead: (default 3)")
     ap.add_argument("--lookahead", choices=("off", "chain", "fanout"), default="off",
                     help="bench tax, star: the draft server's --lookahead (default off); bench lookahead: fanout "
                          "adds a fanout server to off and chain")

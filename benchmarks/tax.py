@@ -8,7 +8,8 @@ echo of the same message size between two processes, the floor of Python gRPC:
 back to back, and with the remote rounds' median draft time idle before each
 round (the threads on the path have gone to sleep, as between real rounds). `--pin`: the draft server on the
 last core and the target (one thread, co-located or remote) on the other, as where the draft has a device of
-its own beside the one the co-located target runs on. Decode rates leave the target's prefill out.
+its own beside the one the co-located target runs on. Decode rates leave the target's prefill out. `--gamma`: the
+drafts a round, the same both ways (default 2), so that each way can be compared at the gamma that suits it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from benchmarks.common import p50, pair_dirs, prompt_ids
 from benchmarks.echo import measure_echo, measure_idle_echo
 from benchmarks.launch import ServerProcess, start_draft_servers
 from controller.colocated import colocated_engine, load_pair, remote_engine
+from starjar.errors import InvalidArgument
 from starjar.spec.sampling import SamplingParams
+from target_worker.stats import MAX_GAMMA
+
+DEFAULT_GAMMA = 2
 
 
 def _timed(engine, prompts, params, label):
@@ -37,7 +42,9 @@ def _timed(engine, prompts, params, label):
 
 def run(args) -> dict:
     n_prompts, max_new = (4, 32) if args.quick else (12, 64)
-    gamma = 2
+    gamma = DEFAULT_GAMMA if getattr(args, "gamma", None) is None else args.gamma
+    if not 1 <= gamma <= MAX_GAMMA:
+        raise InvalidArgument("--gamma", f"1 to {MAX_GAMMA} drafts a round", gamma)
     target_dir, draft_dir, note = pair_dirs(args)
     target, draft = load_pair(target_dir, draft_dir)
     prompts = prompt_ids(target.tokenizer, n_prompts, args)
