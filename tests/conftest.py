@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # bits run without it (a measured choice would make them depend on timing); tests/starjar/test_lean_pass.py
 # turns it on and holds it to HF generate()'s greedy tokens.
 os.environ.setdefault("STARJAR_LEAN_PASS", "0")
+# Kernel choices are measured per machine and cached under STARJAR_HOME (kernels.json): a run over a folder of its
+# own measures them as a fresh clone's first run does, instead of reading what earlier runs (or another build of
+# the native kernels) chose in the user's home. Built native libraries stay shared (STARJAR_NATIVE_DIR).
+if "STARJAR_HOME" not in os.environ:
+    os.environ["STARJAR_HOME"] = _home = tempfile.mkdtemp(prefix="starjar-tests-")
+    atexit.register(shutil.rmtree, _home, ignore_errors=True)
 # Ray reads these when it is imported: tests join their own loopback clusters, each with its own Ray token
 # (controller.cluster.spec.local_ray_env names the file).
 for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
