@@ -118,10 +118,11 @@ def measurement_key() -> str:
 def machine_fields(info: dict) -> dict:
     """What a measurement holds for: this CPU and torch (and the ISA limits it ran under), a kernel path forced
     by STARJAR_INT8_KERNEL, a KV precision forced by STARJAR_DRAFT_KV, the draft forward that was timed (a
-    measurement of another revision of it, or of the eager path, is stale) and how agreement and the
-    confirmation were measured."""
+    measurement of another revision of it, or of the eager path, is stale), starjar's own native kernels (another
+    build of them times the passes differently: an upgrade measures the pair again, as it does the kernel
+    choices) and how agreement and the confirmation were measured."""
     from starjar.cpu import skinny_linear
-    from starjar.cpu.kernels import forced_choice, forced_path
+    from starjar.cpu.kernels import forced_choice, forced_path, native_digest
     from starjar.model import kv_precision, lean_step
 
     limits = info.get("isa_limits") or {}  # named only when set, so a machine used as it is keys as before
@@ -131,7 +132,8 @@ def machine_fields(info: dict) -> dict:
             "int8_kernel_forced": forced_path(), "agreement": AGREEMENT, "confirmation": pair_confirm.CONFIRMATION,
             "draft_forward": f"{DRAFT_FORWARD_REVISION}{'' if lean_step.enabled() else '-eager'}",
             "target_forward": f"{TARGET_FORWARD_REVISION}"
-                              f"{'-' + skinny_linear.forced() if skinny_linear.forced() else ''}"}
+                              f"{'-' + skinny_linear.forced() if skinny_linear.forced() else ''}",
+            "native_kernels": native_digest()}
 
 
 def _say(msg: str) -> None:

@@ -209,6 +209,16 @@ def test_a_measurement_names_its_isa_limits_and_how_agreement_was_taken(monkeypa
     assert {k: v for k, v in limited.items() if k != "isa_limits"} == plain
 
 
+def test_a_measurement_taken_with_other_native_kernels_is_stale(monkeypatch):
+    from controller.tuning.pair_check import machine_fields
+    from starjar.cpu import kernels, machine
+
+    here = machine_fields(machine.machine_info())
+    assert here["native_kernels"] == kernels.native_digest()
+    monkeypatch.setattr(kernels, "native_digest", lambda: "another-build")  # an upgrade's sources
+    assert machine_fields(machine.machine_info()) != here
+
+
 def test_the_speedup_model_turns_speculation_off_when_drafts_cost_too_much():
     from controller.tuning.scoring import best_gamma
 
