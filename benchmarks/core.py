@@ -131,7 +131,9 @@ def run(args) -> dict:
     print(f"target alone at batch 1: {floor['decode_batch1_tokens_per_s']} tokens/s decoding "
           f"({floor['decode_gb_per_s']} GB/s), {floor['fraction_of_floor']:.0%} of the memory floor "
           f"({floor['bytes_per_token'] / 1e6:.0f} MB a token at {floor['read_bandwidth_gb_per_s']} GB/s read: "
-          f"{floor['floor_tokens_per_s']} tokens/s; each run against a probe just before it)", file=sys.stderr)
+          f"{floor['floor_tokens_per_s']} tokens/s; each run against a probe just before it); "
+          f"{floor['fraction_of_sustained']:.0%} of the rate the memory sustains over as long as a run "
+          f"({floor['sustained_read_gb_per_s']} GB/s)", file=sys.stderr)
     dec = result["decode_batch1"]
     print(f"batch 1, target prefill left out: best speculation (gamma {dec['best_gamma']}) {dec['best_tokens_per_s']} "
           f"tokens/s, {dec['best_over_target_alone']}x the target alone"
