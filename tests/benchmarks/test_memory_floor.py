@@ -25,4 +25,3 @@ def test_tied_weights_count_once_and_the_floor_is_bandwidth_over_bytes(models, p
                        for r in got["runs"])
     assert abs(got["fraction_of_sustained"] - sustained[len(sustained) // 2]) < 0.002
     assert got["sustained_read_gb_per_s"] == sorted(r["sustained_read_gb_per_s"] for r in got["runs"])[2] > 0
-
