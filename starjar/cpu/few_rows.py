@@ -17,7 +17,9 @@ settle_int8_stream (VNNI) time both over a model's own weights for 1..6 input ro
 cache) and hand the choice to the products and the lean pass as one mask: bit r - 1 streams the float
 product for r rows, bit 6 + r - 1 the int8 one. For 7..12 rows settle_stream also times AVX-512's wide tiles (two
 weight rows against every input row in one pass) against a 6-row pass and the rest: bit 12 + r - 7 takes them
-for r rows. STARJAR_FEW_ROWS_STREAM=all|none|<mask> forces every bit (tests force each).
+for r rows. For the row counts it streams, it then times each thread walking two runs of its weight rows at once
+(the two halves of its share, row beside row: tiles.h's twin512) against one: bit 18 + r - 1 twins r rows.
+STARJAR_FEW_ROWS_STREAM=all|none|<mask> forces every bit (tests force each).
 """
 
 from __future__ import annotations
@@ -46,7 +48,11 @@ FLOAT_STREAMED = (1 << STREAM_ROWS) - 1
 INT8_SHIFT = STREAM_ROWS  # bit INT8_SHIFT + r - 1 streams int8 products for r rows
 WIDE_SHIFT = 2 * STREAM_ROWS  # bit WIDE_SHIFT + r - 7 takes the wide float tiles for r (7..12) rows
 WIDE_ROWS = range(STREAM_ROWS + 1, 2 * STREAM_ROWS + 1)
-ALL_STREAMED = (1 << 3 * STREAM_ROWS) - 1
+TWIN_SHIFT = 3 * STREAM_ROWS  # bit TWIN_SHIFT + r - 1 walks two runs of weight rows at once for r streamed rows
+ALL_STREAMED = (1 << 4 * STREAM_ROWS) - 1
+# Two runs against one differ by a few percent at most, and single turns by up to 12% in a slow spell of a shared
+# machine (2-core AMD EPYC, Zen 4): more turns than the other choices take.
+TWIN_REPS = 7
 _state: dict[str, object] = {}  # "ok", "why"; "isa": the code last handed to the kernel; "stream": the mask
 _loading = threading.Lock()
 
@@ -112,9 +118,9 @@ def set_stream(mask: int) -> None:
 
 def settle_stream(weights: list[torch.Tensor]) -> int:
     """This machine's stream bits for AVX-512's float products over these weights [N, K]: forced, cached, or
-    timed now (a second or two: the weights' products in turn, each way, for 1..6 rows, then wide or not for
-    7..12); handed to the product. Where AVX-512's kernel does not run they change nothing and stay 0. Returns
-    the whole mask."""
+    timed now (a few seconds: the weights' products in turn, each way, for 1..6 rows, then wide or not for
+    7..12, then two runs a thread or one for the streamed counts); handed to the product. Where AVX-512's kernel
+    does not run they change nothing and stay 0. Returns the whole mask."""
     shapes = tuple(sorted({(int(w.shape[1]), int(w.shape[0])) for w in weights}))
     def run(w, rows, x):
         return torch.ops.starjar.few_rows(x[:rows], w, None)
@@ -123,7 +129,11 @@ def settle_stream(weights: list[torch.Tensor]) -> int:
         return int(w.shape[1])
 
     _settle(0, "fp32-stream", shapes, weights, run, width)
-    return _settle(WIDE_SHIFT, "fp32-wide", shapes, weights, run, width, WIDE_ROWS)
+    _settle(WIDE_SHIFT, "fp32-wide", shapes, weights, run, width, WIDE_ROWS)
+    streamed = stream_mask() & FLOAT_STREAMED
+    twin_rows = range(1, STREAM_ROWS + 1)
+    return _settle(TWIN_SHIFT, f"fp32-twin-{streamed}", shapes, weights, run, width, twin_rows,
+                   only=[count for count in twin_rows if streamed >> (count - 1) & 1])
 
 
 def settle_int8_stream(laid: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
@@ -137,32 +147,39 @@ def settle_int8_stream(laid: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
 
 
 def _settle(shift: int, kind: str, shapes: tuple, weights: list, run: Callable, width: Callable,
-            rows: range = range(1, STREAM_ROWS + 1)) -> int:
-    """Set the bits from `shift` up (one a row count of `rows`): forced (the whole mask), cached or timed;
-    returns the whole mask."""
+            rows: range = range(1, STREAM_ROWS + 1), only: list[int] | None = None) -> int:
+    """Set the bits from `shift` up (one a row count of `rows`; where `only` is given, the other counts' bits
+    stay 0 untimed): forced (the whole mask), cached or timed; returns the whole mask."""
     mask = forced_stream()
     if mask is None:
         runs_avx512 = available() and (isa() or torch.ops.starjar.few_rows_isa()) == ISAS["avx512"]
         bits = 0 if not runs_avx512 or not shapes else kernels.cached_entry(
-            kind, shapes, lambda: _time_stream(shift, weights, run, width, rows),
+            kind, shapes, lambda: _time_stream(shift, weights, run, width, rows, only, TWIN_REPS if only else 3),
             usable=lambda e: isinstance(e.get("mask"), int))["mask"]
         mask = stream_mask() & ~(FLOAT_STREAMED << shift) | bits << shift
     set_stream(mask)
     return mask
 
 
-def _time_stream(shift: int, weights: list, run: Callable, width: Callable, rows: range, reps: int = 3) -> dict:
-    """Each row count's products over every weight in turn (weights as cold as in a pass), without and with the
-    bit (streamed weight rows for 1..6 rows; the wide tiles for 7..12), in turns; the bits of the row counts
-    that ran faster with it (bit i for the i-th row count)."""
+def _time_stream(shift: int, weights: list, run: Callable, width: Callable, rows: range,
+                 only: list[int] | None = None, reps: int = 3) -> dict:
+    """Each row count's products (those of `only`, where given) over every weight in turn (weights as cold as in
+    a pass), without and with the bit (streamed weight rows for 1..6 rows; the wide tiles for 7..12; two runs a
+    thread for streamed rows), in turns; the bits of the row counts that ran faster with it (bit i for the i-th
+    row count)."""
     use_forced_isa()
     xs = {width(w): torch.randn(rows[-1], width(w)) for w in weights}
     others = stream_mask() & ~(FLOAT_STREAMED << shift)
     ms: list[dict] = []
     bits = 0
-    without, with_bit = ("interleaved", "streamed") if shift != WIDE_SHIFT else ("passes of 6", "wide")
+    without, with_bit = {WIDE_SHIFT: ("passes of 6", "wide"), TWIN_SHIFT: ("one run", "two runs")}.get(
+        shift, ("interleaved", "streamed"))
     with torch.inference_mode():
         for i, count in enumerate(rows):
+            if only is not None and count not in only:
+                ms.append({})
+                continue
+
             def chain(on: bool, count: int = count, i: int = i) -> None:
                 torch.ops.starjar.few_rows_stream(others | (1 << (shift + i) if on else 0))
                 for w in weights:

@@ -68,17 +68,19 @@ def _close(hf: list, lean: list) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@pytest.mark.parametrize("isa", [*sorted(few_rows.ISAS), "avx512-streamed"])
+@pytest.mark.parametrize("isa", [*sorted(few_rows.ISAS), "avx512-streamed", "avx512-twinned"])
 def test_every_pass_is_hf_within_rounding_on_each_kernel(model_dirs, prompt_ids, monkeypatch, family, isa):
     """Steps, verification, multi-row, unequal-length and tree passes (qwen2: biased q/k/v) with each kernel
-    this CPU has forced (AVX-512's weight rows interleaved, then streamed): HF's logits within TOLERANCE, the
-    same argmax; prefill keeps the other passes."""
+    this CPU has forced (AVX-512's weight rows interleaved, streamed, then streamed two runs a thread at once):
+    HF's logits within TOLERANCE, the same argmax; prefill keeps the other passes."""
     assert lean_pass.available()
-    name = isa.removesuffix("-streamed")
+    name, way = isa.partition("-")[::2]
     if few_rows.ISAS[name] > torch.ops.starjar.lean_pass_isa():
         pytest.skip(f"this CPU lacks {name}")
     monkeypatch.setenv(few_rows.ISA_ENV, name)
-    monkeypatch.setenv(few_rows.STREAM_ENV, "all" if isa.endswith("-streamed") else "none")
+    twin_bits = few_rows.FLOAT_STREAMED << few_rows.TWIN_SHIFT
+    mask = {"streamed": few_rows.ALL_STREAMED & ~twin_bits, "twinned": few_rows.ALL_STREAMED}.get(way, 0)
+    monkeypatch.setenv(few_rows.STREAM_ENV, str(mask))
     model = load_model(model_dirs[family])
     calls = _spy(monkeypatch)
     hf, lean = _hf_then_lean(model, prompt_ids[:3], monkeypatch)
@@ -158,6 +160,29 @@ def test_a_rows_values_do_not_depend_on_the_batch_or_the_threads(model_dirs, pro
     alone = _first_row_verified(model, prompt_ids, 12, rows=1, threads=2)
     assert torch.equal(alone, _first_row_verified(model, prompt_ids, 12, rows=3, threads=2))
     assert torch.equal(alone, _first_row_verified(model, prompt_ids, 12, rows=1, threads=1))
+
+
+def test_weight_rows_interleaved_streamed_or_twinned_give_the_same_bits(model_dirs, prompt_ids, monkeypatch):
+    """AVX-512's float products with their weight rows interleaved, streamed one run a thread, and two runs a
+    thread at once (the gate and up halves side by side too): every pass's logits the same bits."""
+    assert lean_pass.available()
+    if torch.ops.starjar.lean_pass_isa() < few_rows.ISAS["avx512"]:
+        pytest.skip("this CPU lacks AVX-512")
+    monkeypatch.setenv(few_rows.ISA_ENV, "avx512")
+    monkeypatch.setenv(skinny_linear.ENV, "rows")
+    monkeypatch.setenv(lean_target.ENV, "1")
+    monkeypatch.setenv(lean_pass.ENV, "1")
+    model = load_model(model_dirs["llama"])
+    twin_bits = few_rows.FLOAT_STREAMED << few_rows.TWIN_SHIFT
+    ways, before = [], few_rows.stream_mask()
+    try:
+        for mask in (0, few_rows.ALL_STREAMED & ~twin_bits, few_rows.ALL_STREAMED):
+            few_rows.set_stream(mask)
+            ways.append(_passes(model, prompt_ids))
+    finally:
+        few_rows.set_stream(before)
+    for interleaved, streamed, twinned in zip(*ways, strict=True):
+        assert torch.equal(interleaved, streamed) and torch.equal(streamed, twinned)
 
 
 @pytest.mark.parametrize("gamma,batch", [(0, 1), (3, 1), (2, 4)])

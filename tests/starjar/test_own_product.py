@@ -82,11 +82,13 @@ avx512 = pytest.mark.skipif(not few_rows.available() or torch.ops.starjar.few_ro
 
 
 @avx512
-@pytest.mark.parametrize("mask", [0, 1, 0b101010, 0b011001 << few_rows.WIDE_SHIFT, few_rows.ALL_STREAMED])
+@pytest.mark.parametrize("mask", [0, 1, 0b101010, 0b011001 << few_rows.WIDE_SHIFT,
+                                  0b110011 | 0b100101 << few_rows.TWIN_SHIFT, few_rows.ALL_STREAMED])
 def test_streamed_and_interleaved_weight_rows_give_the_same_bits(monkeypatch, mask):
-    """AVX-512's weight rows streamed one at a time for the row counts a mask names, interleaved for the rest,
-    and the wide tiles for the counts over 6 it names: every row's values equal the all-interleaved product's, so
-    a row alone (1 row streamed) equals it batched. 301 outputs end on a tile of one weight row."""
+    """AVX-512's weight rows streamed one at a time for the row counts a mask names (two runs a thread at once
+    where it names them twinned too), interleaved for the rest, and the wide tiles for the counts over 6 it names:
+    every row's values equal the all-interleaved product's, so a row alone (1 row streamed) equals it batched. 301
+    outputs end on a tile of one weight row, and each thread's share splits into halves of unequal length."""
     monkeypatch.setenv(few_rows.ISA_ENV, "avx512")
     before = few_rows.stream_mask()
     torch.manual_seed(4)
@@ -122,8 +124,13 @@ def test_the_stream_mask_is_measured_once_and_cached(monkeypatch, tmp_path):
         assert entry["mask"] == mask & few_rows.FLOAT_STREAMED and len(entry["ms"]) == few_rows.STREAM_ROWS
         assert set(entry["ms"][0]) == {"interleaved", "streamed"}
         wide = next(e for name, e in json.loads(stored).items() if "|fp32-wide|" in name)
-        assert wide["mask"] == mask >> few_rows.WIDE_SHIFT and len(wide["ms"]) == len(few_rows.WIDE_ROWS)
-        assert set(wide["ms"][0]) == {"passes of 6", "wide"}
+        assert wide["mask"] == mask >> few_rows.WIDE_SHIFT & few_rows.FLOAT_STREAMED
+        assert len(wide["ms"]) == len(few_rows.WIDE_ROWS) and set(wide["ms"][0]) == {"passes of 6", "wide"}
+        streamed = mask & few_rows.FLOAT_STREAMED  # two runs a thread are timed only for the streamed row counts
+        twin = next(e for name, e in json.loads(stored).items() if f"|fp32-twin-{streamed}|" in name)
+        assert twin["mask"] == mask >> few_rows.TWIN_SHIFT and twin["mask"] & ~streamed == 0
+        assert [bool(ms) for ms in twin["ms"]] == [bool(streamed >> i & 1) for i in range(few_rows.STREAM_ROWS)]
+        assert all(set(ms) == {"one run", "two runs"} for ms in twin["ms"] if ms)
         monkeypatch.setattr(kernels, "_entries", {})
         assert few_rows.settle_stream(weights) == mask
         assert (tmp_path / "kernels.json").read_text() == stored  # read, not measured again

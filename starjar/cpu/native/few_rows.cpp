@@ -63,12 +63,14 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, const std::optiona
   const Isa kernels = isa_of(which, stream_mask.load());
   const int64_t tiles = (N + NB - 1) / NB;
   const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles)));
-  const std::unique_ptr<starjar_tiles::Share[]> shares(new starjar_tiles::Share[n]);
-  for (int t = 0; t < n; ++t) shares[t].span.store(starjar_tiles::pack(tiles * t / n, tiles * (t + 1) / n));
+  const std::unique_ptr<starjar_tiles::Share[]> shares(new starjar_tiles::Share[2 * n]);
+  for (int t = 0; t < n; ++t) starjar_tiles::share_out(shares.get() + 2 * t, tiles * t / n, tiles * (t + 1) / n);
+  const bool twin = starjar_tiles::twin_of(kernels, R);
   at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {  // each thread its share, then what the others leave
     for (int64_t t = b; t < e; ++t) {
-      starjar_tiles::take_tiles(shares.get(), static_cast<int>(t), n, [&](int64_t t0, int64_t t1) {
-        starjar_tiles::tiles_range(kernels, xp, wp, bp, yp, R, K, N, t0, t1);
+      starjar_tiles::take_tiles(shares.get(), static_cast<int>(t), n, twin,
+                                [&](int64_t a0, int64_t a1, int64_t c0, int64_t c1) {
+        starjar_tiles::tiles_two(kernels, xp, wp, bp, yp, R, K, N, a0, a1, c0, c1);
       });
     }
   });
@@ -85,10 +87,12 @@ int64_t few_rows_use(int64_t isa) {
 }
 
 // Stream AVX-512's weight rows one at a time for RB input rows where bit RB - 1 of mask is set, the int8
-// product's where bit 6 + RB - 1 is (measured per machine; the values do not change); returns the mask in use.
+// product's where bit 6 + RB - 1 is, two runs of them at once where bit 18 + RB - 1 is too (measured per machine;
+// the values do not change); returns the mask in use.
 int64_t few_rows_stream(int64_t mask) {
   TORCH_CHECK(mask >= 0 && mask < (1 << starjar_tiles::MASK_BITS),
-              "few_rows: a stream mask has bits for 1..6 rows, float then int8, then 7..12 float rows wide (", mask, ")");
+              "few_rows: a stream mask has bits for 1..6 rows, float then int8, then 7..12 float rows wide, then 1..6 "
+              "float rows twinned (", mask, ")");
   stream_mask.store(mask);
   return mask;
 }

@@ -12,10 +12,12 @@ namespace starjar_tiles {
 
 constexpr int64_t NB = 4;  // weight rows a tile holds
 // A stream mask (starjar.cpu.few_rows): bits 0-5 the float products' row counts, bits 6-11 the int8 ones', bits
-// 12-17 the float row counts 7..12 that take the wide tiles (wide512).
+// 12-17 the float row counts 7..12 that take the wide tiles (wide512), bits 18-23 the streamed float row counts that
+// walk two runs of weight rows at once (twin512).
 constexpr int64_t INT8_STREAM_SHIFT = 6;
 constexpr int64_t WIDE_SHIFT = 12;
-constexpr int64_t MASK_BITS = 18;
+constexpr int64_t TWIN_SHIFT = 18;
+constexpr int64_t MASK_BITS = 24;
 
 // A tile's sums [rb][NB] into y, the bias added: only the tile's nb real outputs.
 inline void store(const float* sums, int rb, const float* b, float* y, int64_t N, int64_t r0, int64_t n0,
@@ -147,24 +149,25 @@ __attribute__((target("avx512f"))) void row512(const float* x, const float* w, c
   }
 }
 
-// Two weight rows against all RB input rows of a call over 7..12 (2 RB sums in registers), the tile's order for each
-// output, so the values are those of the other tiles. A call over 7-8 rows otherwise runs a 6-row pass and a short
+// Two weight rows, n0 and n1, against all RB input rows of a call (2 RB sums in registers), the tile's order for each
+// output, so the values are those of the other tiles; m = 1 keeps only n0's sums. Each step asks for both rows' weights
+// AHEAD floats on into L2. Over 7..12 rows it pairs neighbouring rows (wide512). A call over 7-8 rows otherwise runs a 6-row pass and a short
 // one over each tile, and its sums do not overlap the weight stream: on a 2-core AMD EPYC (Zen 4), one thread, a
 // 226 MB weight's product took 14-17 ms over 8 rows that way against 12.6-12.9 in one pass like this (7 rows:
 // 14.3-15.0 against 10.8-10.9), while over 12 rows the two 6-row passes were faster (16.3-16.7 against 18.9-19.9).
 // Which row counts take it is measured per machine (starjar.cpu.few_rows.settle_stream).
-template <int RB>
+template <int RB, int64_t AHEAD = L2_AHEAD>
 __attribute__((target("avx512f"))) void pair512(const float* x, const float* w, const float* b, float* y,
-                                                int64_t K, int64_t N, int64_t n, int64_t m) {
+                                                int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t m) {
   __m512 acc[RB][2];
   for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const float* w0 = w + n * K;
-  const float* w1 = w + (n + m - 1) * K;  // m = 1: the first row twice, its second sums dropped
+  const float* w0 = w + n0 * K;
+  const float* w1 = w + (m == 2 ? n1 : n0) * K;  // m = 1: the first row twice, its second sums dropped
   const int64_t full = K - K % 16;
   for (int64_t k = 0; k < full; k += 16) {
     const __m512 a = _mm512_loadu_ps(w0 + k), c = _mm512_loadu_ps(w1 + k);
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + L2_AHEAD + k), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + L2_AHEAD + k), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + AHEAD + k), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + AHEAD + k), _MM_HINT_T1);
     for (int r = 0; r < RB; ++r) {
       const __m512 xv = _mm512_loadu_ps(x + r * K + k);
       acc[r][0] = _mm512_fmadd_ps(xv, a, acc[r][0]);
@@ -180,10 +183,11 @@ __attribute__((target("avx512f"))) void pair512(const float* x, const float* w, 
       acc[r][1] = _mm512_fmadd_ps(xv, c, acc[r][1]);
     }
   }
+  const int64_t out[2] = {n0, n1};
   for (int r = 0; r < RB; ++r) {
     for (int j = 0; j < m; ++j) {
       const float s = _mm512_reduce_add_ps(acc[r][j]);
-      y[r * N + n + j] = b != nullptr ? s + b[n + j] : s;
+      y[r * N + out[j]] = b != nullptr ? s + b[out[j]] : s;
     }
   }
 }
@@ -192,7 +196,28 @@ __attribute__((target("avx512f"))) void pair512(const float* x, const float* w, 
 template <int RB>
 __attribute__((target("avx512f"))) void wide512(const float* x, const float* w, const float* b, float* y,
                                                 int64_t K, int64_t N, int64_t, int64_t n0, int64_t nb) {
-  for (int64_t j = 0; j < nb; j += 2) pair512<RB>(x, w, b, y, K, N, n0 + j, std::min<int64_t>(2, nb - j));
+  for (int64_t j = 0; j < nb; j += 2) {
+    pair512<RB>(x, w, b, y, K, N, n0 + j, n0 + j + 1, std::min<int64_t>(2, nb - j));
+  }
+}
+
+// Two streams a thread: weight rows [a0, a1) and [c0, c1) (rows, not tiles) against RB (1..6) input rows, row a0 + i
+// beside row c0 + i in one pass (pair512), each asked for TWIN_AHEAD floats on, then the longer range's rest one row
+// at a time. The hardware prefetcher follows two long runs of rows as well as one, and the thread has twice the
+// reads in flight: on a 2-core AMD EPYC (Zen 4), 2 threads, one input row, a 538 MB weight in huge pages read 1.09-
+// 1.15x as fast as one run a thread (1.04-1.06x where the runs were only 64 rows long; without the request ahead,
+// 0.97-1.03x). Each output's sums are row512's, so which rows share a pass does not change a value. Which row counts
+// take it is measured per machine (starjar.cpu.few_rows.settle_stream).
+constexpr int64_t TWIN_AHEAD = 512;  // floats: about a weight row of a 576-wide model
+
+template <int RB>
+__attribute__((target("avx512f"))) void twin512(const float* x, const float* w, const float* b, float* y,
+                                                int64_t K, int64_t N, int64_t a0, int64_t a1, int64_t c0,
+                                                int64_t c1) {
+  const int64_t both = std::min(a1 - a0, c1 - c0);
+  for (int64_t i = 0; i < both; ++i) pair512<RB, TWIN_AHEAD>(x, w, b, y, K, N, a0 + i, c0 + i, 2);
+  for (int64_t n = a0 + both; n < a1; ++n) row512<RB>(x, w, b, y, K, N, 0, n);
+  for (int64_t n = c0 + both; n < c1; ++n) row512<RB>(x, w, b, y, K, N, 0, n);
 }
 
 // A tile's outputs, each weight row against every input row (RB at a time), in the tile signature.
@@ -210,6 +235,8 @@ __attribute__((target("avx512f"))) void stream512(const float* x, const float* w
 
 using Tile = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
                       int64_t);
+using Twin = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                      int64_t);
 
 // Tiles for 1..6 input rows at a time: the AVX-512 tile keeps 6 rows x 4 outputs in 24 registers, AVX2's
 // 6 rows x 2 lanes of one output in 12. Each tile sums a tile's weight rows against its input rows, each
@@ -221,6 +248,7 @@ struct Isa {
   Tile many[6];       // each pass of a call over more rows
   int max;
   Tile wide[6] = {};  // a call over max + 1 .. 2 max rows in one pass, where set
+  Twin twin[6] = {};  // a call over RB <= max rows walking two runs of weight rows at once, where set
 };
 
 // stream_mask: bit RB - 1 set streams AVX-512's weight rows one at a time for a call over RB input rows (the
@@ -238,6 +266,10 @@ inline Isa isa_of(int64_t which, int64_t stream_mask = 0) {
     }
     const Tile wide[6] = {wide512<7>, wide512<8>, wide512<9>, wide512<10>, wide512<11>, wide512<12>};
     for (int i = 0; i < 6; ++i) isa.wide[i] = (stream_mask >> (WIDE_SHIFT + i)) & 1 ? wide[i] : nullptr;
+    const Twin twin[6] = {twin512<1>, twin512<2>, twin512<3>, twin512<4>, twin512<5>, twin512<6>};
+    for (int i = 0; i < 6; ++i) {  // a variant of the streamed rows: only where those run
+      isa.twin[i] = (stream_mask >> i) & (stream_mask >> (TWIN_SHIFT + i)) & 1 ? twin[i] : nullptr;
+    }
     return isa;
   }
   return {{tile256<1>, tile256<2>, tile256<3>, tile256<4>, tile256<5>, tile256<6>},
@@ -272,7 +304,22 @@ inline void tiles_range(const Isa& kernels, const float* x, const float* w, cons
   }
 }
 
-// A thread's share of one product's tiles, [lo, hi) packed in one word (lo in the low half): its owner takes
+// Tiles [a0, a1) and [c0, c1) of y = x W^T (+ b): in one walk where the call's row count walks two runs of weight
+// rows at once (twin512), else one range after the other.
+inline void tiles_two(const Isa& kernels, const float* x, const float* w, const float* b, float* y, int64_t R,
+                      int64_t K, int64_t N, int64_t a0, int64_t a1, int64_t c0, int64_t c1) {
+  if (R <= kernels.max && kernels.twin[R - 1] != nullptr && a0 < a1 && c0 < c1) {
+    kernels.twin[R - 1](x, w, b, y, K, N, a0 * NB, std::min(a1 * NB, N), c0 * NB, std::min(c1 * NB, N));
+    return;
+  }
+  if (a0 < a1) tiles_range(kernels, x, w, b, y, R, K, N, a0, a1);
+  if (c0 < c1) tiles_range(kernels, x, w, b, y, R, K, N, c0, c1);
+}
+
+// Whether a call over R rows walks two runs of weight rows at once (a thread takes from both halves of its share).
+inline bool twin_of(const Isa& kernels, int64_t R) { return R <= kernels.max && kernels.twin[R - 1] != nullptr; }
+
+// Half of a thread's share of one product's tiles, [lo, hi) packed in one word (lo in the low half): its owner takes
 // tiles from the front, a thread done with its own share takes them from the back. Which thread sums a tile does
 // not change its values. On a 2-core AMD EPYC (Zen 4), 2 threads, against each thread held to its half (every
 // variant in turn in one process): a default-target pass over 4 rows ran 9% faster, over 8 rows 9%, over 16 rows
@@ -286,25 +333,50 @@ constexpr int64_t STOLEN_TILES = 2;  // tiles taken from another thread's back
 
 inline uint64_t pack(int64_t lo, int64_t hi) { return static_cast<uint64_t>(lo) | static_cast<uint64_t>(hi) << 32; }
 
-// Every tile of shares [0, n) taken by thread tid in turn: its own front first, then the other threads' backs,
-// until none is left; take(t0, t1) sums tiles [t0, t1). Each tile is taken once, however the threads run.
-template <typename Take>
-void take_tiles(Share* shares, int tid, int n, Take take) {
+// A thread's share [lo, hi) set into its two halves, own[0] and own[1].
+inline void share_out(Share* own, int64_t lo, int64_t hi) {
+  const int64_t mid = lo + (hi - lo) / 2;
+  own[0].span.store(pack(lo, mid), std::memory_order_relaxed);
+  own[1].span.store(pack(mid, hi), std::memory_order_relaxed);
+}
+
+// Up to `count` tiles [*t0, *t1) off the front (or the back) of a half; false when it is empty.
+inline bool grab(Share& half, int64_t count, bool front, int64_t* t0, int64_t* t1) {
   for (;;) {
-    uint64_t old = shares[tid].span.load(std::memory_order_relaxed);
+    uint64_t old = half.span.load(std::memory_order_relaxed);
     const int64_t lo = static_cast<int64_t>(old & 0xFFFFFFFFu), hi = static_cast<int64_t>(old >> 32);
-    if (lo >= hi) break;
-    const int64_t to = std::min(lo + OWN_TILES, hi);
-    if (shares[tid].span.compare_exchange_weak(old, pack(to, hi), std::memory_order_relaxed)) take(lo, to);
+    if (lo >= hi) return false;
+    *t0 = front ? lo : std::max(lo, hi - count);
+    *t1 = front ? std::min(lo + count, hi) : hi;
+    if (half.span.compare_exchange_weak(old, front ? pack(*t1, hi) : pack(lo, *t0), std::memory_order_relaxed)) {
+      return true;
+    }
+  }
+}
+
+// Every tile of shares [0, 2 n) (two halves a thread) taken by thread tid in turn: its own halves first, one after
+// the other or, where `twin`, from both fronts at once; then the other threads' backs, until none is left.
+// take(a0, a1, c0, c1) sums tiles [a0, a1) and [c0, c1) (either may be empty). Each tile is taken once, however the
+// threads run.
+template <typename Take>
+void take_tiles(Share* shares, int tid, int n, bool twin, Take take) {
+  Share* own = shares + 2 * tid;
+  int64_t a0, a1, c0, c1;
+  if (twin) {
+    for (;;) {
+      const bool a = grab(own[0], OWN_TILES, true, &a0, &a1), c = grab(own[1], OWN_TILES, true, &c0, &c1);
+      if (!a && !c) break;
+      take(a ? a0 : 0, a ? a1 : 0, c ? c0 : 0, c ? c1 : 0);
+    }
+  } else {
+    for (int h = 0; h < 2; ++h) {
+      while (grab(own[h], OWN_TILES, true, &a0, &a1)) take(a0, a1, 0, 0);
+    }
   }
   for (int step = 1; step < n; ++step) {
-    Share& other = shares[(tid + step) % n];
-    for (;;) {
-      uint64_t old = other.span.load(std::memory_order_relaxed);
-      const int64_t lo = static_cast<int64_t>(old & 0xFFFFFFFFu), hi = static_cast<int64_t>(old >> 32);
-      if (lo >= hi) break;
-      const int64_t from = std::max(lo, hi - STOLEN_TILES);
-      if (other.span.compare_exchange_weak(old, pack(lo, from), std::memory_order_relaxed)) take(from, hi);
+    Share* other = shares + 2 * ((tid + step) % n);
+    for (int h = 1; h >= 0; --h) {
+      while (grab(other[h], STOLEN_TILES, false, &a0, &a1)) take(a0, a1, 0, 0);
     }
   }
 }

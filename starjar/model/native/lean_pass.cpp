@@ -30,7 +30,6 @@ namespace {
 
 using starjar_tiles::Isa;
 using starjar_tiles::NB;
-using starjar_tiles::pack;
 using starjar_tiles::Share;
 using starjar_tiles::take_tiles;
 
@@ -195,7 +194,8 @@ struct Kernels {
 
 // Which AVX-512 row counts stream their weight rows one at a time (lean_pass_stream sets it): bits 0-5 the float
 // products' (tiles.h's isa_of), bits 6-11 the int8 products' (int8_tiles.h's int8_range), bits 12-17 the float
-// row counts 7..12 that take the wide tiles (tiles.h's wide512).
+// row counts 7..12 that take the wide tiles (tiles.h's wide512), bits 18-23 the streamed float row counts that walk
+// two runs of weight rows at once (tiles.h's twin512).
 std::atomic<int64_t> stream_mask{0};
 constexpr int64_t INT8_SHIFT = starjar_tiles::INT8_STREAM_SHIFT;
 
@@ -241,7 +241,7 @@ struct Pass {
   uint8_t* xq;                        // per thread, int8 products: the input rows quantized [R, kq]
   float* xscale;                      // per thread: each row's scale and zero point [2 R]
   int64_t kq;
-  Share* shares;                      // [layers, 4 products, threads]: each product's tiles split between threads
+  Share* shares;                      // [layers, 4 products, threads, 2 halves]: each product's tiles split
 };
 
 inline void split(int64_t total, int tid, int n, int64_t* lo, int64_t* hi) {
@@ -271,29 +271,33 @@ void quantize_rows(const Kernels& k, const Pass& p, const Weight& wt, const floa
   }
 }
 
-// Tiles [t0, t1) of y = x W^T (+ b) (x already quantized where the product is int8), and where `residual` is
-// given y += residual there.
+// Tiles [a0, a1) and [c0, c1) of y = x W^T (+ b) (x already quantized where the product is int8), and where
+// `residual` is given y += residual there.
 void tiles(const Kernels& k, const Pass& p, const Weight& wt, const float* x, float* y, int64_t R, int64_t K,
-           int64_t N, int tid, int64_t t0, int64_t t1, const float* residual) {
+           int64_t N, int tid, int64_t a0, int64_t a1, int64_t c0, int64_t c1, const float* residual) {
   if (wt.q != nullptr) {
     float* sx = p.xscale + tid * 2 * p.R;
     const starjar_int8::Job job{p.xq + tid * p.R * p.kq, sx, sx + R, wt.q, wt.meta, wt.meta + N, wt.b, y, wt.kp, N};
-    starjar_int8::int8_range(job, R, t0, t1, k.vnni, k.int8_stream);
+    if (a0 < a1) starjar_int8::int8_range(job, R, a0, a1, k.vnni, k.int8_stream);
+    if (c0 < c1) starjar_int8::int8_range(job, R, c0, c1, k.vnni, k.int8_stream);
   } else {
-    starjar_tiles::tiles_range(k.tiles, x, wt.w, wt.b, y, R, K, N, t0, t1);
+    starjar_tiles::tiles_two(k.tiles, x, wt.w, wt.b, y, R, K, N, a0, a1, c0, c1);
   }
   if (residual == nullptr) return;
-  const int64_t n0 = t0 * NB, n1 = std::min<int64_t>(t1 * NB, N);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t i = n0; i < n1; ++i) y[r * N + i] = residual[r * N + i] + y[r * N + i];
+  for (const auto [t0, t1] : {std::pair{a0, a1}, std::pair{c0, c1}}) {
+    const int64_t n0 = t0 * NB, n1 = std::min<int64_t>(t1 * NB, N);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = n0; i < n1; ++i) y[r * N + i] = residual[r * N + i] + y[r * N + i];
+  }
 }
 
 // Product j of layer l: its tiles shared between the threads (Share).
 void product(const Kernels& k, const Pass& p, int64_t l, int j, const Weight& wt, const float* x, float* y, int64_t R,
              int64_t K, int64_t N, int tid, int n, const float* residual) {
   quantize_rows(k, p, wt, x, R, K, tid);
-  take_tiles(p.shares + (l * 4 + j) * n, tid, n, [&](int64_t t0, int64_t t1) {
-    tiles(k, p, wt, x, y, R, K, N, tid, t0, t1, residual);
+  const bool twin = wt.q == nullptr && starjar_tiles::twin_of(k.tiles, R);
+  take_tiles(p.shares + (l * 4 + j) * 2 * n, tid, n, twin, [&](int64_t a0, int64_t a1, int64_t c0, int64_t c1) {
+    tiles(k, p, wt, x, y, R, K, N, tid, a0, a1, c0, c1, residual);
   });
 }
 
@@ -394,7 +398,8 @@ void gated(const Kernels& k, const Pass& p, const Layer& L, int tid, int n) {
 }
 
 // The gate-up product and SiLU without a barrier between: where the gate's outputs fill whole tiles, a thread
-// takes the same tiles of the gate and of the up half, then gates those elements itself.
+// takes the same tiles of the gate and of the up half (two runs of weight rows, walked at once where the row count
+// twins), then gates those elements itself.
 void gate_up(const Kernels& k, const Pass& p, int64_t l, const Layer& L, const float* h, int tid, int n) {
   const int64_t N = 2 * L.inner, half = L.inner / NB;
   if (L.inner % NB != 0) {
@@ -404,9 +409,8 @@ void gate_up(const Kernels& k, const Pass& p, int64_t l, const Layer& L, const f
     return;
   }
   quantize_rows(k, p, L.wt[2], h, p.R, p.H, tid);
-  take_tiles(p.shares + (l * 4 + 2) * n, tid, n, [&](int64_t t0, int64_t t1) {
-    tiles(k, p, L.wt[2], h, p.gu, p.R, p.H, N, tid, t0, t1, nullptr);
-    tiles(k, p, L.wt[2], h, p.gu, p.R, p.H, N, tid, half + t0, half + t1, nullptr);
+  take_tiles(p.shares + (l * 4 + 2) * 2 * n, tid, n, false, [&](int64_t t0, int64_t t1, int64_t, int64_t) {
+    tiles(k, p, L.wt[2], h, p.gu, p.R, p.H, N, tid, t0, t1, half + t0, half + t1, nullptr);
     const int64_t e0 = t0 * NB, len = (t1 - t0) * NB;
     for (int64_t r = 0; r < p.R; ++r) {
       const float* g = p.gu + r * N + e0;
@@ -587,7 +591,7 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
   at::Tensor bufs[2] = {at::empty_like(x), at::empty_like(x)};
   const Kernels k = kernels_of(which);
   const int64_t layers = static_cast<int64_t>(lw.size());
-  const std::unique_ptr<Share[]> shares(new Share[std::max<int64_t>(1, layers * 4 * nt)]);
+  const std::unique_ptr<Share[]> shares(new Share[std::max<int64_t>(1, layers * 4 * nt * 2)]);
   p.shares = shares.get();
 #pragma omp parallel num_threads(nt)
   {
@@ -601,7 +605,7 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
         for (int t = 0; t < n; ++t) {
           int64_t lo, hi;
           split(tiles_of[j], t, n, &lo, &hi);
-          p.shares[(i * 4 + j) * n + t].span.store(pack(lo, hi), std::memory_order_relaxed);
+          starjar_tiles::share_out(p.shares + ((i * 4 + j) * n + t) * 2, lo, hi);
         }
       }
     }  // the single's barrier: every share set before any is taken
@@ -624,10 +628,11 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
 int64_t lean_pass_isa() { return starjar_tiles::best_isa(); }
 
 // As few_rows_stream: bit RB - 1 of mask streams AVX-512's float weight rows one at a time for RB input rows,
-// bit 6 + RB - 1 VNNI's int8 ones.
+// bit 6 + RB - 1 VNNI's int8 ones, bit 18 + RB - 1 two runs of float rows at once.
 int64_t lean_pass_stream(int64_t mask) {
   TORCH_CHECK(mask >= 0 && mask < (1 << starjar_tiles::MASK_BITS),
-              "lean_pass: a stream mask has bits for 1..6 rows, float then int8, then 7..12 float rows wide (", mask, ")");
+              "lean_pass: a stream mask has bits for 1..6 rows, float then int8, then 7..12 float rows wide, then 1..6 "
+              "float rows twinned (", mask, ")");
   stream_mask.store(mask);
   return mask;
 }
