@@ -68,7 +68,9 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _decode_once(target, prompt: list[int], tokens: int) -> float:
+def decode_once(target, prompt: list[int], tokens: int) -> float:
+    """Tokens per second of one run of the target alone at batch 1 decoding `tokens` after `prompt`, its prefill
+    not counted."""
     engine = colocated_engine(target, None, 0, 1)
     t0 = time.perf_counter()
     engine.generate([prompt], SamplingParams(max_tokens=tokens, ignore_eos=True))
@@ -80,7 +82,7 @@ def decode_rate(target, prompt: list[int], tokens: int | None = None) -> float:
     counted: the median of DECODE_REPEATS runs."""
     tokens = tokens or DECODE_TOKENS
     colocated_engine(target, None, 0, 1).generate([prompt], SamplingParams(max_tokens=4))  # warm-up
-    return statistics.median(_decode_once(target, prompt, tokens) for _ in range(DECODE_REPEATS))
+    return statistics.median(decode_once(target, prompt, tokens) for _ in range(DECODE_REPEATS))
 
 
 def memory_floor(target, prompt: list[int]) -> dict:
@@ -93,7 +95,7 @@ def memory_floor(target, prompt: list[int]) -> dict:
     for _ in range(DECODE_REPEATS):
         bandwidth = read_bandwidth(x)
         before = sustained_bandwidth(x)
-        rate = _decode_once(target, prompt, DECODE_TOKENS)
+        rate = decode_once(target, prompt, DECODE_TOKENS)
         runs.append((bandwidth, (before + sustained_bandwidth(x)) / 2, rate))
     bandwidth = statistics.median(b for b, _, _ in runs)
     sustained = statistics.median(s for _, s, _ in runs)

@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1 (got {args.rounds})")
-    from benchmarks.memory_floor import _decode_once, sustained_bandwidth, weight_bytes
+    from benchmarks.memory_floor import decode_once, sustained_bandwidth, weight_bytes
     from benchmarks.meta import result_meta
     from controller.colocated import colocated_engine
     from starjar.cpu import few_rows
@@ -62,7 +62,7 @@ def main() -> None:
             rates = {}
             for name in order:
                 few_rows.set_stream(ways[name])
-                rates[name] = _decode_once(target, prompt, TOKENS)
+                rates[name] = decode_once(target, prompt, TOKENS)
             sustained = (before + sustained_bandwidth(probe, ROUND_SUM_S)) / 2
             rounds.append({"sustained_read_gb_per_s": round(sustained / 1e9, 2),
                            **{f"{n}_tokens_per_s": round(r, 2) for n, r in rates.items()},
