@@ -145,6 +145,8 @@ class RaggedKVCache(Cache):
         starjar.model.tree_attention): its tokens are positioned by depth and see only their ancestors.
         """
         B, Q = len(slots), max(new_counts)
+        if B == 1 and Q == 1 and not self.max_cells and not any(t is not None for t in trees or ()):
+            return self._begin_one(slots[0])
         starts = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long)
         pos = starts[:, None] + torch.arange(Q)[None, :]  # [B, Q]
         self._kv_len = int(pos.max()) + 1
@@ -174,6 +176,22 @@ class RaggedKVCache(Cache):
         for s, n in zip(slots, new_counts, strict=True):
             self.lengths[s] += n
         return pos_ids.to(self.device), mask.to(self.device)
+
+    def _begin_one(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """begin() for one token on one slot: what the general path gives (every key up to it visible), in two
+        small tensors. A batch-1 step runs this between passes that stream the weights past every cache, where
+        each further op cost about 0.05-0.09 ms (2-core AMD EPYC, Zen 4) against 0.01 warm."""
+        start = self.lengths[slot]
+        self._kv_len = start + 1
+        if self._kv_len > self._len_cap:
+            self._grow(length=_room_for(self._kv_len, self._len_cap))
+        pos = torch.tensor([[start]], dtype=torch.long, device=self.device)
+        self._rows = slice(slot, slot + 1)
+        self._write_pos = pos
+        self._write_span = slice(start, start + 1)
+        self._tree_pass = False
+        self.lengths[slot] += 1
+        return pos, torch.zeros(1, 1, 1, self._kv_len, dtype=self.dtype, device=self.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states: [B, H, Q, D] for the slots given to begin().

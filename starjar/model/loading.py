@@ -111,6 +111,9 @@ class LoadedModel:
         # The tap keeps states per sequence position for TIDE; a tree pass's rows are beams, not positions.
         if self.hidden_tap is not None and not any(t is not None for t in trees or ()):
             self.hidden_tap(cache, slots, [len(t) for t in tokens], hidden)
+        if len(logit_rows) == 1 and len(logit_rows[0]) == 1:  # a step's one row: a view, not a gather
+            r = logit_rows[0][0] % hidden.shape[1]
+            return [self.head_logits(hidden[0, r:r + 1])]
         b_idx = [b for b, rows in enumerate(logit_rows) for _ in rows]
         r_idx = [r for rows in logit_rows for r in rows]
         logits = self.head_logits(hidden[b_idx, r_idx])  # [sum rows, V]
@@ -122,9 +125,12 @@ class LoadedModel:
         """The pass of forward() without the output layer: last hidden states [B, max len, hidden]."""
         counts = [len(t) for t in tokens]
         assert min(counts) > 0
-        ids = torch.zeros(len(tokens), max(counts), dtype=torch.long)
-        for b, t in enumerate(tokens):
-            ids[b, : len(t)] = torch.tensor(t, dtype=torch.long)
+        if min(counts) == max(counts):  # one op where no row is padded (each op between passes runs cold)
+            ids = torch.tensor(tokens, dtype=torch.long)
+        else:
+            ids = torch.zeros(len(tokens), max(counts), dtype=torch.long)
+            for b, t in enumerate(tokens):
+                ids[b, : len(t)] = torch.tensor(t, dtype=torch.long)
         position_ids, mask = cache.begin(slots, counts, trees)
         if self.lean is not None:
             return self.lean.hidden(ids.to(self.device), position_ids, mask, cache, counts)
