@@ -155,3 +155,22 @@ def test_reserve_makes_room_before_a_prompt_goes_in_over_several_passes(models):
     budgeted.max_cells = 4 * 512  # 4 slots x 1024 would pass the budget: left to grow pass by pass
     budgeted.reserve(900)
     assert budgeted._len_cap == 256
+
+
+def test_a_one_token_step_begins_as_the_general_pass_does():
+    """begin() for one token on one slot (its short path) gives the general path's positions, mask and write
+    state: the general path, which a budget forces, on a twin cache holding the same lengths, growth included."""
+    from starjar.model.kv_cache import RaggedKVCache
+
+    short, general = RaggedKVCache("cpu", torch.float32, initial_capacity=8), \
+        RaggedKVCache("cpu", torch.float32, initial_capacity=8, max_cells=1 << 20)
+    for cache in (short, general):
+        for _ in range(3):
+            cache.allocate()
+        cache.begin([0, 1, 2], [5, 7, 2])
+    for slot in (1, 0, 1, 1, 2):  # slot 1 passes the 8 positions the caches started with
+        got, want = short.begin([slot], [1]), general.begin([slot], [1])
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        for name in ("_kv_len", "_rows", "_write_span", "_tree_pass", "_len_cap", "lengths"):
+            assert getattr(short, name) == getattr(general, name), name
+        assert torch.equal(short._write_pos, general._write_pos)
