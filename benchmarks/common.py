@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 from pathlib import Path
 
@@ -81,3 +83,23 @@ def save_plot(path: Path, title: str, series: dict[str, tuple[list, list]], xlab
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return str(path)
+
+
+def rounds_args(doc: str, default: int, what: str) -> argparse.Namespace:
+    """A probe's command line: --rounds (at least 1; each `what`) and --out, the result JSON."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=default, help=f"rounds, each {what} (default {default})")
+    ap.add_argument("--out", required=True, help="result JSON (benchmarks/results/<machine kind>/...)")
+    args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1 (got {args.rounds})")
+    args.error = ap.error
+    return args
+
+
+def write_result(path: str, result: dict, summary: str) -> None:
+    """A probe's result JSON written to path, its one-line summary and where it went printed."""
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(summary)
+    print(f"wrote {path}")

@@ -12,12 +12,12 @@ alone:
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
 import torch
+
+from benchmarks.common import rounds_args, write_result
 
 STEPS = 64
 PROMPT = "Explain why the sky looks blue at noon and red at sunset."
@@ -50,12 +50,7 @@ def cold_op_ms(probe: torch.Tensor, repeats: int = 30) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=6, help=f"rounds of {STEPS} steps (default 6)")
-    ap.add_argument("--out", required=True, help="result JSON (benchmarks/results/<machine kind>/...)")
-    args = ap.parse_args()
-    if args.rounds < 1:
-        ap.error(f"--rounds must be at least 1 (got {args.rounds})")
+    args = rounds_args(__doc__, 6, f"{STEPS} one-token steps")
     from benchmarks.memory_floor import sustained_bandwidth
     from benchmarks.meta import result_meta
     from starjar.model import lean_pass
@@ -65,7 +60,7 @@ def main() -> None:
     started = time.perf_counter()
     target = load_model(str(models_home() / TARGET_NAME))
     if target.lean_target is None or not lean_pass.available():
-        ap.error("the lean pass does not run for this target here: there is no pass to time around")
+        args.error("the lean pass does not run for this target here: there is no pass to time around")
     spent = {"lean_pass": 0.0, "head": 0.0}
     lean_pass.run = _timed(lean_pass.run, spent, "lean_pass")
     head = target.model.get_output_embeddings()
@@ -97,12 +92,9 @@ def main() -> None:
                  for k in ("step_ms", "lean_pass_ms", "head_ms", "glue_ms")},
               "small_op": cold_op_ms(probe), "rounds": rounds,
               "meta": result_meta(benchmark="step_glue", wall_s=round(time.perf_counter() - started, 1))}
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"a step {result['step_ms']} ms: lean pass {result['lean_pass_ms']}, output layer {result['head_ms']}, "
-          f"glue {result['glue_ms']}; a small op {result['small_op']['warm_ms']} ms warm, "
-          f"{result['small_op']['cold_ms']} ms after a 512 MiB reduction")
-    print(f"wrote {args.out}")
+    write_result(args.out, result, f"a step {result['step_ms']} ms: lean pass {result['lean_pass_ms']}, output layer "
+                 f"{result['head_ms']}, glue {result['glue_ms']}; a small op {result['small_op']['warm_ms']} ms warm, "
+                 f"{result['small_op']['cold_ms']} ms after a 512 MiB reduction")
 
 
 if __name__ == "__main__":

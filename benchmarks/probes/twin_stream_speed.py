@@ -11,12 +11,12 @@ beside them, and the ratio is taken per round. Greedy outputs must be the same b
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
 import torch
+
+from benchmarks.common import rounds_args, write_result
 
 ROUND_SUM_S = 0.5  # seconds of reductions before and after each round
 TOKENS = 64
@@ -24,12 +24,7 @@ PROMPT = "Describe how a bicycle's gears let a rider climb a steep hill without 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=12, help="rounds, each running both ways in turn (default 12)")
-    ap.add_argument("--out", required=True, help="result JSON (benchmarks/results/<machine kind>/...)")
-    args = ap.parse_args()
-    if args.rounds < 1:
-        ap.error(f"--rounds must be at least 1 (got {args.rounds})")
+    args = rounds_args(__doc__, 12, "running both ways in turn")
     from benchmarks.memory_floor import decode_once, sustained_bandwidth, weight_bytes
     from benchmarks.meta import result_meta
     from controller.colocated import colocated_engine
@@ -41,7 +36,7 @@ def main() -> None:
     started = time.perf_counter()
     target = load_model(str(models_home() / TARGET_NAME))
     if not few_rows.available() or torch.ops.starjar.few_rows_isa() < few_rows.ISAS["avx512"]:
-        ap.error("this CPU runs no AVX-512 product: there is nothing to twin")
+        args.error("this CPU runs no AVX-512 product: there is nothing to twin")
     settled = few_rows.stream_mask()
     one = settled & ~(few_rows.FLOAT_STREAMED << few_rows.TWIN_SHIFT) | 1  # one row streamed, one run a thread
     ways = {"one_run": one, "two_runs": one | 1 << few_rows.TWIN_SHIFT}
@@ -81,12 +76,9 @@ def main() -> None:
         "settled_mask": settled, "rounds": rounds,
         "meta": result_meta(benchmark="twin_stream_speed", wall_s=round(time.perf_counter() - started, 1)),
     }
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"two runs over one: {ratio:.3f}x (median of {len(rounds)} rounds); "
-          f"of the sustained read rate: one {result['one_run_of_sustained']:.3f}, "
-          f"two {result['two_runs_of_sustained']:.3f}; outputs identical: {result['outputs_identical']}")
-    print(f"wrote {args.out}")
+    write_result(args.out, result, f"two runs over one: {ratio:.3f}x (median of {len(rounds)} rounds); "
+                 f"of the sustained read rate: one {result['one_run_of_sustained']:.3f}, "
+                 f"two {result['two_runs_of_sustained']:.3f}; outputs identical: {result['outputs_identical']}")
 
 
 if __name__ == "__main__":
