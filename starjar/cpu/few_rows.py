@@ -128,6 +128,7 @@ def settle_stream(weights: list[torch.Tensor]) -> int:
     def width(w):
         return int(w.shape[1])
 
+    set_stream(stream_mask() & ~(FLOAT_STREAMED << TWIN_SHIFT))  # streamed rows timed one run a thread, then twinned
     _settle(0, "fp32-stream", shapes, weights, run, width)
     _settle(WIDE_SHIFT, "fp32-wide", shapes, weights, run, width, WIDE_ROWS)
     streamed = stream_mask() & FLOAT_STREAMED

@@ -111,8 +111,8 @@ class LoadedModel:
         # The tap keeps states per sequence position for TIDE; a tree pass's rows are beams, not positions.
         if self.hidden_tap is not None and not any(t is not None for t in trees or ()):
             self.hidden_tap(cache, slots, [len(t) for t in tokens], hidden)
-        if len(logit_rows) == 1 and len(logit_rows[0]) == 1:  # a step's one row: a view, not a gather
-            r = logit_rows[0][0] % hidden.shape[1]
+        if len(logit_rows) == 1 and len(logit_rows[0]) == 1 and 0 <= logit_rows[0][0] < hidden.shape[1]:
+            r = logit_rows[0][0]  # a step's one row: a view, not a gather
             return [self.head_logits(hidden[0, r:r + 1])]
         b_idx = [b for b, rows in enumerate(logit_rows) for _ in rows]
         r_idx = [r for rows in logit_rows for r in rows]

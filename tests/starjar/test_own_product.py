@@ -88,7 +88,7 @@ def test_streamed_and_interleaved_weight_rows_give_the_same_bits(monkeypatch, ma
     """AVX-512's weight rows streamed one at a time for the row counts a mask names (two runs a thread at once
     where it names them twinned too), interleaved for the rest, and the wide tiles for the counts over 6 it names:
     every row's values equal the all-interleaved product's, so a row alone (1 row streamed) equals it batched. 301
-    outputs end on a tile of one weight row, and each thread's share splits into halves of unequal length."""
+    outputs end on a tile of one weight row, so a thread's second half of its share is a row short of its first."""
     monkeypatch.setenv(few_rows.ISA_ENV, "avx512")
     before = few_rows.stream_mask()
     torch.manual_seed(4)

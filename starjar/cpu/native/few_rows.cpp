@@ -36,7 +36,8 @@ using starjar_tiles::NB;
 // The kernel in use: 0 the best this CPU has, else forced (few_rows_use; tests force each).
 std::atomic<int64_t> forced_isa{0};
 // Which AVX-512 row counts stream their weight rows one at a time (few_rows_stream sets it): bits 0-5 the
-// float product's (tiles.h's isa_of), bits 6-11 the int8 product's (int8_tiles.h's int8_range).
+// float product's (tiles.h's isa_of), bits 6-11 the int8 product's (int8_tiles.h's int8_range), bits 12-17 the
+// float row counts 7..12 that take the wide tiles, bits 18-23 the streamed float row counts that twin.
 std::atomic<int64_t> stream_mask{0};
 constexpr int64_t INT8_SHIFT = starjar_tiles::INT8_STREAM_SHIFT;
 

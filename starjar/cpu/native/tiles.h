@@ -151,8 +151,9 @@ __attribute__((target("avx512f"))) void row512(const float* x, const float* w, c
 
 // Two weight rows, n0 and n1, against all RB input rows of a call (2 RB sums in registers), the tile's order for each
 // output, so the values are those of the other tiles; m = 1 keeps only n0's sums. Each step asks for both rows' weights
-// AHEAD floats on into L2. Over 7..12 rows it pairs neighbouring rows (wide512). A call over 7-8 rows otherwise runs a 6-row pass and a short
-// one over each tile, and its sums do not overlap the weight stream: on a 2-core AMD EPYC (Zen 4), one thread, a
+// AHEAD floats on into L2. Over 7..12 rows it pairs neighbouring rows (wide512). A call over 7-8 rows otherwise
+// runs a 6-row pass and a short one over each tile, and its sums do not overlap the weight stream: on a 2-core AMD
+// EPYC (Zen 4), one thread, a
 // 226 MB weight's product took 14-17 ms over 8 rows that way against 12.6-12.9 in one pass like this (7 rows:
 // 14.3-15.0 against 10.8-10.9), while over 12 rows the two 6-row passes were faster (16.3-16.7 against 18.9-19.9).
 // Which row counts take it is measured per machine (starjar.cpu.few_rows.settle_stream).
@@ -252,8 +253,9 @@ struct Isa {
 };
 
 // stream_mask: bit RB - 1 set streams AVX-512's weight rows one at a time for a call over RB input rows (the
-// values are the same either way); bit WIDE_SHIFT + RB - 7 takes the wide tiles for a call over RB (7..12) rows. A call over more rows than a pass takes keeps the interleaved tile: its
-// sums, not the stream, bound it, and the tile loads an input row once for 4 weight rows (on a 2-core AMD EPYC,
+// values are the same either way); bit WIDE_SHIFT + RB - 7 takes the wide tiles for a call over RB (7..12) rows;
+// bit TWIN_SHIFT + RB - 1, where RB streams, walks two runs of weight rows a thread at once (twin512). A call over
+// more rows than a pass takes keeps the interleaved tile: its sums, not the stream, bound it, and the tile loads an input row once for 4 weight rows (on a 2-core AMD EPYC,
 // Zen 4, one thread, a 24-token prefill took 123-132 ms streamed against 68-81).
 inline Isa isa_of(int64_t which, int64_t stream_mask = 0) {
   if (which == 2) {
@@ -304,11 +306,16 @@ inline void tiles_range(const Isa& kernels, const float* x, const float* w, cons
   }
 }
 
+// Whether a call over R rows walks two runs of weight rows at once (a thread takes from both halves of its share).
+inline bool twin_of(const Isa& kernels, int64_t R) {
+  return R >= 1 && R <= kernels.max && kernels.twin[R - 1] != nullptr;
+}
+
 // Tiles [a0, a1) and [c0, c1) of y = x W^T (+ b): in one walk where the call's row count walks two runs of weight
 // rows at once (twin512), else one range after the other.
 inline void tiles_two(const Isa& kernels, const float* x, const float* w, const float* b, float* y, int64_t R,
                       int64_t K, int64_t N, int64_t a0, int64_t a1, int64_t c0, int64_t c1) {
-  if (R <= kernels.max && kernels.twin[R - 1] != nullptr && a0 < a1 && c0 < c1) {
+  if (twin_of(kernels, R) && a0 < a1 && c0 < c1) {
     kernels.twin[R - 1](x, w, b, y, K, N, a0 * NB, std::min(a1 * NB, N), c0 * NB, std::min(c1 * NB, N));
     return;
   }
@@ -316,13 +323,10 @@ inline void tiles_two(const Isa& kernels, const float* x, const float* w, const 
   if (c0 < c1) tiles_range(kernels, x, w, b, y, R, K, N, c0, c1);
 }
 
-// Whether a call over R rows walks two runs of weight rows at once (a thread takes from both halves of its share).
-inline bool twin_of(const Isa& kernels, int64_t R) { return R <= kernels.max && kernels.twin[R - 1] != nullptr; }
-
 // Half of a thread's share of one product's tiles, [lo, hi) packed in one word (lo in the low half): its owner takes
 // tiles from the front, a thread done with its own share takes them from the back. Which thread sums a tile does
-// not change its values. On a 2-core AMD EPYC (Zen 4), 2 threads, against each thread held to its half (every
-// variant in turn in one process): a default-target pass over 4 rows ran 9% faster, over 8 rows 9%, over 16 rows
+// not change its values. On a 2-core AMD EPYC (Zen 4), 2 threads, against each thread held to its own share, no
+// taking from the other (every variant in turn in one process): a default-target pass over 4 rows ran 9% faster, over 8 rows 9%, over 16 rows
 // 5%; one row, which the shared memory bandwidth bounds, the same within 1%. An owner taking 4 tiles at a time
 // instead of 16 made one row 2.5% slower (its stream broken up, the gate and up halves alternating).
 struct alignas(64) Share {
