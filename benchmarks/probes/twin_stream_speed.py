@@ -38,7 +38,7 @@ def main() -> None:
     if not few_rows.available() or torch.ops.starjar.few_rows_isa() < few_rows.ISAS["avx512"]:
         args.error("this CPU runs no AVX-512 product: there is nothing to twin")
     settled = few_rows.stream_mask()
-    one = settled & ~(few_rows.FLOAT_STREAMED << few_rows.TWIN_SHIFT) | 1  # one row streamed, one run a thread
+    one = settled & ~few_rows.TWINNED | 1  # one row streamed, one run a thread
     ways = {"one_run": one, "two_runs": one | 1 << few_rows.TWIN_SHIFT}
     prompt = target.tokenizer(PROMPT)["input_ids"]
     per_token = weight_bytes(target.model)

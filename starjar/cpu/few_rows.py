@@ -50,6 +50,7 @@ WIDE_SHIFT = 2 * STREAM_ROWS  # bit WIDE_SHIFT + r - 7 takes the wide float tile
 WIDE_ROWS = range(STREAM_ROWS + 1, 2 * STREAM_ROWS + 1)
 TWIN_SHIFT = 3 * STREAM_ROWS  # bit TWIN_SHIFT + r - 1 walks two runs of weight rows at once for r streamed rows
 ALL_STREAMED = (1 << 4 * STREAM_ROWS) - 1
+TWINNED = FLOAT_STREAMED << TWIN_SHIFT  # every row count's twin bit
 # Two runs against one differ by a few percent at most, and single turns by up to 12% in a slow spell of a shared
 # machine (2-core AMD EPYC, Zen 4): more turns than the other choices take.
 TWIN_REPS = 7
@@ -128,7 +129,7 @@ def settle_stream(weights: list[torch.Tensor]) -> int:
     def width(w):
         return int(w.shape[1])
 
-    set_stream(stream_mask() & ~(FLOAT_STREAMED << TWIN_SHIFT))  # streamed rows timed one run a thread, then twinned
+    set_stream(stream_mask() & ~TWINNED)  # streamed rows timed one run a thread, then twinned
     _settle(0, "fp32-stream", shapes, weights, run, width)
     _settle(WIDE_SHIFT, "fp32-wide", shapes, weights, run, width, WIDE_ROWS)
     streamed = stream_mask() & FLOAT_STREAMED

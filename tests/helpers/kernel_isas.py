@@ -24,8 +24,7 @@ def isa(request, monkeypatch):
     name = request.param.removesuffix(STREAMED).removesuffix(TWINNED)
     before = few_rows.stream_mask()
     monkeypatch.setenv(few_rows.ISA_ENV, name)
-    twin_bits = few_rows.FLOAT_STREAMED << few_rows.TWIN_SHIFT
-    few_rows.set_stream({STREAMED: few_rows.ALL_STREAMED & ~twin_bits, TWINNED: few_rows.ALL_STREAMED}.get(
+    few_rows.set_stream({STREAMED: few_rows.ALL_STREAMED & ~few_rows.TWINNED, TWINNED: few_rows.ALL_STREAMED}.get(
         request.param.removeprefix(name), 0))
     yield name
     monkeypatch.delenv(few_rows.ISA_ENV)

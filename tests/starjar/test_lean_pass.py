@@ -78,8 +78,7 @@ def test_every_pass_is_hf_within_rounding_on_each_kernel(model_dirs, prompt_ids,
     if few_rows.ISAS[name] > torch.ops.starjar.lean_pass_isa():
         pytest.skip(f"this CPU lacks {name}")
     monkeypatch.setenv(few_rows.ISA_ENV, name)
-    twin_bits = few_rows.FLOAT_STREAMED << few_rows.TWIN_SHIFT
-    mask = {"streamed": few_rows.ALL_STREAMED & ~twin_bits, "twinned": few_rows.ALL_STREAMED}.get(way, 0)
+    mask = {"streamed": few_rows.ALL_STREAMED & ~few_rows.TWINNED, "twinned": few_rows.ALL_STREAMED}.get(way, 0)
     monkeypatch.setenv(few_rows.STREAM_ENV, str(mask))
     model = load_model(model_dirs[family])
     calls = _spy(monkeypatch)
@@ -174,10 +173,9 @@ def test_weight_rows_interleaved_streamed_or_twinned_give_the_same_bits(model_di
     monkeypatch.setenv(lean_target.ENV, "1")
     monkeypatch.setenv(lean_pass.ENV, "1")
     model = load_model(model_dirs["llama"])
-    twin_bits = few_rows.FLOAT_STREAMED << few_rows.TWIN_SHIFT
     ways, before = [], few_rows.stream_mask()
     try:
-        for mask in (0, few_rows.ALL_STREAMED & ~twin_bits, few_rows.ALL_STREAMED):
+        for mask in (0, few_rows.ALL_STREAMED & ~few_rows.TWINNED, few_rows.ALL_STREAMED):
             few_rows.set_stream(mask)
             ways.append(_passes(model, prompt_ids))
         threads = torch.get_num_threads()
