@@ -231,6 +231,11 @@ class RaggedKVCache(Cache):
             self._values.append(torch.zeros((self._slot_cap, heads, self._len_cap, value_dim), dtype=self.dtype,
                                             device=self.device))
 
+    @property
+    def tree_pass(self) -> bool:
+        """Whether the pass begin() prepared has token-tree rows: only its mask says which keys a token sees."""
+        return self._tree_pass
+
     def pass_views(self, layers: int, trees: bool = False) -> PassViews | None:
         """For the pass begin() prepared, unless it is a tree pass (trees: unless the caller attends with the
         pass's mask, which holds the tree) or one of `layers` layers has no buffers yet:

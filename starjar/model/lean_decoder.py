@@ -132,9 +132,9 @@ class LeanDecoder(torch.nn.Module):
         views = None
         if self.scriptable and lean_step.enabled() and (b == 1 and q == 1 or self.rows_fused
                                                          or kernels.int_mm_uses_onednn()):
-            views = cache.pass_views(len(self.plan))
+            views = cache.pass_views(len(self.plan), trees=True)  # a tree pass attends with its mask below
         if views is not None:
-            x = self._scripted_layers(x, cos, sin, mask, *views, real=real, padded=(b, q))
+            x = self._scripted_layers(x, cos, sin, mask, *views, real=real, padded=(b, q), tree=cache.tree_pass)
         else:
             x = self._eager_layers(x, cos, sin, mask, cache, real, b, q)
         x = rms_norm(x, self.final_norm, self.eps)
@@ -171,15 +171,17 @@ class LeanDecoder(torch.nn.Module):
         return x
 
     def _scripted_layers(self, x, cos, sin, mask, keys, values, rows, write, start: int, kv_len: int,
-                         real: torch.Tensor | None, padded: tuple[int, int]) -> torch.Tensor:
+                         real: torch.Tensor | None, padded: tuple[int, int], tree: bool = False) -> torch.Tensor:
         """A pass through every layer as starjar.model.lean_step's scripted layer: the one-row one-token step, or the
         multi-row layer (several rows, or a catch-up's several tokens). real: a ragged pass's real tokens (x, cos
-        and sin hold only those), or None; padded: the pass's (B, Q)."""
+        and sin hold only those), or None; padded: the pass's (B, Q); tree: the pass has token-tree rows, whose
+        tokens see only the keys the mask leaves them (a one-token tree pass too: a fanout branch's), so every
+        layer attends with it."""
         b, q = padded
         d, eps = self.head_dim, self.eps
         if rows is None and self.native.takes(x, keys, self._probe):
-            return self.native.run(x, cos, sin, mask, keys, values, write, start, kv_len, real, padded)
-        if b == 1 and q == 1 and rows is None and write is None:
+            return self.native.run(x, cos, sin, mask, keys, values, write, start, kv_len, real, padded, tree=tree)
+        if b == 1 and q == 1 and rows is None and write is None and not tree:
             layer = lean_step.layer_fn()
             for (w_in, qkv, _, nq, nk, o_proj, w_post, gate_up, _, down), k, v in zip(self.plan, keys, values,
                                                                                          strict=True):

@@ -103,18 +103,21 @@ class NativeDraftPass:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
             keys: list[torch.Tensor], values: list[torch.Tensor], write: torch.Tensor | None, start: int,
-            kv_len: int, real: torch.Tensor | None = None, padded: tuple[int, int] | None = None) -> torch.Tensor:
+            kv_len: int, real: torch.Tensor | None = None, padded: tuple[int, int] | None = None,
+            tree: bool = False) -> torch.Tensor:
         """mask: the pass's [B, 1, Q, K], folded here as the scripted layers fold it (a one-token step needs
-        none); keys, values, write, start and kv_len: the cache's pass views for rows on consecutive slots; real
-        and padded: a padded pass's real tokens (x, cos and sin hold those alone) and its (B, Q)."""
+        none, unless it is a token tree's: tree); keys, values, write, start and kv_len: the cache's pass views for
+        rows on consecutive slots; real and padded: a padded pass's real tokens (x, cos and sin hold those alone)
+        and its (B, Q)."""
         b, q = padded if real is not None else x.shape[:2]
+        masked = tree or b * q > 1
         if real is None and self._takes_whole(b, q):
             half = self.d // 2
             sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-            return lean_pass.run(x, cos, sin_signed, None if b * q == 1 else mask, self.norms, self.biases, keys,
+            return lean_pass.run(x, cos, sin_signed, mask if masked else None, self.norms, self.biases, keys,
                                  values, start, kv_len, self.nq, self.nk, self.d, self.eps, self.scaling, write,
                                  self._own_weights())
-        folded = None if b * q == 1 else mask if q == 1 else fold_mask(mask, self.nq[0] // self.nk[0])
+        folded = None if not masked else mask if q == 1 else fold_mask(mask, self.nq[0] // self.nk[0])
         own = self._own_weights() if self._takes_own(b, q) else None
         return native_pass.run_draft(x, cos, sin, folded, self.norms, self.packs, self.biases, self.reduce_range,
                                      keys, values, start, self.nq, self.nk, self.d, self.eps, kv_len, write, real,

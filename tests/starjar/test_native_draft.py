@@ -6,8 +6,8 @@ import torch
 from int8_drafts import int8_draft_dir, with_random_biases
 
 from controller.colocated import colocated_engine
-from starjar.cpu import kernels
-from starjar.model import native_draft, native_pass
+from starjar.cpu import few_rows, kernels
+from starjar.model import lean_pass, native_draft, native_pass
 from starjar.model.loading import load_model
 from starjar.spec.sampling import SamplingParams
 
@@ -147,3 +147,54 @@ def test_the_choice_is_measured_once_per_machine_and_cached(tmp_path, model_dirs
     entry = next(e for name, e in kernels.cached_entries().items() if native_draft.KIND in name)
     assert set(entry["ms"]) == set(native_draft.PROBES) and entry["native"] == draft.lean.native.chosen
     assert all(set(ms) == {"scripted", "native"} for ms in entry["ms"].values())
+
+
+def _tree_and_steps(draft, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of tree passes past a chain they must not see (a fanout branch's token off the prompt's last one, then
+    its child; then two siblings off that root in one pass, as a beam's), and of the same passes where no chain
+    was: the branch's tokens fed one at a time after the prompt, the siblings' tree pass right after it."""
+    def prefilled():
+        cache = draft.new_cache()
+        slot = cache.allocate()
+        draft.forward(cache, [slot], [prompt], [[len(prompt) - 1]])
+        return cache, slot
+
+    cache, slot = prefilled()
+    draft.forward(cache, [slot], [[7, 8, 9]], [[2]])  # the chain, hidden from every tree token
+    root = len(prompt) - 1  # the region's first token: the prompt's last; cached 4 (the root and the chain)
+    tree = draft.forward(cache, [slot], [[5]], [[0]], trees=[(4, [-1, 0, 0, 0, 0])])
+    tree += draft.forward(cache, [slot], [[6]], [[0]], trees=[(5, [-1, 0, 0, 0, 0, 4])])
+    cache.truncate(slot, root + 4)
+    tree += draft.forward(cache, [slot], [[5, 11]], [[0, 1]], trees=[(4, [-1, 0, 0, 0, 0, 0])])
+    cache, slot = prefilled()
+    alone = draft.forward(cache, [slot], [[5]], [[0]]) + draft.forward(cache, [slot], [[6]], [[0]])
+    cache, slot = prefilled()
+    alone += draft.forward(cache, [slot], [[5, 11]], [[0, 1]], trees=[(1, [-1, 0, 0])])
+    return torch.cat(tree), torch.cat(alone)
+
+
+@pytest.mark.parametrize("way", ["scripted", "native", "whole"])
+def test_tree_passes_see_only_their_mask_on_every_path(tmp_path, model_dirs, prompt_ids, monkeypatch, way):
+    """A tree pass takes the draft's fast paths (a fanout branch's one token included) and attends with its mask:
+    its tokens' logits are those of the same passes with no chain past the root."""
+    monkeypatch.setenv("STARJAR_DRAFT_KV", "float32")
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")
+    monkeypatch.setenv(native_draft.OWN_ENV, "own" if way == "whole" else "torch")
+    monkeypatch.setenv(lean_pass.ENV, "1" if way == "whole" else "0")
+    if way == "whole" and not (few_rows.int8_available() and lean_pass.available()):
+        pytest.skip("no whole lean pass over int8 weights here")
+    draft = load_model(int8_draft_dir(tmp_path, model_dirs["llama"]))
+    calls = _counted(monkeypatch)
+    whole = []
+    run = lean_pass.run
+    monkeypatch.setattr(lean_pass, "run", lambda *a, **k: whole.append(a[0].shape[:2]) or run(*a, **k))
+    draft.lean.native.override = way != "scripted"
+    try:
+        tree, alone = _tree_and_steps(draft, prompt_ids[0][:40])
+    finally:
+        draft.lean.native.override = None
+    assert torch.allclose(tree, alone, atol=1e-4, rtol=0)
+    assert torch.equal(tree.argmax(-1), alone.argmax(-1))
+    # After each cache's prefill (which the eager layers make): the chain and three tree passes, then three passes.
+    ran = {"scripted": calls + whole, "native": calls, "whole": whole}[way]
+    assert len(ran) == (0 if way == "scripted" else 7)

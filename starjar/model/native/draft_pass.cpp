@@ -36,7 +36,8 @@ struct Pass {
   bool reduce_range;
   const float* cos;  // [B, Q, d]: each token's position
   const float* sin;
-  std::optional<at::Tensor> mask;  // [B, 1, g Q, L] additive, folded for grouped heads (a one-token step: none)
+  std::optional<at::Tensor> mask;  // [B, 1, g Q, L] additive, folded for grouped heads (a one-token step: none,
+                                   // unless a token tree's row hides keys from it)
   const int64_t* write;  // [B, Q]: each token's cache position, or null: one span from `start`
   // A padded pass (rows of unequal token counts): the real tokens' indices in the flattened [B, Q], x holding
   // those alone; only attention sees the padded layout (lean_step._rows_layer). Null: x is [B, Q, H] itself.
@@ -239,7 +240,7 @@ void draft_pass(const c10::OperatorHandle&, torch::jit::Stack* stack) {
     TORCH_CHECK(wp[i] >= 0 && wp[i] < keys.get(0).size(2), "a write position lies outside the KV buffers");
   }
   const Pass s{start, kv_len, d, eps, reduce_range, cos.data_ptr<float>(), sin.data_ptr<float>(),
-               tokens == 1 && !padded ? std::nullopt : mask, wp, padded ? &real : nullptr, B, Q};
+               mask, wp, padded ? &real : nullptr, B, Q};
   at::Tensor out = x;
   for (int64_t i = 0; i < layers; ++i) {
     out = layer(out, s, norms.get(2 * i), norms.get(2 * i + 1), packs.data() + 4 * i, biases.data() + 4 * i,
