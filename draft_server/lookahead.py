@@ -190,7 +190,7 @@ class Lookahead:
         when there are none, their branches."""
         chains = [j for j in self.ingests.values() if not j.done] + [s.job for s in self.stages.values()
                                                                    if not s.job.done]
-        if chains:  # branches in passes of their own: one tree row would take every row off the fast path
+        if chains:  # chains first: any chain is a likelier outcome than a branch
             return chains
         return [j for s in self.stages.values() if s.job.done and (j := s.next_job()) is not None
                 and self.clock.fits(j.seq_id, s.answered_s)]
