@@ -18,7 +18,8 @@ cache) and hand the choice to the products and the lean pass as one mask: bit r 
 product for r rows, bit 6 + r - 1 the int8 one. For 7..12 rows settle_stream also times AVX-512's wide tiles (two
 weight rows against every input row in one pass) against a 6-row pass and the rest: bit 12 + r - 7 takes them
 for r rows. For the row counts it streams, it then times each thread walking two runs of its weight rows at once
-(the two halves of its share, row beside row: tiles.h's twin512) against one: bit 18 + r - 1 twins r rows.
+(the two halves of its share, row beside row: tiles.h's twin512) against one: bit 18 + r - 1 twins r rows;
+settle_int8_stream does the same for VNNI's streamed rows (int8_tiles.h's twin_rows): bit 24 + r - 1.
 STARJAR_FEW_ROWS_STREAM=all|none|<mask> forces every bit (tests force each).
 """
 
@@ -49,8 +50,11 @@ INT8_SHIFT = STREAM_ROWS  # bit INT8_SHIFT + r - 1 streams int8 products for r r
 WIDE_SHIFT = 2 * STREAM_ROWS  # bit WIDE_SHIFT + r - 7 takes the wide float tiles for r (7..12) rows
 WIDE_ROWS = range(STREAM_ROWS + 1, 2 * STREAM_ROWS + 1)
 TWIN_SHIFT = 3 * STREAM_ROWS  # bit TWIN_SHIFT + r - 1 walks two runs of weight rows at once for r streamed rows
-ALL_STREAMED = (1 << 4 * STREAM_ROWS) - 1
-TWINNED = FLOAT_STREAMED << TWIN_SHIFT  # every row count's twin bit
+INT8_TWIN_SHIFT = 4 * STREAM_ROWS  # the same for r streamed int8 rows
+ALL_STREAMED = (1 << 5 * STREAM_ROWS) - 1
+FLOAT_TWINNED = FLOAT_STREAMED << TWIN_SHIFT  # every float row count's twin bit
+INT8_TWINNED = FLOAT_STREAMED << INT8_TWIN_SHIFT
+TWINNED = FLOAT_TWINNED | INT8_TWINNED
 # Two runs against one differ by a few percent at most, and single turns by up to 12% in a slow spell of a shared
 # machine (2-core AMD EPYC, Zen 4): more turns than the other choices take.
 TWIN_REPS = 7
@@ -129,7 +133,7 @@ def settle_stream(weights: list[torch.Tensor]) -> int:
     def width(w):
         return int(w.shape[1])
 
-    set_stream(stream_mask() & ~TWINNED)  # streamed rows timed one run a thread, then twinned
+    set_stream(stream_mask() & ~FLOAT_TWINNED)  # streamed rows timed one run a thread, then twinned
     _settle(0, "fp32-stream", shapes, weights, run, width)
     _settle(WIDE_SHIFT, "fp32-wide", shapes, weights, run, width, WIDE_ROWS)
     streamed = stream_mask() & FLOAT_STREAMED
@@ -143,9 +147,19 @@ def settle_int8_stream(laid: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     kernel always streams). Returns the whole mask."""
     vnni = int8_available() and bool(torch.ops.starjar.int8_rows_vnni())
     shapes = tuple(sorted({(int(w.shape[1]), int(w.shape[0])) for w, _ in laid})) if vnni else ()
-    return _settle(INT8_SHIFT, "int8-stream", shapes, laid,
-                   lambda wm, rows, x: torch.ops.starjar.int8_rows(x[:rows], wm[0], wm[1], None),
-                   lambda wm: int(wm[0].shape[1]))
+
+    def run(wm, rows, x):
+        return torch.ops.starjar.int8_rows(x[:rows], wm[0], wm[1], None)
+
+    def width(wm):
+        return int(wm[0].shape[1])
+
+    set_stream(stream_mask() & ~INT8_TWINNED)  # as settle_stream: one run a thread, then twinned
+    _settle(INT8_SHIFT, "int8-stream", shapes, laid, run, width)
+    streamed = stream_mask() >> INT8_SHIFT & FLOAT_STREAMED
+    twin_rows = range(1, STREAM_ROWS + 1)
+    return _settle(INT8_TWIN_SHIFT, f"int8-twin-{streamed}", shapes, laid, run, width, twin_rows,
+                   only=[count for count in twin_rows if streamed >> (count - 1) & 1])
 
 
 def _settle(shift: int, kind: str, shapes: tuple, weights: list, run: Callable, width: Callable,
@@ -174,8 +188,8 @@ def _time_stream(shift: int, weights: list, run: Callable, width: Callable, rows
     others = stream_mask() & ~(FLOAT_STREAMED << shift)
     ms: list[dict] = []
     bits = 0
-    without, with_bit = {WIDE_SHIFT: ("passes of 6", "wide"), TWIN_SHIFT: ("one run", "two runs")}.get(
-        shift, ("interleaved", "streamed"))
+    without, with_bit = {WIDE_SHIFT: ("passes of 6", "wide"), TWIN_SHIFT: ("one run", "two runs"),
+                         INT8_TWIN_SHIFT: ("one run", "two runs")}.get(shift, ("interleaved", "streamed"))
     with torch.inference_mode():
         for i, count in enumerate(rows):
             if only is not None and count not in only:
@@ -193,7 +207,7 @@ def _time_stream(shift: int, weights: list, run: Callable, width: Callable, rows
                 bits |= 1 << i
     torch.ops.starjar.few_rows_stream(stream_mask())
     log.info("AVX-512 %s products take %s for %s input rows (%s; ms %s)",
-             "int8" if shift == INT8_SHIFT else "float", with_bit,
+             "int8" if shift in (INT8_SHIFT, INT8_TWIN_SHIFT) else "float", with_bit,
              [c for i, c in enumerate(rows) if bits >> i & 1] or "no", kernels.machine_label(), ms)
     return {"mask": bits, "ms": ms}
 

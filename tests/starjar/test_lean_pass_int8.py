@@ -95,15 +95,19 @@ def test_a_prefill_past_the_whole_pass_s_rows_keeps_the_native_pass(tmp_path, mo
 @pytest.mark.skipif(not few_rows.int8_available() or not torch.ops.starjar.int8_rows_vnni(),
                     reason="no AVX-512 VNNI here: its weight rows are only ever streamed")
 def test_streamed_weight_rows_give_the_interleaved_pass_s_bits(tmp_path, model_dirs, prompt_ids, monkeypatch):
-    """The whole int8 pass with every product's weight rows streamed one at a time, then interleaved: the
-    int32 sums are exact and the float ones keep their order, so the same bits."""
-    before = few_rows.stream_mask()
+    """The whole int8 pass with every product's weight rows streamed two runs a thread at once (the gate and up
+    halves side by side too), streamed one run a thread, then interleaved, and twinned on one thread: the int32
+    sums are exact and the float ones keep their order, so the same bits."""
+    before, threads = few_rows.stream_mask(), torch.get_num_threads()
     outs = {}
     try:
-        for way in ("all", "none"):
-            monkeypatch.setenv(few_rows.STREAM_ENV, way)
+        for way in ("all", str(few_rows.ALL_STREAMED & ~few_rows.TWINNED), "none", "all-1"):
+            monkeypatch.setenv(few_rows.STREAM_ENV, way.removesuffix("-1"))
+            torch.set_num_threads(1 if way.endswith("-1") else threads)
             outs[way] = _passes(_draft(monkeypatch, tmp_path / way, model_dirs, "1"), prompt_ids)
-            assert few_rows.stream_mask() == (few_rows.ALL_STREAMED if way == "all" else 0)
+            assert few_rows.stream_mask() == {"all": few_rows.ALL_STREAMED, "none": 0}.get(
+                way.removesuffix("-1"), few_rows.ALL_STREAMED & ~few_rows.TWINNED)
     finally:
         few_rows.set_stream(before)
-    assert torch.equal(outs["all"], outs["none"])
+        torch.set_num_threads(threads)
+    assert all(torch.equal(outs["none"], out) for out in outs.values())

@@ -124,24 +124,29 @@ def test_a_bad_forced_value_says_what_is_allowed(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_VNNI, reason="no AVX-512 VNNI here: its weight rows are only ever streamed")
-@pytest.mark.parametrize("bits", [1, 0b010110, few_rows.FLOAT_STREAMED])
-def test_vnnis_streamed_and_interleaved_weight_rows_give_the_same_bits(monkeypatch, bits):
-    """VNNI's weight rows streamed one at a time for the row counts the mask names (bits 6-11), interleaved
-    for the rest: every row's values equal the all-interleaved product's, alone or batched."""
+@pytest.mark.parametrize("bits,twin", [(1, 0), (0b010110, 0), (few_rows.FLOAT_STREAMED, 0), (1, 1),
+                                       (0b010110, 0b010010), (few_rows.FLOAT_STREAMED, few_rows.FLOAT_STREAMED)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_vnnis_streamed_twinned_and_interleaved_weight_rows_give_the_same_bits(monkeypatch, bits, twin, threads):
+    """VNNI's weight rows streamed one at a time for the row counts the mask names (bits 6-11), two runs of them a
+    thread at once where bits 24-29 say so too, interleaved for the rest: every row's values equal the
+    all-interleaved product's, alone or batched, with shares of odd and even lengths."""
     monkeypatch.delenv(few_rows.ISA_ENV, raising=False)
-    before = few_rows.stream_mask()
+    before, held = few_rows.stream_mask(), torch.get_num_threads()
     torch.manual_seed(6)
     layer = torch.nn.Linear(130, 41)
     w, meta = few_rows.int8_layout(dynamic_int8(layer)._packed_params._packed_params)
     x = torch.randn(13, 130)
     try:
+        torch.set_num_threads(threads)
         few_rows.set_stream(0)
         reference = few_rows.int8_product(x, w, meta, layer.bias.detach())
-        few_rows.set_stream(bits << few_rows.INT8_SHIFT)
+        few_rows.set_stream(bits << few_rows.INT8_SHIFT | twin << few_rows.INT8_TWIN_SHIFT)
         for rows in range(1, 14):
             assert torch.equal(few_rows.int8_product(x[:rows], w, meta, layer.bias.detach()), reference[:rows])
     finally:
         few_rows.set_stream(before)
+        torch.set_num_threads(held)
 
 
 @pytest.mark.skipif(not HAS_VNNI, reason="no AVX-512 VNNI here: its weight rows are only ever streamed")
@@ -162,6 +167,11 @@ def test_the_int8_stream_bits_are_measured_once_cached_and_leave_the_float_bits(
         entry = next(e for name, e in json.loads(stored).items() if "|int8-stream|" in name)
         assert entry["mask"] == mask >> few_rows.INT8_SHIFT & few_rows.FLOAT_STREAMED
         assert len(entry["ms"]) == few_rows.STREAM_ROWS
+        # Then two runs a thread timed against one, for the streamed row counts alone.
+        streamed = entry["mask"]
+        twin = next(e for name, e in json.loads(stored).items() if f"|int8-twin-{streamed}|" in name)
+        assert twin["mask"] == mask >> few_rows.INT8_TWIN_SHIFT and twin["mask"] & ~streamed == 0
+        assert [bool(ms) for ms in twin["ms"]] == [bool(streamed >> i & 1) for i in range(few_rows.STREAM_ROWS)]
         monkeypatch.setattr(kernels, "_entries", {})
         assert few_rows.settle_int8_stream(laid) == mask
         assert (tmp_path / "kernels.json").read_text() == stored  # read, not measured again

@@ -37,9 +37,9 @@ using starjar_tiles::NB;
 std::atomic<int64_t> forced_isa{0};
 // Which AVX-512 row counts stream their weight rows one at a time (few_rows_stream sets it): bits 0-5 the
 // float product's (tiles.h's isa_of), bits 6-11 the int8 product's (int8_tiles.h's int8_range), bits 12-17 the
-// float row counts 7..12 that take the wide tiles, bits 18-23 the streamed float row counts that twin.
+// float row counts 7..12 that take the wide tiles, bits 18-23 the streamed float row counts that twin, bits 24-29
+// the streamed int8 row counts that twin.
 std::atomic<int64_t> stream_mask{0};
-constexpr int64_t INT8_SHIFT = starjar_tiles::INT8_STREAM_SHIFT;
 
 at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.dim() == 2 && w.dim() == 2 &&
@@ -88,12 +88,12 @@ int64_t few_rows_use(int64_t isa) {
 }
 
 // Stream AVX-512's weight rows one at a time for RB input rows where bit RB - 1 of mask is set, the int8
-// product's where bit 6 + RB - 1 is, two runs of them at once where bit 18 + RB - 1 is too (measured per machine;
-// the values do not change); returns the mask in use.
+// product's where bit 6 + RB - 1 is, two runs of them at once where bit 18 + RB - 1 (float) or 24 + RB - 1 (int8) is
+// too (measured per machine; the values do not change); returns the mask in use.
 int64_t few_rows_stream(int64_t mask) {
   TORCH_CHECK(mask >= 0 && mask < (1 << starjar_tiles::MASK_BITS),
               "few_rows: a stream mask has bits for 1..6 rows, float then int8, then 7..12 float rows wide, then 1..6 "
-              "float rows twinned (", mask, ")");
+              "rows twinned, float then int8 (", mask, ")");
   stream_mask.store(mask);
   return mask;
 }
@@ -103,8 +103,9 @@ int64_t few_rows_stream(int64_t mask) {
 // The kernel forced for the library's products (0: the best), read by the int8 product (int8_rows.cpp).
 int64_t starjar_few_rows_forced_isa() { return forced_isa.load(); }
 
-// The int8 product's stream mask (int8_rows.cpp): bit RB - 1 streams VNNI's weight rows for RB input rows.
-int64_t starjar_few_rows_int8_stream() { return (stream_mask.load() >> INT8_SHIFT) & ((1 << INT8_SHIFT) - 1); }
+// The int8 product's stream mask (int8_rows.cpp): bit RB - 1 streams VNNI's weight rows for RB input rows, bit
+// 6 + RB - 1 twins them.
+int64_t starjar_few_rows_int8_stream() { return starjar_tiles::int8_bits(stream_mask.load()); }
 
 // A fragment: the native passes' library defines the rest of the namespace.
 TORCH_LIBRARY_FRAGMENT(starjar, m) {

@@ -32,7 +32,7 @@ using starjar_int8::NB;
 }  // namespace
 
 int64_t starjar_few_rows_forced_isa();  // few_rows.cpp
-int64_t starjar_few_rows_int8_stream();  // few_rows.cpp
+int64_t starjar_few_rows_int8_stream();  // few_rows.cpp: int8_tiles.h's mask (stream bits, then twin bits)
 
 namespace {
 
@@ -69,8 +69,9 @@ at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const int64_t tiles = (N + NB - 1) / NB;
   const int64_t grain = std::max<int64_t>(1, (tiles + at::get_num_threads() - 1) / at::get_num_threads());
   const int64_t streamed = starjar_few_rows_int8_stream();
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
-    starjar_int8::int8_range(job, R, t0, t1, vnni, streamed);
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {  // a thread's share in two halves: twinned or not
+    const int64_t mid = t0 + (t1 - t0) / 2;
+    starjar_int8::int8_two(job, R, t0, mid, mid, t1, vnni, streamed);
   });
   return y;
 }

@@ -13,11 +13,18 @@ namespace starjar_tiles {
 constexpr int64_t NB = 4;  // weight rows a tile holds
 // A stream mask (starjar.cpu.few_rows): bits 0-5 the float products' row counts, bits 6-11 the int8 ones', bits
 // 12-17 the float row counts 7..12 that take the wide tiles (wide512), bits 18-23 the streamed float row counts that
-// walk two runs of weight rows at once (twin512).
+// walk two runs of weight rows at once (twin512), bits 24-29 the streamed int8 row counts that do (int8_tiles.h's
+// twin_rows).
 constexpr int64_t INT8_STREAM_SHIFT = 6;
 constexpr int64_t WIDE_SHIFT = 12;
 constexpr int64_t TWIN_SHIFT = 18;
-constexpr int64_t MASK_BITS = 24;
+constexpr int64_t INT8_TWIN_SHIFT = 24;
+constexpr int64_t MASK_BITS = 30;
+
+// The int8 kernels' own mask (int8_tiles.h) from a stream mask: its stream bits, then its twin bits.
+inline int64_t int8_bits(int64_t mask) {
+  return ((mask >> INT8_STREAM_SHIFT) & 63) | ((mask >> INT8_TWIN_SHIFT) & 63) << 6;
+}
 
 // A tile's sums [rb][NB] into y, the bias added: only the tile's nb real outputs.
 inline void store(const float* sums, int rb, const float* b, float* y, int64_t N, int64_t r0, int64_t n0,

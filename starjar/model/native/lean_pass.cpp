@@ -187,7 +187,7 @@ struct Kernels {
   int64_t isa;
   bool vnni;  // int8 products on VNNI's tiles (AVX-512 asked for and present), else AVX2's
   Isa tiles;
-  int64_t int8_stream;  // bit RB - 1: VNNI's weight rows streamed for RB input rows
+  int64_t int8_stream;  // bit RB - 1: VNNI's weight rows streamed for RB input rows; bit 6 + RB - 1: twinned
   float (*dot)(const float*, const float*, int64_t);
   void (*axpy)(float*, float, const float*, int64_t);
 };
@@ -195,15 +195,15 @@ struct Kernels {
 // Which AVX-512 row counts stream their weight rows one at a time (lean_pass_stream sets it): bits 0-5 the float
 // products' (tiles.h's isa_of), bits 6-11 the int8 products' (int8_tiles.h's int8_range), bits 12-17 the float
 // row counts 7..12 that take the wide tiles (tiles.h's wide512), bits 18-23 the streamed float row counts that walk
-// two runs of weight rows at once (tiles.h's twin512).
+// two runs of weight rows at once (tiles.h's twin512), bits 24-29 the streamed int8 ones that do (int8_tiles.h's
+// twin_rows).
 std::atomic<int64_t> stream_mask{0};
-constexpr int64_t INT8_SHIFT = starjar_tiles::INT8_STREAM_SHIFT;
 
 Kernels kernels_of(int64_t isa) {
   const int64_t mask = stream_mask.load();
   if (isa == 2) {
-    return {2, starjar_int8::has_vnni(), starjar_tiles::isa_of(2, mask),
-            (mask >> INT8_SHIFT) & ((1 << INT8_SHIFT) - 1), dot512, axpy512};
+    return {2, starjar_int8::has_vnni(), starjar_tiles::isa_of(2, mask), starjar_tiles::int8_bits(mask), dot512,
+            axpy512};
   }
   return {1, false, starjar_tiles::isa_of(1), 0, dot256, axpy256};
 }
@@ -278,8 +278,7 @@ void tiles(const Kernels& k, const Pass& p, const Weight& wt, const float* x, fl
   if (wt.q != nullptr) {
     float* sx = p.xscale + tid * 2 * p.R;
     const starjar_int8::Job job{p.xq + tid * p.R * p.kq, sx, sx + R, wt.q, wt.meta, wt.meta + N, wt.b, y, wt.kp, N};
-    if (a0 < a1) starjar_int8::int8_range(job, R, a0, a1, k.vnni, k.int8_stream);
-    if (c0 < c1) starjar_int8::int8_range(job, R, c0, c1, k.vnni, k.int8_stream);
+    starjar_int8::int8_two(job, R, a0, a1, c0, c1, k.vnni, k.int8_stream);
   } else {
     starjar_tiles::tiles_two(k.tiles, x, wt.w, wt.b, y, R, K, N, a0, a1, c0, c1);
   }
@@ -295,7 +294,8 @@ void tiles(const Kernels& k, const Pass& p, const Weight& wt, const float* x, fl
 void product(const Kernels& k, const Pass& p, int64_t l, int j, const Weight& wt, const float* x, float* y, int64_t R,
              int64_t K, int64_t N, int tid, int n, const float* residual) {
   quantize_rows(k, p, wt, x, R, K, tid);
-  const bool twin = wt.q == nullptr && starjar_tiles::twin_of(k.tiles, R);
+  const bool twin = wt.q == nullptr ? starjar_tiles::twin_of(k.tiles, R) : starjar_int8::twins(R, k.vnni,
+                                                                                               k.int8_stream);
   take_tiles(p.shares + (l * 4 + j) * 2 * n, tid, n, twin, [&](int64_t a0, int64_t a1, int64_t c0, int64_t c1) {
     tiles(k, p, wt, x, y, R, K, N, tid, a0, a1, c0, c1, residual);
   });
@@ -628,11 +628,11 @@ at::Tensor lean_pass(const at::Tensor& x, const at::Tensor& cos, const at::Tenso
 int64_t lean_pass_isa() { return starjar_tiles::best_isa(); }
 
 // As few_rows_stream: bit RB - 1 of mask streams AVX-512's float weight rows one at a time for RB input rows,
-// bit 6 + RB - 1 VNNI's int8 ones, bit 18 + RB - 1 two runs of float rows at once.
+// bit 6 + RB - 1 VNNI's int8 ones, bit 18 + RB - 1 two runs of float rows at once, bit 24 + RB - 1 of int8 rows.
 int64_t lean_pass_stream(int64_t mask) {
   TORCH_CHECK(mask >= 0 && mask < (1 << starjar_tiles::MASK_BITS),
               "lean_pass: a stream mask has bits for 1..6 rows, float then int8, then 7..12 float rows wide, then 1..6 "
-              "float rows twinned (", mask, ")");
+              "rows twinned, float then int8 (", mask, ")");
   stream_mask.store(mask);
   return mask;
 }
