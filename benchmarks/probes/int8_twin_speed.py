@@ -28,8 +28,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1], help="torch threads, each in turn (default 1)")
     ap.add_argument("--out", required=True, help="result JSON (benchmarks/results/<machine kind>/...)")
     args = ap.parse_args()
-    if args.rounds < 1 or min(args.threads) < 1:
-        ap.error("--rounds and every --threads must be at least 1")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1 (got {args.rounds})")
+    if min(args.threads) < 1:
+        ap.error(f"--threads must each be at least 1 (got {min(args.threads)})")
     from benchmarks.meta import result_meta
     from starjar.cpu import few_rows
     from starjar.model.default_pair import build_default_pair

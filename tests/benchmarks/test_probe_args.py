@@ -18,3 +18,13 @@ def test_the_default_and_the_out_path_are_taken(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["probe", "--out", "x.json"])
     args = rounds_args("A probe.\n", 6, "a round")
     assert (args.rounds, args.out) == (6, "x.json")
+
+
+@pytest.mark.parametrize("flag,value", [("--rounds", "0"), ("--threads", "0")])
+def test_the_int8_twin_probe_refuses_counts_under_one_before_loading_anything(monkeypatch, capsys, flag, value):
+    from benchmarks.probes import int8_twin_speed
+
+    monkeypatch.setattr(sys, "argv", ["probe", flag, value, "--out", "x.json"])
+    with pytest.raises(SystemExit) as exit_:
+        int8_twin_speed.main()
+    assert exit_.value.code == 2 and f"{flag} must" in capsys.readouterr().err
