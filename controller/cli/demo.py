@@ -14,6 +14,7 @@ import time
 
 from tqdm import tqdm
 
+from draft_server.lookahead import MODES as LOOKAHEAD_MODES
 from starjar import workloads
 
 
@@ -35,6 +36,9 @@ def add_demo_parser(sub) -> None:
     d.add_argument("--draft-threads", type=int, default=2, help="torch threads of the draft server (default 2: "
                    "at batch 1 the one target waits while its draft runs; a short OpenMP spin "
                    "(controller.cluster.omp_env) keeps a waiting process's threads off the cores)")
+    d.add_argument("--lookahead", choices=LOOKAHEAD_MODES, default="off",
+                   help="the draft server's lookahead, if the demo starts the cluster (default off; see `starjar up "
+                        "--lookahead`)")
     d.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
     d.add_argument("--plot", default="starjar-demo.png", help="where to save the plot")
     d.add_argument("--keep", action="store_true", help="leave the cluster running afterwards")
@@ -128,7 +132,8 @@ def _cluster(args) -> tuple[dict, bool, str | None]:
     # Measured not to pay here: the second run is what serving would do, off.
     verdict = None if chosen.speculates else chosen.note
     spec = local_spec(targets=args.targets, gamma=chosen.gamma, policy=chosen.policy, batch_size=args.batch_size,
-                      threads=args.threads, draft_threads=args.draft_threads, grpc_port=0, http_port=0)
+                      threads=args.threads, draft_threads=args.draft_threads, grpc_port=0, http_port=0,
+                      draft_server={"lookahead": args.lookahead} if args.lookahead != "off" else {})
     print("starting a local cluster (starjar up) ...", file=sys.stderr)
     start_local(spec)
     return read_state(), True, verdict

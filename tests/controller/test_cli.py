@@ -182,3 +182,25 @@ def test_sharing_and_http_limits_reach_every_server_from_one_declaration(model_d
                       ("--max-body-bytes", "0")):
         with pytest.raises(InvalidArgument, match=flag):
             _spec(_parser().parse_args([*base, flag, bad]))
+
+
+@pytest.mark.parametrize("lookahead", ["off", "chain"])
+def test_demo_hands_its_lookahead_to_the_draft_servers_config(monkeypatch, lookahead):
+    """`starjar demo --lookahead chain` starts the cluster's draft server with chain lookahead; off leaves its
+    default."""
+    import argparse
+
+    from controller.cli import demo
+    from controller.cluster import local
+
+    started = []
+    monkeypatch.setattr(local, "read_state", lambda: None if not started else {"addresses": {}})
+    monkeypatch.setattr(local, "start_local", started.append)
+    chosen = type("Chosen", (), {"speculates": True, "gamma": 3, "policy": "nightjar", "note": ""})
+    monkeypatch.setattr(local, "adaptive_defaults", lambda *a: chosen)
+    monkeypatch.setattr(local, "local_spec", lambda **fields: fields)
+    parser = argparse.ArgumentParser()
+    demo.add_demo_parser(parser.add_subparsers())
+    args = parser.parse_args(["demo", "--lookahead", lookahead])
+    demo._cluster(args)
+    assert started[0]["draft_server"] == ({"lookahead": "chain"} if lookahead == "chain" else {})
