@@ -136,10 +136,7 @@ def settle_stream(weights: list[torch.Tensor]) -> int:
     set_stream(stream_mask() & ~FLOAT_TWINNED)  # streamed rows timed one run a thread, then twinned
     _settle(0, "fp32-stream", shapes, weights, run, width)
     _settle(WIDE_SHIFT, "fp32-wide", shapes, weights, run, width, WIDE_ROWS)
-    streamed = stream_mask() & FLOAT_STREAMED
-    twin_rows = range(1, STREAM_ROWS + 1)
-    return _settle(TWIN_SHIFT, f"fp32-twin-{streamed}", shapes, weights, run, width, twin_rows,
-                   only=[count for count in twin_rows if streamed >> (count - 1) & 1])
+    return _settle_twin(0, TWIN_SHIFT, "fp32", shapes, weights, run, width)
 
 
 def settle_int8_stream(laid: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
@@ -156,10 +153,17 @@ def settle_int8_stream(laid: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
 
     set_stream(stream_mask() & ~INT8_TWINNED)  # as settle_stream: one run a thread, then twinned
     _settle(INT8_SHIFT, "int8-stream", shapes, laid, run, width)
-    streamed = stream_mask() >> INT8_SHIFT & FLOAT_STREAMED
-    twin_rows = range(1, STREAM_ROWS + 1)
-    return _settle(INT8_TWIN_SHIFT, f"int8-twin-{streamed}", shapes, laid, run, width, twin_rows,
-                   only=[count for count in twin_rows if streamed >> (count - 1) & 1])
+    return _settle_twin(INT8_SHIFT, INT8_TWIN_SHIFT, "int8", shapes, laid, run, width)
+
+
+def _settle_twin(stream_shift: int, twin_shift: int, kind: str, shapes: tuple, weights: list, run: Callable,
+                 width: Callable) -> int:
+    """The twin bits from twin_shift up, timed for the row counts the stream bits from stream_shift up stream (the
+    others stay 0), cached under the streamed counts; returns the whole mask."""
+    streamed = stream_mask() >> stream_shift & FLOAT_STREAMED
+    rows = range(1, STREAM_ROWS + 1)
+    return _settle(twin_shift, f"{kind}-twin-{streamed}", shapes, weights, run, width, rows,
+                   only=[count for count in rows if streamed >> (count - 1) & 1])
 
 
 def _settle(shift: int, kind: str, shapes: tuple, weights: list, run: Callable, width: Callable,

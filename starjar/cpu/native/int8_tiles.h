@@ -113,6 +113,7 @@ constexpr Tile STREAM_TILES[RMAX] = {stream_tile<1>, stream_tile<2>, stream_tile
 // counts take it is measured per machine (starjar.cpu.few_rows.settle_int8_stream).
 constexpr int64_t TWIN_AHEAD = 1024;  // bytes
 constexpr int64_t TWIN_BIT = 6;  // an int8 stream mask here: bit RB - 1 streams RB rows, bit TWIN_BIT + RB - 1 twins
+static_assert(TWIN_BIT == 6, "tiles.h's int8_bits puts the twin bits at bit 6");
 
 template <int RB>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void twin_rows(const Job& j, int64_t a0, int64_t a1,

@@ -21,7 +21,8 @@ constexpr int64_t TWIN_SHIFT = 18;
 constexpr int64_t INT8_TWIN_SHIFT = 24;
 constexpr int64_t MASK_BITS = 30;
 
-// The int8 kernels' own mask (int8_tiles.h) from a stream mask: its stream bits, then its twin bits.
+// The int8 kernels' own mask (int8_tiles.h) from a stream mask: its stream bits, then its twin bits from bit 6
+// (int8_tiles.h's TWIN_BIT, checked there).
 inline int64_t int8_bits(int64_t mask) {
   return ((mask >> INT8_STREAM_SHIFT) & 63) | ((mask >> INT8_TWIN_SHIFT) & 63) << 6;
 }
