@@ -50,4 +50,6 @@ def remote_engine(target: LoadedModel, draft_address: str, gamma: int, max_batch
     proposer.wait_attached(wait_attach_s)  # decoding starts anyway; it speculates once attached
     engine = TargetEngine(target, proposer, policy or FixedGamma(gamma), engine_config(max_batch_size, gamma))
     engine.send_ahead = proposer.send_ahead
+    proposer.hand_prompt_kv(target)
+    engine.seed_draft = proposer.seed  # each prompt with its KV, where the server's draft is the target's copy
     return engine

@@ -21,6 +21,7 @@ from draft_server.draft_job import DraftJob, DraftSeq, DraftStats, logit_rows, t
 from draft_server.fanout import top_two
 from draft_server.kv_pool import MIN_LENGTH, MIN_SLOTS, DraftKVCache, pass_tokens
 from draft_server.lookahead import Lookahead
+from draft_server.prompt_seeding import PromptSeeding
 from draft_server.tree_draft import BeamTree, fit_width
 from starjar.model.grouped_forward import grouped_forward
 from starjar.model.loading import LoadedModel
@@ -33,7 +34,7 @@ SHORT_FEED = 8  # feeds up to this many tokens share one pass whatever their pad
 MAX_FEED = 512
 
 
-class DraftEngine:
+class DraftEngine(PromptSeeding):
     """Implements starjar.spec.proposer.Proposer in process."""
 
     def __init__(self, model: LoadedModel, max_sequences: int = 256, auto_reload: bool = True,
@@ -138,7 +139,7 @@ class DraftEngine:
         (request index, job) for the sequences that want drafts; their replies are the jobs' drafts once done.
         A sequence must not be started again while a job of it is unfinished."""
         if self._offloaded:  # no drafts meanwhile: every sequence resyncs once the weights are back
-            if self.auto_reload:
+            if self.auto_reload and not all(r.prompt_kv for r in requests):  # a prompt handed over asks no drafts
                 self.start_reload()
             self.stats.resyncs += len(requests)
             return [None] * len(requests), []
@@ -148,6 +149,10 @@ class DraftEngine:
         self._longest = max((len(q.verified) for q in self._seqs.values()), default=0)
         self._held = self.ahead.extent()  # once a round: claims only shorten it, so it stays an upper bound
         for i, req in enumerate(requests):
+            if req.prompt_kv:  # a prompt's part with the target's KV: taken, never fed
+                replies[i] = [] if self.take_kv(req) else None
+                self.stats.resyncs += replies[i] is None
+                continue
             stage = self.ahead.claim(req, self.cache)
             seq = self._record(req)
             if seq is None:
@@ -262,29 +267,6 @@ class DraftEngine:
         drafted = self.stats.drafted_tokens - drafted - sum(len(j.drafts) - d for j, _, d in ingests)
         self.stats.lookahead_drafted += drafted
         return drafted
-
-    def seed(self, seq_id: Hashable, tokens: Sequence[int], layers: list) -> bool:
-        """Take a new sequence's prompt with its KV computed (starjar.model.prompt_kv: the target's, per layer (K,
-        V) [heads, len(tokens), dim]) instead of prefilling it. Whether it did: not for a sequence it holds, past
-        its limits or budgets, offloaded, or with a hidden-state tap (TIDE trains on the draft's own passes)."""
-        n = len(tokens)
-        if (seq_id in self._seqs or self._offloaded or self.model.hidden_tap is not None or n == 0
-                or len(self._seqs) >= self.max_sequences or n >= self.model.max_context):
-            return False
-        if not self._admits(DraftRequest(seq_id, 0, tokens, 1), None, n, self.ahead.extent()):
-            return False
-        seq = DraftSeq(slot=-1, seq_id=seq_id)
-        self.cache.allocate(seq)
-        if not self.cache.load_prefix(seq.slot, layers):
-            self.cache.free(seq.slot)
-            return False
-        self._seqs[seq_id] = seq
-        seq.verified.extend(int(t) for t in tokens)
-        seq.cached.extend(seq.verified)
-        self._count(seq_id, n)
-        self._longest = max(self._longest, n)
-        self.stats.seeded_tokens += n
-        return True
 
     def release(self, seq_ids: Sequence[Hashable]) -> None:
         for sid in seq_ids:

@@ -84,6 +84,8 @@ class _StateCollector:
         yield _counter("rounds", "rounds served", snap["rounds"])
         yield _counter("batches", "compute-loop iterations that drafted (one pass per length group)", snap["batches"])
         yield _counter("drafted_tokens", "draft tokens proposed", snap["drafted_tokens"])
+        yield _counter("prompt_kv_tokens", "prompt tokens taken with a target's KV instead of prefilled",
+                       s.compute.engine.stats.seeded_tokens)
         yield _counter("busy_time_seconds",
                        "compute-loop time not waiting on an empty queue (drafting, replies, bookkeeping)",
                        s.stats.busy_s)

@@ -17,9 +17,10 @@ from starjar.v1 import draft_pb2 as pb
 
 
 def check_round(sequences: Sequence[pb.SequenceRound], cfg: DraftServerConfig, vocab_size: int,
-                live: Collection[int]) -> list[str | None]:
+                live: Collection[int], kv_token_bytes: int = 0) -> list[str | None]:
     """Per sequence, why it cannot be drafted (answered resync), or None. live: the session's live seq ids
-    before this round (read, never changed); a new sequence is taken while fewer than the limit are live."""
+    before this round (read, never changed); a new sequence is taken while fewer than the limit are live.
+    kv_token_bytes: one token's SequenceRound.prompt_kv bytes on this server (0: it takes none)."""
     limit = cfg.max_sequences_per_target
     if len(sequences) > limit:
         raise InvalidArgument("sequences", f"at most {limit} per round", len(sequences))
@@ -31,7 +32,7 @@ def check_round(sequences: Sequence[pb.SequenceRound], cfg: DraftServerConfig, v
     problems: list[str | None] = []
     n_live = len(live)
     for s in sequences:
-        problem = sequence_problem(s, cfg, vocab_size)
+        problem = sequence_problem(s, cfg, vocab_size) or prompt_kv_problem(s, kv_token_bytes)
         if problem is None and s.seq_id not in live:
             if n_live >= limit:
                 problem = f"more than {limit} live sequences"
@@ -52,4 +53,18 @@ def sequence_problem(s: pb.SequenceRound, cfg: DraftServerConfig, vocab_size: in
     bad = first_out_of_range(s.tokens, vocab_size)
     if bad is not None:
         return f"token id {bad} outside the vocabulary [0, {vocab_size})"
+    return None
+
+
+def prompt_kv_problem(s: pb.SequenceRound, kv_token_bytes: int) -> str | None:
+    """Why a sequence's prompt_kv cannot be taken (its values are checked when the draft reads them), or None."""
+    if not s.prompt_kv:
+        return None
+    if not kv_token_bytes:
+        return "prompt_kv: this server prefills prompts itself (Limits.prompt_kv_from is empty)"
+    if s.gamma or s.tree_width > 1:
+        return f"prompt_kv with gamma {s.gamma}, tree_width {s.tree_width}: a round with it drafts nothing"
+    want = kv_token_bytes * len(s.tokens)
+    if len(s.prompt_kv) != want:
+        return f"prompt_kv of {len(s.prompt_kv)} bytes, expected {want} ({len(s.tokens)} tokens x {kv_token_bytes})"
     return None

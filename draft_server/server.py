@@ -24,6 +24,7 @@ from draft_server.tide.adaptation import Tide
 from draft_server.work_queue import make_queue
 from starjar.model import allocator
 from starjar.model.loading import LoadedModel, kv_bytes_per_token
+from starjar.model.prompt_kv import takes_prompt_kv, wire_bytes
 from starjar.service.security import Security
 from starjar.service.serving import HealthAndReflection
 from starjar.service.status import ErrorStatus
@@ -62,6 +63,8 @@ class DraftServer:
         self.service = DraftService(cfg, self.sessions, self.queue, self.stats, (int(vocab_size), tok_hash),
                                     draft_name=draft_name, vocab_size=model.vocab_size, faults=self.faults)
         self.service.tide = self.tide
+        self.service.prompt_kv_from = takes_prompt_kv(model)  # after Tide: its tap rules it out
+        self.service.kv_token_bytes = wire_bytes(model, 1) if self.service.prompt_kv_from else 0
         self._server: grpc.aio.Server | None = None
         self._health: HealthAndReflection | None = None
         self._sweeper: asyncio.Task | None = None

@@ -52,6 +52,8 @@ class DraftService(pb_grpc.DraftServiceServicer):
         self.draining = False
         self.faults = faults
         self.tide = None  # draft_server.tide.adaptation.Tide when adaptation is on (its counters go into GetStats)
+        self.prompt_kv_from = ""  # Limits.prompt_kv_from: the weights whose prompt KV the draft takes ("": none)
+        self.kv_token_bytes = 0  # one token's prompt_kv bytes (0: prompt_kv refused)
         self.refusals: Counter[str] = Counter()  # refused Attach calls by reason (exported as a metric)
         self._streams: set[SpeculateStream] = set()
 
@@ -84,7 +86,8 @@ class DraftService(pb_grpc.DraftServiceServicer):
         return pb.AttachResponse(tag=s.tag, draft_model=self.draft_name, limits=pb.Limits(
             max_sequences=c.max_sequences_per_target, max_tokens_per_sequence=c.max_tokens_per_sequence,
             max_gamma=c.max_gamma, max_message_bytes=c.max_message_bytes, lease_seconds=c.lease_s,
-            max_tree_width=c.max_tree_width, max_tree_nodes=c.max_tree_nodes, prefills_ahead=c.lookahead != "off"))
+            max_tree_width=c.max_tree_width, max_tree_nodes=c.max_tree_nodes, prefills_ahead=c.lookahead != "off",
+            prompt_kv_from=self.prompt_kv_from))
 
     def _refused(self, counted_as: str, exc: StarjarError) -> StarjarError:
         """Count a refused Attach by reason (a metric), and hand back the error to raise."""
@@ -112,7 +115,8 @@ class DraftService(pb_grpc.DraftServiceServicer):
     def round_work(self, session: Session, request: pb.SpeculateRequest, deliver, push=None) -> RoundWork:
         """One checked round as work for the queue; records the session's live sequences and its last round.
         A sequence past a limit is sent as a resync request (the engine keeps no state for it)."""
-        problems = check_round(request.sequences, self.cfg, self.vocab_size, session.seq_last_used.keys())
+        problems = check_round(request.sequences, self.cfg, self.vocab_size, session.seq_last_used.keys(),
+                               self.kv_token_bytes)
         now = time.monotonic()
         reqs = []
         for i, (s, problem) in enumerate(zip(request.sequences, problems, strict=True)):
@@ -125,7 +129,8 @@ class DraftService(pb_grpc.DraftServiceServicer):
             width = fit_width(s.gamma, s.tree_width, self.cfg.max_tree_nodes) if s.tree_width > 1 else 0
             # int32s, not a list of ints: a round in flight holds every sequence's tokens until it is answered
             # (measured: 25 MiB of lists for 8 rounds of 64 x 4000 tokens, 2.5x what the ints need).
-            reqs.append(DraftRequest((session.tag, s.seq_id), s.start, array("i", s.tokens), s.gamma, width))
+            reqs.append(DraftRequest((session.tag, s.seq_id), s.start, array("i", s.tokens), s.gamma, width,
+                                     s.prompt_kv))
         session.rounds += 1
         session.last_round_s = now
         return RoundWork(session.tag, session.worker_id, request.round_id, reqs, deliver,

@@ -1,5 +1,6 @@
 """New prompts to the draft without a round of their own: sent before the target prefills them (a remote
-draft), or handed over with the KV the target's prefill wrote (a co-located int8 copy of the target).
+draft), or handed over with the KV the target's prefill wrote (an int8 copy of the target, co-located or on a
+draft server that advertised the target's weights).
 
 A remote draft server with lookahead on feeds tokens it is sent with gamma 0 in its idle time
 (draft_server.lookahead); the target's own prefill of the prompt then hides the draft's. A sequence whose
@@ -19,8 +20,8 @@ log = logging.getLogger(__name__)
 
 # (the prompts as rounds with gamma 0) -> whether each went
 SendAhead = Callable[[Sequence[DraftRequest]], list[bool]]
-# (the draft's key for a sequence, its prompt, per layer (K, V) of the prompt) -> whether the draft took them
-SeedDraft = Callable[[Hashable, Sequence[int], list], bool]
+# (the draft's key for a sequence, its prompt, per layer (K, V) of the prompt) -> the prompt tokens the draft took
+SeedDraft = Callable[[Hashable, Sequence[int], list], int]
 
 
 def send_prompts_ahead(send: SendAhead | None, joined: Sequence[Request]) -> None:
@@ -50,4 +51,4 @@ def seed_prompts(seed: SeedDraft | None, cache, joined: Sequence[Request], fed: 
             log.warning("handing a prompt's KV to the draft failed: %s", exc)
             continue
         if took:
-            r.draft_synced = len(tokens)
+            r.draft_synced = took

@@ -38,6 +38,9 @@ class TargetServer:
                          if cfg.draft_server else None)
         engine = TargetEngine(model, self.proposer, policy or FixedGamma(4 if cfg.draft_server else 0), cfg.engine)
         engine.send_ahead = self.proposer.send_ahead if self.proposer is not None else None
+        if self.proposer is not None:  # prompts with their KV, where the server's draft is this target's copy
+            self.proposer.hand_prompt_kv(model)
+            engine.seed_draft = self.proposer.seed
         self.model_name = model.path.rstrip("/").split("/")[-1]
         from target_worker.metrics import TargetMetrics
 

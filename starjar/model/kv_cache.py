@@ -117,16 +117,21 @@ class RaggedKVCache(Cache):
         then holds its n tokens, converted to this cache's dtype. False (nothing written) when the cache has
         no room for n positions within max_cells."""
         assert self.lengths[slot] == 0 and layers, (self.lengths[slot], len(layers))
+        return self.append_kv(slot, layers)
+
+    def append_kv(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """The next n positions of a slot from computed keys and values (prefix()'s layers' shape), converted to
+        this cache's dtype; False (nothing written) when the cache has no room for them within max_cells."""
         k0, v0 = layers[0]
-        n = k0.shape[1]
-        self.reserve(n)
+        at, n = self.lengths[slot], k0.shape[1]
+        self.reserve(at + n)
         self.make_buffers(len(layers), k0.shape[0], k0.shape[2], v0.shape[2])
-        if n > self._len_cap:
+        if at + n > self._len_cap:
             return False
         for (k, v), kbuf, vbuf in zip(layers, self._keys, self._values, strict=True):
-            kbuf[slot, :, :n] = k
-            vbuf[slot, :, :n] = v
-        self.lengths[slot] = n
+            kbuf[slot, :, at:at + n] = k
+            vbuf[slot, :, at:at + n] = v
+        self.lengths[slot] = at + n
         return True
 
     def tokens_used(self) -> int:

@@ -24,6 +24,9 @@ class DraftRequest:
     tokens: Sequence[int]  # verified tokens from `start` on (the whole prompt on first sight)
     gamma: int  # draft tokens wanted (a tree's depth); 0 = only record the tokens
     tree_width: int = 0  # > 1: a beam-search candidate tree of this width and depth gamma (0 or 1: a chain)
+    # The target's keys and values for tokens (starjar.model.prompt_kv's wire form), taken instead of feeding
+    # them: a prompt handed to a remote draft that is an int8 copy of the target (gamma 0)
+    prompt_kv: bytes = b""
 
 
 # Per request: the drafts (len <= gamma), a TokenTree when a tree was asked for, or None to ask for a resync

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16starjar/v1/draft.proto\x12\nstarjar.v1\">\n\x10ModelFingerprint\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x02 \x01(\t\"j\n\rAttachRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x31\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x1c.starjar.v1.ModelFingerprint\x12\x13\n\x0bno_training\x18\x03 \x01(\x08\"\xcd\x01\n\x06Limits\x12\x15\n\rmax_sequences\x18\x01 \x01(\r\x12\x1f\n\x17max_tokens_per_sequence\x18\x02 \x01(\r\x12\x11\n\tmax_gamma\x18\x03 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\r\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x16\n\x0emax_tree_width\x18\x06 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x07 \x01(\r\x12\x16\n\x0eprefills_ahead\x18\x08 \x01(\x08\"V\n\x0e\x41ttachResponse\x12\x0b\n\x03tag\x18\x01 \x01(\x0c\x12\"\n\x06limits\x18\x02 \x01(\x0b\x32\x12.starjar.v1.Limits\x12\x13\n\x0b\x64raft_model\x18\x03 \x01(\t\"x\n\rSequenceRound\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\r\n\x05gamma\x18\x04 \x01(\r\x12\x15\n\rhidden_states\x18\x05 \x01(\x0c\x12\x12\n\ntree_width\x18\x06 \x01(\r\"R\n\x10SpeculateRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12,\n\tsequences\x18\x02 \x03(\x0b\x32\x19.starjar.v1.SequenceRound\"d\n\rSequenceDraft\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0e\n\x06resync\x18\x03 \x01(\x08\x12\x0f\n\x07parents\x18\x04 \x03(\x05\x12\x12\n\npath_probs\x18\x05 \x03(\x02\"O\n\x0cRoundTimings\x12\x14\n\x0cqueue_wait_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x16\n\x0e\x62\x61tched_rounds\x18\x03 \x01(\r\"\xa8\x01\n\x11SpeculateResponse\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12,\n\tsequences\x18\x02 \x03(\x0b\x32\x19.starjar.v1.SequenceDraft\x12)\n\x07timings\x18\x03 \x01(\x0b\x32\x18.starjar.v1.RoundTimings\x12(\n\x06staged\x18\x04 \x03(\x0b\x32\x18.starjar.v1.StagedDrafts\"N\n\x0cStagedDrafts\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0f\n\x07\x61ssumed\x18\x03 \x03(\r\x12\x0e\n\x06\x64rafts\x18\x04 \x03(\r\">\n\x0eReleaseRequest\x12\x0b\n\x03tag\x18\x01 \x01(\x0c\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x0e\n\x06\x64\x65tach\x18\x03 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x11\n\x0fGetStatsRequest\"E\n\nTargetRate\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0crounds_per_s\x18\x02 \x01(\x01\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\"\xd9\x07\n\nDraftStats\x12\x18\n\x10\x61ttached_targets\x18\x01 \x01(\r\x12\x16\n\x0elive_sequences\x18\x02 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x0e\n\x06rounds\x18\x05 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x06 \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\x07 \x01(\x04\x12\x13\n\x0b\x64raft_steps\x18\x08 \x01(\x04\x12\x13\n\x0bmean_step_s\x18\t \x01(\x01\x12\x16\n\x0emean_service_s\x18\n \x01(\x01\x12\x13\n\x0bmean_wait_s\x18\x0b \x01(\x01\x12\x13\n\x0bmean_idle_s\x18\x0c \x01(\x01\x12\x0c\n\x04load\x18\r \x01(\x01\x12\x14\n\x0crounds_per_s\x18\x0e \x01(\x01\x12\'\n\x07targets\x18\x0f \x03(\x0b\x32\x16.starjar.v1.TargetRate\x12\x10\n\x08uptime_s\x18\x10 \x01(\x01\x12\x19\n\x11refused_admission\x18\x11 \x01(\x04\x12\x1b\n\x13reclaimed_sequences\x18\x12 \x01(\x04\x12\x13\n\x0bmax_targets\x18\x13 \x01(\r\x12\x0e\n\x06\x62usy_s\x18\x14 \x01(\x01\x12\x0e\n\x06idle_s\x18\x15 \x01(\x01\x12\x1d\n\x15tide_acceptance_short\x18\x1e \x01(\x01\x12\x1c\n\x14tide_acceptance_long\x18\x1f \x01(\x01\x12\x17\n\x0ftide_collecting\x18  \x01(\x08\x12\x18\n\x10tide_train_steps\x18! \x01(\x04\x12\x12\n\ntide_swaps\x18\" \x01(\x04\x12\x14\n\x0ctide_train_s\x18# \x01(\x01\x12\x1f\n\x17tide_buffered_sequences\x18$ \x01(\r\x12\x1c\n\x14tide_buffered_tokens\x18% \x01(\x04\x12\x1f\n\x17tide_heldout_acceptance\x18& \x01(\x01\x12\x13\n\x0btide_cycles\x18\' \x01(\x04\x12\x13\n\x0btree_rounds\x18( \x01(\x04\x12\x12\n\ntree_nodes\x18) \x01(\x04\x12\x15\n\rtree_expand_s\x18* \x01(\x01\x12\x16\n\x0elookahead_hits\x18+ \x01(\x04\x12\x18\n\x10lookahead_misses\x18, \x01(\x04\x12 \n\x18lookahead_drafted_tokens\x18- \x01(\x04\x12\x1f\n\x17lookahead_wasted_tokens\x18. \x01(\x04\x12\"\n\x1alookahead_prefilled_tokens\x18/ \x01(\x04\x12\x1d\n\x15lookahead_branch_hits\x18\x30 \x01(\x04\x32\xa2\x02\n\x0c\x44raftService\x12?\n\x06\x41ttach\x12\x19.starjar.v1.AttachRequest\x1a\x1a.starjar.v1.AttachResponse\x12L\n\tSpeculate\x12\x1c.starjar.v1.SpeculateRequest\x1a\x1d.starjar.v1.SpeculateResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.starjar.v1.ReleaseRequest\x1a\x1b.starjar.v1.ReleaseResponse\x12?\n\x08GetStats\x12\x1b.starjar.v1.GetStatsRequest\x1a\x16.starjar.v1.DraftStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16starjar/v1/draft.proto\x12\nstarjar.v1\">\n\x10ModelFingerprint\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x02 \x01(\t\"j\n\rAttachRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x31\n\x0b\x66ingerprint\x18\x02 \x01(\x0b\x32\x1c.starjar.v1.ModelFingerprint\x12\x13\n\x0bno_training\x18\x03 \x01(\x08\"\xe5\x01\n\x06Limits\x12\x15\n\rmax_sequences\x18\x01 \x01(\r\x12\x1f\n\x17max_tokens_per_sequence\x18\x02 \x01(\r\x12\x11\n\tmax_gamma\x18\x03 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x04 \x01(\r\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x16\n\x0emax_tree_width\x18\x06 \x01(\r\x12\x16\n\x0emax_tree_nodes\x18\x07 \x01(\r\x12\x16\n\x0eprefills_ahead\x18\x08 \x01(\x08\x12\x16\n\x0eprompt_kv_from\x18\t \x01(\t\"V\n\x0e\x41ttachResponse\x12\x0b\n\x03tag\x18\x01 \x01(\x0c\x12\"\n\x06limits\x18\x02 \x01(\x0b\x32\x12.starjar.v1.Limits\x12\x13\n\x0b\x64raft_model\x18\x03 \x01(\t\"\x8b\x01\n\rSequenceRound\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\r\x12\r\n\x05gamma\x18\x04 \x01(\r\x12\x15\n\rhidden_states\x18\x05 \x01(\x0c\x12\x12\n\ntree_width\x18\x06 \x01(\r\x12\x11\n\tprompt_kv\x18\x07 \x01(\x0c\"R\n\x10SpeculateRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12,\n\tsequences\x18\x02 \x03(\x0b\x32\x19.starjar.v1.SequenceRound\"d\n\rSequenceDraft\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0e\n\x06resync\x18\x03 \x01(\x08\x12\x0f\n\x07parents\x18\x04 \x03(\x05\x12\x12\n\npath_probs\x18\x05 \x03(\x02\"O\n\x0cRoundTimings\x12\x14\n\x0cqueue_wait_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x16\n\x0e\x62\x61tched_rounds\x18\x03 \x01(\r\"\xa8\x01\n\x11SpeculateResponse\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12,\n\tsequences\x18\x02 \x03(\x0b\x32\x19.starjar.v1.SequenceDraft\x12)\n\x07timings\x18\x03 \x01(\x0b\x32\x18.starjar.v1.RoundTimings\x12(\n\x06staged\x18\x04 \x03(\x0b\x32\x18.starjar.v1.StagedDrafts\"N\n\x0cStagedDrafts\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0f\n\x07\x61ssumed\x18\x03 \x03(\r\x12\x0e\n\x06\x64rafts\x18\x04 \x03(\r\">\n\x0eReleaseRequest\x12\x0b\n\x03tag\x18\x01 \x01(\x0c\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\x12\x0e\n\x06\x64\x65tach\x18\x03 \x01(\x08\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x11\n\x0fGetStatsRequest\"E\n\nTargetRate\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x14\n\x0crounds_per_s\x18\x02 \x01(\x01\x12\x0e\n\x06rounds\x18\x03 \x01(\x04\"\xd9\x07\n\nDraftStats\x12\x18\n\x10\x61ttached_targets\x18\x01 \x01(\r\x12\x16\n\x0elive_sequences\x18\x02 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x03 \x01(\r\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x0e\n\x06rounds\x18\x05 \x01(\x04\x12\x0f\n\x07\x62\x61tches\x18\x06 \x01(\x04\x12\x16\n\x0e\x64rafted_tokens\x18\x07 \x01(\x04\x12\x13\n\x0b\x64raft_steps\x18\x08 \x01(\x04\x12\x13\n\x0bmean_step_s\x18\t \x01(\x01\x12\x16\n\x0emean_service_s\x18\n \x01(\x01\x12\x13\n\x0bmean_wait_s\x18\x0b \x01(\x01\x12\x13\n\x0bmean_idle_s\x18\x0c \x01(\x01\x12\x0c\n\x04load\x18\r \x01(\x01\x12\x14\n\x0crounds_per_s\x18\x0e \x01(\x01\x12\'\n\x07targets\x18\x0f \x03(\x0b\x32\x16.starjar.v1.TargetRate\x12\x10\n\x08uptime_s\x18\x10 \x01(\x01\x12\x19\n\x11refused_admission\x18\x11 \x01(\x04\x12\x1b\n\x13reclaimed_sequences\x18\x12 \x01(\x04\x12\x13\n\x0bmax_targets\x18\x13 \x01(\r\x12\x0e\n\x06\x62usy_s\x18\x14 \x01(\x01\x12\x0e\n\x06idle_s\x18\x15 \x01(\x01\x12\x1d\n\x15tide_acceptance_short\x18\x1e \x01(\x01\x12\x1c\n\x14tide_acceptance_long\x18\x1f \x01(\x01\x12\x17\n\x0ftide_collecting\x18  \x01(\x08\x12\x18\n\x10tide_train_steps\x18! \x01(\x04\x12\x12\n\ntide_swaps\x18\" \x01(\x04\x12\x14\n\x0ctide_train_s\x18# \x01(\x01\x12\x1f\n\x17tide_buffered_sequences\x18$ \x01(\r\x12\x1c\n\x14tide_buffered_tokens\x18% \x01(\x04\x12\x1f\n\x17tide_heldout_acceptance\x18& \x01(\x01\x12\x13\n\x0btide_cycles\x18\' \x01(\x04\x12\x13\n\x0btree_rounds\x18( \x01(\x04\x12\x12\n\ntree_nodes\x18) \x01(\x04\x12\x15\n\rtree_expand_s\x18* \x01(\x01\x12\x16\n\x0elookahead_hits\x18+ \x01(\x04\x12\x18\n\x10lookahead_misses\x18, \x01(\x04\x12 \n\x18lookahead_drafted_tokens\x18- \x01(\x04\x12\x1f\n\x17lookahead_wasted_tokens\x18. \x01(\x04\x12\"\n\x1alookahead_prefilled_tokens\x18/ \x01(\x04\x12\x1d\n\x15lookahead_branch_hits\x18\x30 \x01(\x04\x32\xa2\x02\n\x0c\x44raftService\x12?\n\x06\x41ttach\x12\x19.starjar.v1.AttachRequest\x1a\x1a.starjar.v1.AttachResponse\x12L\n\tSpeculate\x12\x1c.starjar.v1.SpeculateRequest\x1a\x1d.starjar.v1.SpeculateResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.starjar.v1.ReleaseRequest\x1a\x1b.starjar.v1.ReleaseResponse\x12?\n\x08GetStats\x12\x1b.starjar.v1.GetStatsRequest\x1a\x16.starjar.v1.DraftStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,31 +36,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTACHREQUEST']._serialized_start=102
   _globals['_ATTACHREQUEST']._serialized_end=208
   _globals['_LIMITS']._serialized_start=211
-  _globals['_LIMITS']._serialized_end=416
-  _globals['_ATTACHRESPONSE']._serialized_start=418
-  _globals['_ATTACHRESPONSE']._serialized_end=504
-  _globals['_SEQUENCEROUND']._serialized_start=506
-  _globals['_SEQUENCEROUND']._serialized_end=626
-  _globals['_SPECULATEREQUEST']._serialized_start=628
-  _globals['_SPECULATEREQUEST']._serialized_end=710
-  _globals['_SEQUENCEDRAFT']._serialized_start=712
-  _globals['_SEQUENCEDRAFT']._serialized_end=812
-  _globals['_ROUNDTIMINGS']._serialized_start=814
-  _globals['_ROUNDTIMINGS']._serialized_end=893
-  _globals['_SPECULATERESPONSE']._serialized_start=896
-  _globals['_SPECULATERESPONSE']._serialized_end=1064
-  _globals['_STAGEDDRAFTS']._serialized_start=1066
-  _globals['_STAGEDDRAFTS']._serialized_end=1144
-  _globals['_RELEASEREQUEST']._serialized_start=1146
-  _globals['_RELEASEREQUEST']._serialized_end=1208
-  _globals['_RELEASERESPONSE']._serialized_start=1210
-  _globals['_RELEASERESPONSE']._serialized_end=1245
-  _globals['_GETSTATSREQUEST']._serialized_start=1247
-  _globals['_GETSTATSREQUEST']._serialized_end=1264
-  _globals['_TARGETRATE']._serialized_start=1266
-  _globals['_TARGETRATE']._serialized_end=1335
-  _globals['_DRAFTSTATS']._serialized_start=1338
-  _globals['_DRAFTSTATS']._serialized_end=2323
-  _globals['_DRAFTSERVICE']._serialized_start=2326
-  _globals['_DRAFTSERVICE']._serialized_end=2616
+  _globals['_LIMITS']._serialized_end=440
+  _globals['_ATTACHRESPONSE']._serialized_start=442
+  _globals['_ATTACHRESPONSE']._serialized_end=528
+  _globals['_SEQUENCEROUND']._serialized_start=531
+  _globals['_SEQUENCEROUND']._serialized_end=670
+  _globals['_SPECULATEREQUEST']._serialized_start=672
+  _globals['_SPECULATEREQUEST']._serialized_end=754
+  _globals['_SEQUENCEDRAFT']._serialized_start=756
+  _globals['_SEQUENCEDRAFT']._serialized_end=856
+  _globals['_ROUNDTIMINGS']._serialized_start=858
+  _globals['_ROUNDTIMINGS']._serialized_end=937
+  _globals['_SPECULATERESPONSE']._serialized_start=940
+  _globals['_SPECULATERESPONSE']._serialized_end=1108
+  _globals['_STAGEDDRAFTS']._serialized_start=1110
+  _globals['_STAGEDDRAFTS']._serialized_end=1188
+  _globals['_RELEASEREQUEST']._serialized_start=1190
+  _globals['_RELEASEREQUEST']._serialized_end=1252
+  _globals['_RELEASERESPONSE']._serialized_start=1254
+  _globals['_RELEASERESPONSE']._serialized_end=1289
+  _globals['_GETSTATSREQUEST']._serialized_start=1291
+  _globals['_GETSTATSREQUEST']._serialized_end=1308
+  _globals['_TARGETRATE']._serialized_start=1310
+  _globals['_TARGETRATE']._serialized_end=1379
+  _globals['_DRAFTSTATS']._serialized_start=1382
+  _globals['_DRAFTSTATS']._serialized_end=2367
+  _globals['_DRAFTSERVICE']._serialized_start=2370
+  _globals['_DRAFTSERVICE']._serialized_end=2660
 # @@protoc_insertion_point(module_scope)

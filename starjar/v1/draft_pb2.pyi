@@ -25,7 +25,7 @@ class AttachRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., no_training: _Optional[bool] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_sequences", "max_tokens_per_sequence", "max_gamma", "max_message_bytes", "lease_seconds", "max_tree_width", "max_tree_nodes", "prefills_ahead")
+    __slots__ = ("max_sequences", "max_tokens_per_sequence", "max_gamma", "max_message_bytes", "lease_seconds", "max_tree_width", "max_tree_nodes", "prefills_ahead", "prompt_kv_from")
     MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class Limits(_message.Message):
     MAX_TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     PREFILLS_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_KV_FROM_FIELD_NUMBER: _ClassVar[int]
     max_sequences: int
     max_tokens_per_sequence: int
     max_gamma: int
@@ -42,7 +43,8 @@ class Limits(_message.Message):
     max_tree_width: int
     max_tree_nodes: int
     prefills_ahead: bool
-    def __init__(self, max_sequences: _Optional[int] = ..., max_tokens_per_sequence: _Optional[int] = ..., max_gamma: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., max_tree_width: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., prefills_ahead: _Optional[bool] = ...) -> None: ...
+    prompt_kv_from: str
+    def __init__(self, max_sequences: _Optional[int] = ..., max_tokens_per_sequence: _Optional[int] = ..., max_gamma: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., max_tree_width: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., prefills_ahead: _Optional[bool] = ..., prompt_kv_from: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("tag", "limits", "draft_model")
@@ -55,20 +57,22 @@ class AttachResponse(_message.Message):
     def __init__(self, tag: _Optional[bytes] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., draft_model: _Optional[str] = ...) -> None: ...
 
 class SequenceRound(_message.Message):
-    __slots__ = ("seq_id", "start", "tokens", "gamma", "hidden_states", "tree_width")
+    __slots__ = ("seq_id", "start", "tokens", "gamma", "hidden_states", "tree_width", "prompt_kv")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     TREE_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_KV_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     gamma: int
     hidden_states: bytes
     tree_width: int
-    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., tree_width: _Optional[int] = ...) -> None: ...
+    prompt_kv: bytes
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., gamma: _Optional[int] = ..., hidden_states: _Optional[bytes] = ..., tree_width: _Optional[int] = ..., prompt_kv: _Optional[bytes] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("round_id", "sequences")

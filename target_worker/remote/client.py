@@ -15,7 +15,6 @@ import queue
 import random
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 
 import grpc
@@ -30,6 +29,7 @@ from target_worker.prefill_rounds import PrefillRounds, likely_shares_cores
 from target_worker.remote.breaker import Breaker
 from target_worker.remote.client_stats import ClientStats
 from target_worker.remote.loop import LOOP_ERRORS, SpeculateCall, WireLoop, channel_options, failure_reason, unary
+from target_worker.remote.prompt_rounds import MAX_OUTSTANDING, PromptRounds
 from target_worker.remote.round_codec import replies_of, round_request, within_limits
 from target_worker.remote.staged import StagedDrafts
 
@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 _CLOSE = object()
 
 
-MAX_OUTSTANDING = 2  # rounds a stream may have unanswered (the server reads no more than this either)
 
 
 class DraftUnavailable(RuntimeError):
@@ -46,7 +45,7 @@ class DraftUnavailable(RuntimeError):
         self.reason = reason
 
 
-class RemoteProposer:
+class RemoteProposer(PromptRounds):
     def __init__(self, address: str | Callable[[], str | None], fingerprint: str, worker_id: str,
                  deadline_s: float = 0.5, backoff_s: tuple[float, float] = (0.05, 1.0),
                  max_message_bytes: int = 4 << 20, breaker: Breaker | None = None,
@@ -117,29 +116,6 @@ class RemoteProposer:
         finally:
             self._prefills.call_ended(requests, kind)
         return replies
-
-    def send_ahead(self, requests: Sequence[DraftRequest]) -> list[bool]:
-        """Prompts this worker is about to prefill, sent first to a server that feeds them in its idle time
-        (Limits.prefills_ahead), so that the draft's prefill runs beside the target's: whether each went (its
-        first real round then starts past it). Never waits, and nothing it does fails a step."""
-        with self._lock:
-            stream, limits = self._stream, self.limits
-        went = [False] * len(requests)
-        self._drop_late_replies()  # a request that ended at prefill leaves its send-ahead's answer to nobody
-        if (stream is None or limits is None or not limits.prefills_ahead or not self.breaker.allow()
-                or self._prefills.in_flight or len(self._outstanding) >= MAX_OUTSTANDING):
-            return went
-        sent, index = within_limits(requests, limits, Counter())  # one held back goes with its first round
-        msg = round_request(next(self._round_ids), sent, self._wire_ids, self._next_wire_id.__next__)
-        with self._lock:
-            if not sent or self._stream is not stream:
-                return went
-            self._outstanding.add(msg.round_id)
-        stream.send(msg)
-        for r, i in zip(sent, index, strict=True):
-            self._prefills.sent_ahead(r.seq_id, len(r.tokens))
-            went[i] = True
-        return went
 
     def _propose(self, requests: Sequence[DraftRequest]) -> list[DraftReply]:
         if not self._attached.is_set():
@@ -297,6 +273,18 @@ class RemoteProposer:
             if left <= 0 or self._read_reply(left) is None:
                 return False
         return True
+
+    def _reply_by(self, round_id: int, deadline: float) -> pb.SpeculateResponse | None:
+        """A round's answer by the deadline, without counting a step's fallback; None when none came or the
+        stream broke."""
+        try:
+            while (left := deadline - time.perf_counter()) > 0:
+                resp = self._read_reply(left)
+                if resp is not None and resp.round_id == round_id:
+                    return resp
+        except DraftUnavailable:
+            pass
+        return None
 
     def _await_reply(self, round_id: int, deadline: float) -> pb.SpeculateResponse:
         while True:

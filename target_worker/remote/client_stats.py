@@ -15,6 +15,7 @@ class ClientStats:
     fallbacks: Counter = field(default_factory=Counter)  # reason -> steps without drafts
     attaches: int = 0
     refusals: Counter = field(default_factory=Counter)  # reason -> refused Attach calls
+    seeded_tokens: int = 0  # prompt tokens the server took with this worker's KV instead of prefilling them
     unasked_replies: int = 0  # answers to no round in flight (a faulty server's): dropped on arrival
     # The last rounds' timings (bounded: a worker runs for weeks; metrics keep the long view).
     round_s: deque = field(default_factory=lambda: deque(maxlen=HISTORY))  # as seen by the target

@@ -41,7 +41,7 @@ def round_request(round_id: int, sent: Sequence[DraftRequest], wire_ids: dict[Ha
         if r.seq_id not in wire_ids:
             wire_ids[r.seq_id] = new_id()
         msg.sequences.add(seq_id=wire_ids[r.seq_id], start=r.start, tokens=r.tokens, gamma=r.gamma,
-                          tree_width=r.tree_width)
+                          tree_width=r.tree_width, prompt_kv=r.prompt_kv)
     return msg
 
 
