@@ -136,7 +136,7 @@ def cached_entry(kind: str, shapes: tuple[tuple[int, int], ...], measure: Callab
     """A per-machine measurement of `kind` for these layer shapes, kept in the kernel cache: read when there
     (and usable), else measured now (measure() returns a JSON-able dict) and saved."""
     name = f"{_machine_key()}|{kind}|" + ",".join(f"{k}x{n}" for k, n in shapes)
-    if name in _entries:
+    if name in _entries and usable(_entries[name]):  # another model of these shapes may have made it unusable here
         return _entries[name]
     cache = _cache_file()
     entry = _read(cache).get(name)

@@ -157,15 +157,23 @@ class NativeDraftPass:
     def _own_measured(self, probe: Probe) -> dict[str, bool]:
         entry = kernels.cached_entry(f"{OWN_KIND}-{len(self.nq)}-layers", self.shapes,
                                      lambda: self._two_ways(probe, "own_override", "own", "torch"),
-                                     usable=lambda e: isinstance(e.get("own"), dict) and set(e["own"]) == set(PROBES))
+                                     usable=lambda e: isinstance(e.get("own"), dict) and set(e["own"]) == set(PROBES)
+                                     and self._timed_every_class(e))
         return {k: bool(v) for k, v in entry["own"].items()}
 
     def _whole_measured(self, probe: Probe) -> dict[str, bool]:
         entry = kernels.cached_entry(f"{WHOLE_KIND}-{len(self.nq)}-layers", self.shapes,
                                      lambda: self._two_ways(probe, "whole_override", "whole", "native"),
                                      usable=lambda e: isinstance(e.get("whole"), dict) and
-                                     set(e["whole"]) == set(PROBES))
+                                     set(e["whole"]) == set(PROBES) and self._timed_every_class(e))
         return {k: bool(v) for k, v in entry["whole"].items()}
+
+    def _timed_every_class(self, entry: dict) -> bool:
+        """Whether a cached choice was timed for every class this draft may run natively. A draft whose several-row
+        passes cannot run natively caches those classes off untimed, under the same key as one whose can: read
+        by the latter, its catch-up passes fell to the op-by-op kernels (2-5 tokens at 2 threads: 14-15 ms
+        against 6.2 ms for one token, on a 2-core AMD EPYC, AVX-512)."""
+        return not self.spans or set(entry.get("ms", {})) == set(PROBES)
 
     def _two_ways(self, probe: Probe, attr: str, on_name: str, off_name: str, reps: int = 7) -> dict:
         """Each probe pass natively with the override `attr` off and on, in turns; on where faster."""
@@ -194,7 +202,7 @@ class NativeDraftPass:
     def _measured(self, probe: Probe) -> dict[str, bool]:
         entry = kernels.cached_entry(f"{KIND}-{len(self.nq)}-layers", self.shapes, lambda: self._measure(probe),
                                      usable=lambda e: isinstance(e.get("native"), dict) and
-                                     set(e["native"]) == set(PROBES))
+                                     set(e["native"]) == set(PROBES) and self._timed_every_class(e))
         return {k: bool(v) for k, v in entry["native"].items()}
 
     def _measure(self, probe: Probe, reps: int = 7) -> dict:

@@ -9,6 +9,8 @@ import shutil
 import grpc
 import pytest
 import torch
+from draft_stream import Stream, attach, served
+from int8_drafts import int8_draft_dir
 from prometheus_client import generate_latest
 
 from draft_server.background import BackgroundDraftServer
@@ -21,8 +23,6 @@ from starjar.v1 import draft_pb2_grpc as pb_grpc
 from target_worker.engine import EngineConfig, TargetEngine
 from target_worker.remote.client import RemoteProposer
 from target_worker.remote.prompt_rounds import KV_MESSAGE_SLACK
-from tests.helpers.draft_stream import Stream, attach, served
-from tests.helpers.int8_drafts import int8_draft_dir
 
 
 @pytest.fixture(scope="module")

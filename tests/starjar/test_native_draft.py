@@ -149,6 +149,35 @@ def test_the_choice_is_measured_once_per_machine_and_cached(tmp_path, model_dirs
     assert all(set(ms) == {"scripted", "native"} for ms in entry["ms"].values())
 
 
+@pytest.mark.parametrize("new_process", [False, True])
+def test_a_choice_made_for_one_row_passes_only_is_measured_again_for_a_draft_whose_spans_run_natively(
+        tmp_path, model_dirs, monkeypatch, new_process):
+    monkeypatch.setenv("STARJAR_DRAFT_KV", "float32")
+    monkeypatch.setenv("STARJAR_HOME", str(tmp_path / "home"))  # a kernel cache of its own
+    monkeypatch.delenv(native_pass.ENV, raising=False)
+    kernels._entries.clear()
+    kinds = ("_measured", "_own_measured", "_whole_measured")
+    measured = []
+    for kind in kinds:
+        real = getattr(native_draft.NativeDraftPass, kind)
+        monkeypatch.setattr(native_draft.NativeDraftPass, kind,
+                            lambda self, probe, real=real, kind=kind: measured.append((kind, self.spans)) or
+                            real(self, probe))
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", "int_mm")  # its several-row passes stay scripted: not timed
+    load_model(int8_draft_dir(tmp_path / "one-row", model_dirs["llama"]))
+    one_row = {n: e for n, e in kernels.cached_entries().items() if native_draft.KIND in n}
+    assert one_row and all(set(e["ms"]) == {"step"} for e in one_row.values())
+    if new_process:
+        kernels._entries.clear()
+    monkeypatch.setenv("STARJAR_INT8_KERNEL", "fused")
+    spans = load_model(int8_draft_dir(tmp_path / "spans", model_dirs["llama"]))
+    assert spans.lean.native.spans
+    entry = kernels.cached_entries()[next(iter(one_row))]
+    assert set(entry["ms"]) == set(native_draft.PROBES)  # timed again, every class this time
+    assert entry["native"] == spans.lean.native.chosen
+    assert ("_measured", True) in measured
+
+
 def _tree_and_steps(draft, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of tree passes past a chain they must not see (a fanout branch's token off the prompt's last one, then
     its child; then two siblings off that root in one pass, as a beam's), and of the same passes where no chain
