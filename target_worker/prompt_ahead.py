@@ -50,5 +50,5 @@ def seed_prompts(seed: SeedDraft | None, cache, joined: Sequence[Request], fed: 
         except Exception as exc:  # the draft is an optimisation: its first round prefills the prompt instead
             log.warning("handing a prompt's KV to the draft failed: %s", exc)
             continue
-        if took:
-            r.draft_synced = took
+        if took:  # the draft holds the prompt: only the tokens past it are a catch-up (Request.draft_lag)
+            r.draft_synced = r.spec_through = took

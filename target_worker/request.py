@@ -41,7 +41,9 @@ class Request:
     draft_key: int = field(default_factory=lambda: next(_draft_keys))
     slot: int = -1
     draft_synced: int = 0  # how many of all_ids() the proposer has been told about
-    spec_through: int = 0  # len(all_ids()) after its last speculative step: tokens past it came from plain steps
+    # len(all_ids()) after its last speculative step, or the prompt's length where the draft took the prompt with
+    # the target's KV: tokens past it came from plain steps
+    spec_through: int = 0
     tpot_slo_s: float | None = None  # the time per output token the client asked for (AdaServe), if any
     max_draft_tokens: int | None = None  # the client's cap on drafts per step (0: none); None: the policy's
     stop_ids: frozenset[int] = frozenset()  # tokens that end it (stop ids, EOS unless ignored), set at enqueue

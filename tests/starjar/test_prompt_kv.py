@@ -82,6 +82,17 @@ def test_a_seeded_draft_is_lossless_and_skips_the_prompts_prefill(models, smooth
     assert acc > acc_own - 0.1, (acc, acc_own)
 
 
+def test_a_seeded_prompt_is_no_catch_up_for_the_policy(models, smoothed, prompt_ids):
+    eng = colocated_engine(models["llama"], smoothed, 3, 4)
+    seeded = eng.add_request(prompt_ids[0], SamplingParams(max_tokens=16))
+    eng.step()  # the prefill: its first token is the only one the draft has not seen
+    assert seeded.draft_synced == len(prompt_ids[0]) and seeded.draft_lag() == 1
+    eng.seed_draft = None
+    own = eng.add_request(prompt_ids[1], SamplingParams(max_tokens=16))
+    eng.step()
+    assert own.draft_lag() == len(prompt_ids[1]) + 1  # the draft must still read the whole prompt
+
+
 def test_a_request_without_drafts_is_not_seeded(models, smoothed, prompt_ids, reference):
     eng = colocated_engine(models["llama"], smoothed, 3, 4)
     req = eng.add_request(prompt_ids[0], SamplingParams(max_tokens=16), max_draft_tokens=0)
