@@ -10,7 +10,7 @@ import grpc
 import pytest
 import torch
 from draft_stream import Stream, attach, served
-from int8_drafts import int8_draft_dir
+from int8_drafts import int8_draft_dir, prefilled
 from prometheus_client import generate_latest
 
 from draft_server.background import BackgroundDraftServer
@@ -31,9 +31,7 @@ def smoothed(tmp_path_factory, model_dirs):
 
 
 def _prefilled_kv(model, ids):
-    cache = model.new_cache()
-    slot = cache.allocate()
-    model.forward(cache, [slot], [ids], [[len(ids) - 1]])
+    cache, slot = prefilled(model, ids)
     return cache.prefix(slot, len(ids))
 
 

@@ -31,3 +31,11 @@ def with_random_biases(tmp_path, target_dir):
             p.copy_(torch.randn(p.shape, generator=gen))
     model.save_pretrained(d)
     return d
+
+
+def prefilled(model, ids):
+    """A new cache of `model` holding `ids` (one pass over them): (the cache, its slot)."""
+    cache = model.new_cache()
+    slot = cache.allocate()
+    model.forward(cache, [slot], [ids], [[len(ids) - 1]])
+    return cache, slot

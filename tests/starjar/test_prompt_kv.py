@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 import torch
+from int8_drafts import int8_draft_dir, prefilled
 
 from controller.colocated import colocated_engine
 from starjar.model.kv_cache import RaggedKVCache
 from starjar.model.loading import load_model
 from starjar.model.prompt_kv import prompt_kv_shared, seeder
 from starjar.spec.sampling import SamplingParams
-from tests.helpers.int8_drafts import int8_draft_dir
 
 
 @pytest.fixture(scope="module")
@@ -20,15 +20,8 @@ def smoothed(tmp_path_factory, model_dirs):
     return load_model(int8_draft_dir(tmp_path_factory.mktemp("seed"), model_dirs["llama"], smooth_alpha=0.5))
 
 
-def _prefilled(model, ids):
-    cache = model.new_cache()
-    slot = cache.allocate()
-    model.forward(cache, [slot], [ids], [[len(ids) - 1]])
-    return cache, slot
-
-
 def test_a_prefix_moves_between_caches_in_the_new_dtype(models, prompt_ids):
-    src, slot = _prefilled(models["llama"], prompt_ids[0])
+    src, slot = prefilled(models["llama"], prompt_ids[0])
     n = len(prompt_ids[0]) - 3
     dst = RaggedKVCache(dtype=torch.float16, initial_capacity=8)
     other = dst.allocate()
@@ -54,8 +47,8 @@ def test_only_an_int8_copy_of_the_target_itself_shares_its_kv(models, model_dirs
 
 def test_the_seeded_kv_is_what_the_smoothed_draft_would_compute(models, smoothed, prompt_ids):
     ids = prompt_ids[1]
-    own, own_slot = _prefilled(smoothed, ids)
-    target, slot = _prefilled(models["llama"], ids)
+    own, own_slot = prefilled(smoothed, ids)
+    target, slot = prefilled(models["llama"], ids)
     taken = []
     seed = seeder(smoothed, lambda key, tokens, layers: taken.extend(layers) or True)
     assert seed("s", ids, target.prefix(slot, len(ids)))
