@@ -15,9 +15,11 @@ from prometheus_client import generate_latest
 
 from draft_server.background import BackgroundDraftServer
 from draft_server.config import DraftServerConfig
+from draft_server.engine import DraftEngine
 from starjar.model.loading import load_model
 from starjar.model.prompt_kv import from_wire, to_wire, weights_id, wire_bytes
 from starjar.spec.policy import FixedGamma
+from starjar.spec.proposer import DraftRequest
 from starjar.spec.sampling import SamplingParams
 from starjar.v1 import draft_pb2_grpc as pb_grpc
 from target_worker.engine import EngineConfig, TargetEngine
@@ -132,3 +134,17 @@ def test_a_server_that_prefills_itself_advertises_nothing_and_refuses_prompt_kv(
             assert not stream.round(dict(seq_id=2, start=0, tokens=ids, gamma=2)).sequences[0].resync
         finally:
             stream.close()
+
+
+def test_a_prompt_handed_to_an_offloaded_draft_is_refused_and_leaves_it_offloaded(models, smoothed, prompt_ids):
+    ids = [int(t) for t in prompt_ids[2][:6]]
+    kv = to_wire(_prefilled_kv(models["llama"], ids), 0, 6)
+    engine = DraftEngine(smoothed)
+    engine.offload()
+    replies, jobs = engine.start([DraftRequest("s", 0, ids, 0, 0, kv)])
+    assert replies == [None] and not jobs
+    assert engine.offloaded and engine._reloader is None  # nothing asked for the weights back
+    replies, _ = engine.start([DraftRequest("s", 0, ids, 2)])  # a round that wants drafts does
+    assert replies == [None] and engine.wait_reloaded(10)
+    replies, _ = engine.start([DraftRequest("t", 0, ids, 0, 0, kv)])
+    assert replies == [[]] and engine.stats.seeded_tokens == 6
