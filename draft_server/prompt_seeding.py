@@ -29,11 +29,7 @@ class PromptSeeding:
             self.cache.free(seq.slot)
             return False
         self._seqs[seq_id] = seq
-        seq.verified.extend(int(t) for t in tokens)
-        seq.cached.extend(seq.verified)
-        self._count(seq_id, n)
-        self._longest = max(self._longest, n)
-        self.stats.seeded_tokens += n
+        self._took(seq, tokens)
         return True
 
     def take_kv(self, req: DraftRequest) -> bool:
@@ -52,9 +48,13 @@ class PromptSeeding:
                 or not self._admits(req, seq, n, self.ahead.extent()) or not self.cache.append_kv(seq.slot, layers)):
             self.release([req.seq_id])
             return False
-        seq.verified.extend(int(t) for t in req.tokens)
-        seq.cached.extend(int(t) for t in req.tokens)
-        self._count(req.seq_id, len(req.tokens))
-        self._longest = max(self._longest, n)
-        self.stats.seeded_tokens += len(req.tokens)
+        self._took(seq, req.tokens)
         return True
+
+    def _took(self, seq: DraftSeq, tokens: Sequence[int]) -> None:
+        """Tokens whose KV the cache now holds past the sequence's end: verified, cached and counted."""
+        seq.verified.extend(int(t) for t in tokens)
+        seq.cached.extend(int(t) for t in tokens)
+        self._count(seq.seq_id, len(tokens))
+        self._longest = max(self._longest, len(seq.verified))
+        self.stats.seeded_tokens += len(tokens)

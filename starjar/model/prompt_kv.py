@@ -69,9 +69,15 @@ def takes_prompt_kv(draft: LoadedModel) -> str:
 
 def wire_bytes(draft_or_target: LoadedModel, tokens: int) -> int:
     """Bytes of `tokens` tokens' keys and values on the wire."""
-    cfg = draft_or_target.model.config
+    layers, heads, dim = _kv_shape(draft_or_target)
+    return 2 * layers * heads * tokens * dim * WIRE_DTYPE.itemsize
+
+
+def _kv_shape(model: LoadedModel) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a model's cache."""
+    cfg = model.model.config
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * tokens * dim * WIRE_DTYPE.itemsize
+    return cfg.num_hidden_layers, cfg.num_key_value_heads, dim
 
 
 def to_wire(layers: list, start: int, end: int) -> bytes:
@@ -86,15 +92,13 @@ def from_wire(data: bytes, model: LoadedModel, tokens: int) -> list[tuple[torch.
     that is not finite."""
     if tokens < 1 or len(data) != wire_bytes(model, tokens):
         return None
-    cfg = model.model.config
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layers, heads, dim = _kv_shape(model)
     flat = torch.frombuffer(bytearray(data), dtype=WIRE_DTYPE).float()
     if not bool(torch.isfinite(flat).all()):
         return None
-    kv = flat.view(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, tokens, dim)
+    kv = flat.view(layers, 2, heads, tokens, dim)
     scales = model.value_scales
-    return [(kv[i, 0], kv[i, 1] / scales[i][:, None, :] if scales is not None else kv[i, 1])
-            for i in range(cfg.num_hidden_layers)]
+    return [(kv[i, 0], kv[i, 1] / scales[i][:, None, :] if scales is not None else kv[i, 1]) for i in range(layers)]
 
 
 def seeder(draft: LoadedModel, seed: Callable[[Hashable, Sequence[int], list], bool]):
